@@ -1,0 +1,74 @@
+"""What the engine returns: final outputs, stream chunks, usage and logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["FinishReason", "Usage", "TokenLogprob", "Logprobs", "GenerateOutput", "StreamChunk"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the radix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    text: str | None = None
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities of a request. Entries align with tokens.
+
+    `prompt[i]` is the logprob of prompt token `logprob_start_len + i` given what precedes it;
+    the very first prompt token has no logprob and is reported with `logprob=nan`.
+    `*_top[i]` lists the `top_logprobs_num` most likely tokens at that position.
+    """
+
+    output: list[TokenLogprob] = field(default_factory=list)
+    output_top: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt: list[TokenLogprob] = field(default_factory=list)
+    prompt_top: list[list[TokenLogprob]] = field(default_factory=list)
+
+
+@dataclass
+class GenerateOutput:
+    """The result of one generation (one of the `n` samples of a prompt)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    index: int = 0  # which of the n samples
+    logprobs: Logprobs | None = None
+    matched_stop: int | str | None = None  # the stop string or token id that ended it
+    error: str | None = None  # why it was aborted, when finish_reason == "abort"
+    parsed: Any = None  # validated value when a schema/dtype was given
+    request_id: str = ""
+
+    def __str__(self) -> str:  # print(output) shows the text
+        return self.text
+
+
+@dataclass
+class StreamChunk:
+    """An increment of a streamed generation. Concatenating `text` gives the final text."""
+
+    text: str
+    token_ids: list[int]
+    index: int = 0
+    finish_reason: FinishReason | None = None
+    output: GenerateOutput | None = None  # the full output, on the last chunk only
+    logprobs: list[TokenLogprob] | None = None  # logprobs of token_ids when asked
