@@ -1,0 +1,69 @@
+"""Grammar bitmask application: forbid every token whose bit is 0, in place.
+
+Layout (xgrammar's): `bitmask [rows, ceil(vocab / 32)] int32`; bit j of word w is token
+32 * w + j, 1 = allowed. Masked logits become -inf. Only the first
+`min(logits.shape[-1], 32 * bitmask.shape[-1])` columns are touched (xgrammar's rule: the
+model's vocab may be padded past the tokenizer's). `indices`, when given, lists the rows to
+mask; the same row index selects the logits row and the bitmask row.
+
+On CUDA the dispatcher prefers xgrammar's own kernel when xgrammar is installed; the small
+Triton kernel here serves where it is not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl.backend.kernels.triton_compat import cdiv, tl, triton
+
+
+def apply_token_bitmask_reference(
+    logits: torch.Tensor,  # [rows, vocab] float
+    bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32
+    indices: torch.Tensor | None = None,  # [n] int: rows to mask (all rows when None)
+) -> None:
+    width = min(logits.shape[-1], 32 * bitmask.shape[-1])
+    rows = torch.arange(logits.shape[0], device=logits.device) if indices is None else indices
+    rows = rows.to(device=logits.device, dtype=torch.long)
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[rows].unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
+    allowed = bits.reshape(rows.shape[0], -1)[:, :width].to(torch.bool)  # [n, width]
+    view = logits[rows, :width]
+    logits[rows, :width] = view.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+@triton.jit
+def _bitmask_kernel(
+    Logits, Bitmask, Indices, stride_l, stride_b, width,
+    HAS_INDICES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    if HAS_INDICES:
+        row = tl.load(Indices + i).to(tl.int64)
+    else:
+        row = i.to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < width
+    words = tl.load(Bitmask + row * stride_b + offs // 32, mask=in_range, other=0)
+    allowed = ((words >> (offs % 32)) & 1) != 0
+    # Store only where forbidden: allowed logits are never read or written.
+    neg_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(Logits.dtype.element_ty)
+    tl.store(Logits + row * stride_l + offs, neg_inf, mask=in_range & ~allowed)
+
+
+def apply_token_bitmask_triton(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    indices: torch.Tensor | None = None,
+) -> None:
+    assert logits.stride(-1) == 1 and bitmask.stride(-1) == 1
+    width = min(logits.shape[-1], 32 * bitmask.shape[-1])
+    num_rows = logits.shape[0] if indices is None else indices.shape[0]
+    if num_rows == 0 or width == 0:
+        return
+    block = 4096
+    _bitmask_kernel[(num_rows, cdiv(width, block))](
+        logits, bitmask, logits if indices is None else indices,
+        logits.stride(0), bitmask.stride(0), width,
+        HAS_INDICES=indices is not None, BLOCK=block,
+    )
