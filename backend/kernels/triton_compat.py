@@ -50,6 +50,25 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = _MissingLanguage()  # type: ignore[assignment]
 
 
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """`tl.dot(a, b)` with fp32 accumulation; the flags keep one kernel source for all runs.
+
+    UPCAST: cast the operands to fp32 first. Set only under the interpreter, whose `tl.dot`
+    multiplies the raw bit patterns of bf16 operands (seen in triton 3.9); on a GPU the
+    operands stay bf16 and hit the tensor cores.
+    IEEE: exact fp32 products instead of TF32, for fp32 models that must match the CPU path.
+    """
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -63,4 +82,4 @@ def is_interpreted(kernel: Any) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-__all__ = ["HAS_TRITON", "triton", "tl", "next_power_of_2", "cdiv", "is_interpreted"]
+__all__ = ["HAS_TRITON", "triton", "tl", "mma", "next_power_of_2", "cdiv", "is_interpreted"]
