@@ -1,5 +1,59 @@
-"""sgl: an embeddable, asyncio-native LLM inference SDK."""
+"""sgl: an embeddable, asyncio-native LLM inference SDK.
+
+SGLang's program language and runtime ideas (radix KV cache, continuous batching, constrained
+decoding with jump-forward), running inside your Python process. `import sgl` is light: torch
+and the engine load only when an `Engine` is created.
+"""
 
 from __future__ import annotations
 
+from sgl.config import EngineConfig
+from sgl.engine import Engine
+from sgl.errors import (
+    BackendCapabilityError,
+    ContextLengthError,
+    EngineClosedError,
+    EngineError,
+    InvalidConfigError,
+    InvalidConstraintError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    ModelLoadError,
+    ParseError,
+    ProgramError,
+    RequestTimeoutError,
+    SglError,
+)
+from sgl.outputs import EngineStats, GenerateOutput, Logprobs, StreamChunk, TokenLogprob, Usage
+from sgl.sampling import LogprobOptions, SamplingParams
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # engine
+    "Engine",
+    "EngineConfig",
+    "SamplingParams",
+    "LogprobOptions",
+    "GenerateOutput",
+    "StreamChunk",
+    "EngineStats",
+    "Usage",
+    "Logprobs",
+    "TokenLogprob",
+    # errors
+    "SglError",
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
+    "InvalidConstraintError",
+    "ContextLengthError",
+    "InvalidConfigError",
+    "ModelLoadError",
+    "EngineError",
+    "EngineClosedError",
+    "RequestTimeoutError",
+    "BackendCapabilityError",
+    "ParseError",
+    "ProgramError",
+]

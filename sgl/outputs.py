@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FinishReason", "Usage", "TokenLogprob", "Logprobs", "GenerateOutput", "StreamChunk"]
+__all__ = [
+    "FinishReason",
+    "Usage",
+    "TokenLogprob",
+    "Logprobs",
+    "GenerateOutput",
+    "StreamChunk",
+    "EngineStats",
+]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -72,3 +80,23 @@ class StreamChunk:
     finish_reason: FinishReason | None = None
     output: GenerateOutput | None = None  # the full output, on the last chunk only
     logprobs: list[TokenLogprob] | None = None  # logprobs of token_ids when asked
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine (see `Engine.stats()`)."""
+
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    kv_cached_tokens: int
+    cache_hit_rate: float  # cached prompt tokens / prompt tokens, over finished requests
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    finished_requests: int
+    retractions: int
+    jump_forward_tokens: int
+    steps: int
+    tokens_per_s: float  # output tokens per second over the last 10 s

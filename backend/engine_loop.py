@@ -1,0 +1,205 @@
+"""EngineCore: the engine's own thread, running the plain or the overlap loop.
+
+Callers on any thread (usually the facade's event loop) talk to the core through three
+thread-safe methods: `submit(reqs)`, `abort(rid, reason)` and `shutdown()`. Results go back
+through each request's `sink` callback, called on the engine thread (see sgl/engine.py).
+
+Why a thread and not an asyncio task: the model step is long CPU or GPU work; torch releases
+the GIL inside its kernels, so a thread keeps the caller's event loop responsive, while a task
+would block it for a whole step (docs/benchmarks.md has the event-loop latency measured).
+
+The overlap loop (`disable_overlap_schedule=False`)::
+
+    iteration k:  schedule(k) -> launch(k) -> process(k-1)     # CPU work of k-1 hides behind k
+
+A request that finishes in step k-1 is already in step k; its extra token is discarded and
+its slots are freed when k-1 is processed (safe: steps execute in order, and the slots are
+handed out again only to a later step). Steps with grammar-constrained requests run
+synchronously, because their token masks need the previous token accepted first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from sgl.backend.req import Req, ReqStatus, ScheduleBatch
+from sgl.errors import EngineClosedError, EngineError
+
+logger = logging.getLogger("sgl.engine")
+
+
+class EngineCore:
+    def __init__(self, scheduler, runner, processor, sampling_builder: Callable[[ScheduleBatch], Any],
+                 *, overlap: bool, integrity_check: Callable[[], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.processor = processor
+        self.sampling_builder = sampling_builder
+        self.overlap = overlap
+        self.integrity_check = integrity_check
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._reqs: dict[str, list[Req]] = {}  # rid -> its n samples (for abort)
+        self._stopping = False
+        self.fatal_error: BaseException | None = None
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._main, name="sgl-engine", daemon=True)
+        self._thread.start()
+
+    # -- thread-safe API -----------------------------------------------------------------------
+
+    def submit(self, reqs: list[Req]) -> None:
+        if self._stopping or not self._thread.is_alive():
+            raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+        self._inbox.put(("submit", reqs))
+
+    def abort(self, rid: str, reason: str = "aborted by the caller") -> None:
+        self._inbox.put(("abort", (rid, reason)))
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps and return its result (e.g. flush)."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed back to the caller
+                box["error"] = exc
+            done.set()
+
+        self._inbox.put(("call", run))
+        while not done.wait(0.05):
+            if not self._thread.is_alive():
+                raise EngineClosedError("the engine stopped before running the call")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self.runner.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            (self._overlap_loop if self.overlap else self._plain_loop)()
+        except BaseException as exc:  # a bug in the loop itself: fail everything, loudly
+            logger.exception("sgl engine loop crashed")
+            self.fatal_error = exc
+        finally:
+            reason = "the engine crashed" if self.fatal_error else "the engine was closed"
+            self._abort_everything(reason, self.fatal_error)
+
+    def _plain_loop(self) -> None:
+        while self._drain_inbox(block=not self.scheduler.has_work):
+            batch = self.scheduler.schedule()
+            if batch is None:
+                self._idle()
+                continue
+            self.processor.process(batch, self._launch(batch))
+
+    def _overlap_loop(self) -> None:
+        prev: tuple[ScheduleBatch, Any] | None = None
+        while self._drain_inbox(block=not self.scheduler.has_work and prev is None):
+            if prev is not None and (prev[0].has_constraints or self.processor.num_constrained):
+                self.processor.process(*prev)  # masks need the previous token accepted
+                prev = None
+            batch = self.scheduler.schedule()
+            handle = self._launch(batch) if batch is not None else None
+            if prev is not None:
+                self.processor.process(*prev)
+            prev = (batch, handle) if batch is not None else None
+            if prev is None and batch is None:
+                self._idle()
+        if prev is not None:
+            self.processor.process(*prev)
+
+    def _launch(self, batch: ScheduleBatch):
+        self.num_steps += 1
+        try:
+            return self.runner.launch(batch, self.sampling_builder(batch))
+        except Exception as exc:  # preparing the step failed: fail only this batch
+            return _Failed(exc)
+
+    def _idle(self) -> None:
+        if self.integrity_check is not None and not self.scheduler.running:
+            self.integrity_check()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply pending submissions and aborts. Returns False when the loop must stop."""
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return self._check_deadlines()
+        while True:
+            kind, payload = msg
+            if kind == "stop":
+                return False
+            if kind == "submit":
+                for r in payload:
+                    self._reqs.setdefault(r.rid, []).append(r)
+                    self.processor.on_submit(r)
+                    self.scheduler.add(r)
+            elif kind == "abort":
+                rid, reason = payload
+                for r in self._reqs.get(rid, ()):
+                    self.processor.abort(r, reason)
+            elif kind == "call":
+                payload()
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        return self._check_deadlines()
+
+    def _check_deadlines(self) -> bool:
+        now = time.monotonic()
+        done = [rid for rid, reqs in self._reqs.items() if all(r.finished for r in reqs)]
+        for rid in done:
+            del self._reqs[rid]
+        for reqs in self._reqs.values():
+            for r in reqs:
+                if r.deadline is not None and now > r.deadline and not r.finished:
+                    self.processor.abort(r, "request timed out (timeout option exceeded)")
+        return True
+
+    def _abort_everything(self, reason: str, cause: BaseException | None) -> None:
+        for reqs in list(self._reqs.values()):
+            for r in reqs:
+                if not r.finished:
+                    err = EngineError(reason) if cause is None else EngineError(f"{reason}: {cause!r}")
+                    self.processor.fail(r, err if cause else None, reason)
+        self._reqs.clear()
+        # Anything still in the inbox never reached the scheduler: fail it as well.
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                for r in payload:
+                    self.processor.fail(r, None, reason)
+            elif kind == "call":
+                payload()
+
+
+class _Failed:
+    """A step that failed before it ran; `result()` re-raises so the processor fails it."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def result(self):
+        raise self.exc

@@ -1,0 +1,214 @@
+"""Runtime: builds and owns every part of an engine. The one seam `sgl.Engine` imports.
+
+Construction order: resolve the config (device, dtype, sizes) -> load model and tokenizer ->
+size the KV pool from what memory is left -> pool, radix tree, scheduler, sampler, runner,
+output processor -> start the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgl.config import EngineConfig
+from sgl.errors import InvalidConfigError
+
+logger = logging.getLogger("sgl.engine")
+
+CPU_KV_BYTES_CAP = 2 << 30  # the default CPU pool never takes more than 2 GiB
+CPU_MEM_FRACTION = 0.2
+GPU_MEM_FRACTION = 0.85
+
+
+def resolve_device(config: EngineConfig) -> EngineConfig:
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidConfigError(f"device={config.device!r}: CUDA is not available on this machine")
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return config.replace(device=device, dtype=dtype)
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+@dataclass
+class Parts:
+    model: Any
+    model_config: Any
+    tokenizer: Any
+    kv_pool: Any
+    req_pool: Any
+    tree: Any
+
+
+class Runtime:
+    def __init__(self, config: EngineConfig) -> None:
+        from sgl.backend.engine_loop import EngineCore
+        from sgl.backend.kv_pool import KVPool, ReqToTokenPool, check_kv_integrity
+        from sgl.backend.model_loader import load_model, resolve_model_path
+        from sgl.backend.model_runner import ModelRunner
+        from sgl.backend.output_processor import OutputProcessor
+        from sgl.backend.radix_cache import RadixCache
+        from sgl.backend.sampler import Sampler
+        from sgl.backend.scheduler import Scheduler, SchedulerConfig
+        from sgl.backend.tokenizer import load_tokenizer
+
+        t0 = time.monotonic()
+        config = resolve_device(config)
+        device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype)
+        torch.manual_seed(config.random_seed)
+        if device.type == "cpu" and os.environ.get("SGL_NUM_THREADS"):
+            torch.set_num_threads(int(os.environ["SGL_NUM_THREADS"]))
+
+        model, mcfg = load_model(config.model, device=device, dtype=dtype,
+                                 load_format=config.load_format, model_config=config.model_config,
+                                 seed=config.random_seed)
+        tokenizer = None
+        if config.load_format != "dummy" or config.tokenizer:
+            tokenizer = load_tokenizer(resolve_model_path(config.model) if config.load_format != "dummy"
+                                       else None, config.tokenizer)
+        context_length = min(config.context_length or mcfg.context_length, mcfg.context_length)
+        if config.context_length and config.context_length > mcfg.context_length:
+            logger.warning("context_length %d exceeds the model's %d; using the model's",
+                           config.context_length, mcfg.context_length)
+
+        bpt = mcfg.kv_bytes_per_token(dtype)
+        max_total = config.max_total_tokens
+        if max_total is None:
+            avail = _available_bytes(device)
+            if device.type == "cuda":
+                frac = config.mem_fraction_static or GPU_MEM_FRACTION
+                budget = int(avail * frac)
+            else:
+                frac = config.mem_fraction_static or CPU_MEM_FRACTION
+                budget = min(int(avail * frac), CPU_KV_BYTES_CAP)
+            max_total = max(budget // bpt, 256)
+        max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
+        max_running = min(max_running, max_total)
+        chunk = config.chunked_prefill_size or (8192 if device.type == "cuda" else 512)
+        if chunk == -1:
+            chunk = context_length  # chunking off: a whole prompt per step
+        max_prefill = max(config.max_prefill_tokens or 0, chunk + max_running)
+        config = config.replace(max_total_tokens=max_total, max_running_requests=max_running,
+                                chunked_prefill_size=chunk, max_prefill_tokens=max_prefill,
+                                context_length=context_length)
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.model_config = mcfg
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+
+        self.kv_pool = KVPool(max_total, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+                              dtype, device, page_size=config.page_size)
+        self.req_pool = ReqToTokenPool(max_running, context_length + config.page_size, device)
+        self.tree = RadixCache(self.kv_pool.allocator, config.page_size, disable=config.disable_radix_cache)
+        attn = self._attention_backend(config, device)
+        overlap = not config.disable_overlap_schedule
+        self.sampler = Sampler(vocab_size=mcfg.vocab_size, max_rows=max_running + 1, device=device,
+                               seed=config.random_seed, eos_token_ids=mcfg.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler,
+                                  device=device, max_batch=max_running, vocab_size=mcfg.vocab_size,
+                                  overlap=overlap)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=chunk,
+                            max_prefill_tokens=max_prefill, page_size=config.page_size,
+                            policy=config.schedule_policy,
+                            conservativeness=config.schedule_conservativeness),
+            self.kv_pool.allocator, self.req_pool, self.tree, self.runner.futures,
+        )
+        self._grammar = None
+        self.processor = OutputProcessor(self.scheduler, tokenizer, mcfg.eos_token_ids, context_length,
+                                         jump_forward_default=not config.disable_jump_forward)
+        self._check_kv_integrity = check_kv_integrity
+        self.core = EngineCore(self.scheduler, self.runner, self.processor, self.sampler.build_for,
+                               overlap=overlap,
+                               integrity_check=self.check_integrity if config.debug_integrity else None)
+        self.load_seconds = time.monotonic() - t0
+
+    @staticmethod
+    def _attention_backend(config: EngineConfig, device: torch.device):
+        name = config.attention_backend
+        if name == "auto":
+            name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton":
+            from sgl.backend.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        from sgl.backend.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+
+    # -- services for the facade -------------------------------------------------------------
+
+    @property
+    def grammar(self):
+        """The xgrammar adapter, built on first use (compiling the tokenizer info costs ~1 s)."""
+        if self._grammar is None:
+            from sgl.backend.grammar import GrammarBackend
+
+            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+            self.processor.grammar = self._grammar
+        return self._grammar
+
+    def check_integrity(self) -> None:
+        """Every slot is free, cached in the tree, or owned by exactly one running request."""
+        self.tree.check_integrity()
+        self.kv_pool.allocator.check_integrity()
+        self._check_kv_integrity(self.kv_pool.allocator, self.tree, self.scheduler.owned_slots())
+
+    def flush_cache(self) -> bool:
+        def flush() -> bool:
+            if self.scheduler.running:
+                return False
+            self.tree.reset()
+            return True
+
+        return self.core.call(flush)
+
+    def stats(self) -> dict[str, Any]:
+        p = self.processor
+        now = time.monotonic()
+        window = [(t, n) for t, n in p.recent if now - t < 10.0]
+        span = (now - window[0][0]) if window else 0.0
+        total = self.kv_pool.allocator.capacity
+        return dict(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_used_tokens=total - self.kv_pool.allocator.available_size(),
+            kv_total_tokens=total,
+            kv_cached_tokens=self.tree.total_size(),
+            cache_hit_rate=(p.cached_tokens / p.prompt_tokens) if p.prompt_tokens else 0.0,
+            prompt_tokens=p.prompt_tokens,
+            cached_tokens=p.cached_tokens,
+            output_tokens=p.output_tokens,
+            finished_requests=p.finished_requests,
+            retractions=self.scheduler.num_retractions,
+            jump_forward_tokens=p.jump_forward_tokens,
+            steps=self.core.num_steps,
+            tokens_per_s=(sum(n for _, n in window) / span) if span > 0 else 0.0,
+        )
+
+    def close(self) -> None:
+        self.core.shutdown()

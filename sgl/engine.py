@@ -1,0 +1,421 @@
+"""sgl.Engine: the in-process engine, driven with async/await.
+
+    async with sgl.Engine() as engine:              # the embedded default model
+        out = await engine.generate("Hello", max_new_tokens=16, temperature=0)
+        async for chunk in engine.stream("Tell me a story"):
+            print(chunk.text, end="")
+
+The engine computes on its own thread (sgl.backend.engine_loop); this module validates and
+tokenizes requests on the caller's side, so bad input raises here, before anything is queued,
+and hands results back to the caller's event loop. `generate_sync` / `stream_sync` are thin
+wrappers for scripts and notebooks, running the async API on a private event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
+
+from sgl.config import EngineConfig
+from sgl.errors import (
+    ContextLengthError,
+    EngineClosedError,
+    InvalidRequestError,
+    ParseError,
+)
+from sgl.outputs import EngineStats, GenerateOutput, StreamChunk
+from sgl.sampling import LogprobOptions, SamplingParams
+
+if TYPE_CHECKING:
+    from sgl.backend.runtime import Runtime
+
+__all__ = ["Engine"]
+
+Message = Mapping[str, Any]
+PromptInput = Union[str, Sequence[int], Sequence[Message]]
+
+_CONSTRAINT_KEYS = ("schema", "grammar", "choices", "dtype")
+
+
+@dataclass
+class _Prepared:
+    ids: list[int]
+    params: SamplingParams
+    constraint: Any  # sgl.constraints.ConstraintSpec or None
+
+
+class Engine:
+    """An LLM engine living in this process. See the module docstring."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        config = EngineConfig.from_kwargs(model, **{**EngineConfig.from_env_defaults(), **options})
+        from sgl.backend.runtime import Runtime  # the one seam into the backend (torch lives there)
+
+        self._rt: Runtime = Runtime(config)
+        self.config: EngineConfig = self._rt.config
+        self._closed = False
+        self._portal_lock = threading.Lock()
+        self._portal: Any = None
+        self._portal_cm: Any = None
+        self._ids = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the engine. Requests still running end with finish_reason "abort"."""
+        if self._closed:
+            return
+        self._closed = True
+        self._rt.close()
+        with self._portal_lock:
+            if self._portal_cm is not None:
+                self._portal_cm.__exit__(None, None, None)
+                self._portal = self._portal_cm = None
+
+    async def aclose(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- model and tokenizer -----------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._rt.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self._rt.model_config
+
+    @property
+    def context_length(self) -> int:
+        return self._rt.context_length
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        tok = self._need_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template; send plain text",
+                                      field="messages")
+        return tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                       tokenize=False)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**self._rt.stats())
+
+    def flush_cache(self) -> bool:
+        """Drop the radix cache. Returns False (and does nothing) while requests run."""
+        return self._rt.flush_cache()
+
+    def check_integrity(self) -> None:
+        """Assert that every KV slot is free, cached, or owned by exactly one running request."""
+        self._rt.core.call(self._rt.check_integrity)
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptInput | Sequence[PromptInput] | None = None,
+        sampling_params: Mapping[str, Any] | SamplingParams | None = None,
+        *,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        timeout: float | None = None,
+        stream: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Generate for one prompt (-> GenerateOutput, or a list of n) or a list of prompts
+        (-> a list, flattened over n). Prompts are text, token ids or chat messages.
+
+        Keyword arguments are sampling parameters (SGLang names: max_new_tokens, temperature,
+        top_p, stop, n, seed, regex, json_schema, ...) and the constraint front ends schema=,
+        grammar=, choices=, dtype=. With stream=True an async iterator of chunks is returned.
+        """
+        if stream:
+            return self.stream(prompt, sampling_params, input_ids=input_ids, return_logprob=return_logprob,
+                               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                               timeout=timeout, **kwargs)
+        prompts, single = self._split_prompts(prompt, input_ids)
+        lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
+        prepared = [self._prepare(p, sampling_params, kwargs, lp) for p in prompts]
+        loop = asyncio.get_running_loop()
+        groups = [self._submit(p, lp, timeout, loop, stream_queue=None) for p in prepared]
+        rids = [rid for rid, _ in groups]
+        try:
+            results = [await asyncio.gather(*futs) for _, futs in groups]
+        except asyncio.CancelledError:
+            for rid in rids:
+                self._rt.core.abort(rid, "cancelled by the caller")
+            raise
+        outputs: list[GenerateOutput] = []
+        for prep, outs in zip(prepared, results):
+            for out in outs:
+                self._parse(prep, out)
+                outputs.append(out)
+        if single:
+            return outputs[0] if len(outputs) == 1 else outputs
+        return outputs
+
+    async def stream(
+        self,
+        prompt: PromptInput | None = None,
+        sampling_params: Mapping[str, Any] | SamplingParams | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[StreamChunk]:
+        """Stream one prompt: chunks whose `text` concatenates to the final text. With n > 1
+        chunks of the samples interleave (`chunk.index`); the last chunk of each carries
+        `finish_reason` and the full `output`."""
+        prompts, single = self._split_prompts(prompt, input_ids)
+        if not single or len(prompts) != 1:
+            raise InvalidRequestError("stream() takes one prompt; call it once per prompt", field="prompt")
+        lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
+        prep = self._prepare(prompts[0], sampling_params, kwargs, lp)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        rid, futs = self._submit(prep, lp, timeout, loop, stream_queue=q)
+        remaining = len(futs)
+        try:
+            while remaining:
+                kind, payload = await q.get()
+                if kind == "error":
+                    raise payload
+                if payload.finish_reason is not None:
+                    remaining -= 1
+                    if payload.output is not None:
+                        self._parse(prep, payload.output)
+                yield payload
+        finally:
+            if remaining:
+                self._rt.core.abort(rid, "stream closed by the caller")
+
+    # -- sync wrappers -----------------------------------------------------------------------
+
+    def generate_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """`generate` for code without an event loop (scripts, notebooks)."""
+        return self._blocking_portal().call(lambda: self.generate(*args, **kwargs))
+
+    def stream_sync(self, *args: Any, **kwargs: Any) -> Iterator[StreamChunk]:
+        """`stream` for code without an event loop: a plain iterator of chunks."""
+        q: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self.stream(*args, **kwargs):
+                    q.put(("chunk", chunk))
+                q.put(("end", None))
+            except BaseException as exc:  # handed to the consuming thread
+                q.put(("error", exc))
+
+        self._blocking_portal().start_task_soon(pump)
+        while True:
+            kind, payload = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise payload
+            yield payload
+
+    def _blocking_portal(self) -> Any:
+        with self._portal_lock:
+            if self._portal is None:
+                from anyio.from_thread import start_blocking_portal
+
+                self._portal_cm = start_blocking_portal("asyncio")
+                self._portal = self._portal_cm.__enter__()
+            return self._portal
+
+    # -- request preparation (caller's thread; raises before anything is queued) -------------
+
+    def _need_tokenizer(self) -> Any:
+        if self._rt.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer (dummy weights): send token ids",
+                                      field="prompt")
+        return self._rt.tokenizer
+
+    @staticmethod
+    def _split_prompts(prompt: Any, input_ids: Any) -> tuple[list[Any], bool]:
+        if prompt is not None and input_ids is not None:
+            raise InvalidRequestError("give either prompt or input_ids, not both", field="input_ids")
+        if input_ids is not None:
+            prompt = input_ids
+        if prompt is None:
+            raise InvalidRequestError("a prompt (text, token ids or chat messages) is required", field="prompt")
+        if isinstance(prompt, str) or _is_ids(prompt) or _is_messages(prompt):
+            return [prompt], True
+        if isinstance(prompt, Sequence) and len(prompt) > 0:
+            return list(prompt), False
+        raise InvalidRequestError(f"cannot read a prompt from {type(prompt).__name__}: pass text, token "
+                                  "ids, chat messages, or a non-empty list of them", field="prompt")
+
+    def _tokenize(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", field="prompt")
+            return self.encode(prompt)
+        if _is_messages(prompt):
+            text = self.apply_chat_template(prompt)
+            return self.encode(text, add_special_tokens=False)
+        if _is_ids(prompt):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise InvalidRequestError("the prompt is empty", field="input_ids")
+            vocab = self._rt.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                                          field="input_ids")
+            return ids
+        raise InvalidRequestError(f"cannot read a prompt from {type(prompt).__name__}", field="prompt")
+
+    def _prepare(self, prompt: Any, sampling_params: Any, kwargs: dict[str, Any],
+                 lp: LogprobOptions) -> _Prepared:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+        kwargs = dict(kwargs)
+        front = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
+        if sampling_params is None:
+            params = SamplingParams.from_dict(kwargs)
+        else:
+            base = SamplingParams.from_dict(sampling_params).to_dict()
+            base.update(kwargs)
+            params = SamplingParams.from_dict(base)
+        constraint = None
+        if front or params.constraint is not None:
+            from sgl.constraints import build_constraint
+
+            spec = {k: getattr(params, k) for k in ("regex", "json_schema") if getattr(params, k) is not None}
+            if params.ebnf is not None:
+                spec["grammar"] = params.ebnf
+            constraint = build_constraint(**spec, **front)
+            params = params.replace(regex=None, json_schema=None, ebnf=None)
+            if constraint is not None:
+                params = params.replace(**{constraint.kind: constraint.spec})
+                self._rt.grammar.compile(constraint.kind, constraint.spec)  # raises if invalid
+        ids = self._tokenize(prompt)
+        ctx = self._rt.context_length
+        if len(ids) >= ctx:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context window is {ctx}",
+                                     field="prompt")
+        if len(ids) + params.max_new_tokens > ctx:
+            raise ContextLengthError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"context window of {ctx}; lower max_new_tokens to at most {ctx - len(ids)}",
+                field="max_new_tokens")
+        pool = self._rt.config.max_total_tokens
+        if len(ids) + params.max_new_tokens > pool:
+            raise ContextLengthError(
+                f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens} tokens) exceeds the KV "
+                f"pool ({pool} tokens); raise max_total_tokens or shorten the request", field="max_new_tokens")
+        if lp.logprob_start_len >= len(ids):
+            raise InvalidRequestError(f"logprob_start_len={lp.logprob_start_len} is beyond the prompt "
+                                      f"({len(ids)} tokens)", field="logprob_start_len")
+        return _Prepared(ids, params, constraint)
+
+    def _submit(self, prep: _Prepared, lp: LogprobOptions, timeout: float | None,
+                loop: asyncio.AbstractEventLoop, stream_queue: asyncio.Queue | None):
+        from sgl.backend.req import Req
+
+        rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        timeout = timeout if timeout is not None else self.config.request_timeout
+        if timeout is not None and (not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout <= 0):
+            raise InvalidRequestError(f"timeout={timeout!r}: must be a positive number of seconds", field="timeout")
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        jump = prep.params.jump_forward
+        jump = (not self.config.disable_jump_forward) if jump is None else jump
+        reqs, futs = [], []
+        for i in range(prep.params.n):
+            params = prep.params
+            if params.seed is not None and params.n > 1:
+                params = params.replace(seed=params.seed + i)
+            fut: asyncio.Future[GenerateOutput] = loop.create_future()
+            futs.append(fut)
+            state = None
+            if prep.constraint is not None:
+                state = self._rt.grammar.new_state(prep.constraint.kind, prep.constraint.spec)
+            reqs.append(Req(rid=rid, prompt_ids=list(prep.ids), params=params, logprob=lp,
+                            stream=stream_queue is not None, deadline=deadline,
+                            sink=_make_sink(loop, fut, stream_queue), constraint=state,
+                            jump_forward=jump and state is not None, sample_index=i))
+        self._rt.core.submit(reqs)
+        return rid, futs
+
+    @staticmethod
+    def _parse(prep: _Prepared, out: GenerateOutput) -> None:
+        if prep.constraint is None or out.finish_reason == "abort":
+            return
+        try:
+            out.parsed = prep.constraint.parse(out.text, finish_reason=out.finish_reason)
+        except ParseError as exc:
+            exc.output = out  # type: ignore[attr-defined]
+            raise
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _is_messages(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
+        isinstance(m, Mapping) and "role" in m for m in x)
+
+
+def _make_sink(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, q: asyncio.Queue | None):
+    """A callback for the engine thread that hands events to the caller's event loop."""
+
+    def deliver(kind: str, payload: Any) -> None:
+        if kind == "chunk":
+            if q is not None:
+                q.put_nowait(("chunk", payload))
+            return
+        if kind == "error":
+            if q is not None:
+                q.put_nowait(("error", payload))
+            if not fut.done():
+                fut.set_exception(payload)
+                fut.exception()  # mark retrieved: a stream may never await this future
+            return
+        if not fut.done():
+            fut.set_result(payload)
+
+    def sink(kind: str, payload: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(deliver, kind, payload)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    return sink
