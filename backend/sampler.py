@@ -1,0 +1,471 @@
+"""Batched sampling: grammar mask, penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+One step for a batch of B requests (every tensor on the model's device, no host sync on GPU)::
+
+    logits [B, V] float32            the model's output; `sample` modifies it in place
+      -> raw logprobs                log_softmax of the untouched logits, only when asked
+      -> grammar bitmask             disallowed tokens -> -inf
+      -> min_new_tokens              EOS and stop_token_ids -> -inf until enough tokens exist
+      -> penalties                   repetition, then frequency and presence
+      -> greedy rows: argmax         an all-greedy batch stops here
+      -> probs = softmax(logits / T), then top-k, top-p, min-p as one threshold per row
+      -> inverse-CDF draw in vocabulary order, one uniform number per row
+
+Choices, and why:
+- Logprobs describe the model's raw distribution (temperature 1, no penalties, no grammar
+  mask), as SGLang returns by default: they mean the same thing for every sampling setting.
+- A seeded row's uniform number is a hash of (seed, step) made with integer tensor ops, so a
+  request draws the same tokens alone or at any position of any batch. For that, a row's draw
+  never depends on other rows: filters are per-row probability thresholds (ties at the
+  boundary are all kept) and the draw walks the probabilities in vocabulary order, whatever
+  sort the rest of the batch needed. Unseeded rows use the sampler's `torch.Generator`.
+- Penalty scopes: frequency and presence count generated tokens only (OpenAI semantics, as
+  SGLang). Repetition penalty covers the generated tokens and, when the engine passes the
+  prompt to `PenaltyPool.start`, the prompt tokens too (HF / vLLM semantics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from sgl.sampling import SamplingParams
+
+__all__ = [
+    "PenaltyPool", "PenaltyBatch", "SamplingBatchInfo", "SampleOutput", "Sampler", "sample",
+    "process_logits", "filtered_probs", "apply_penalties", "apply_token_bitmask",
+    "apply_token_bitmask_torch", "seeded_uniform", "gather_logprobs",
+]  # fmt: skip
+
+_MASK32 = 0xFFFFFFFF
+# On the CPU a top-p row first reads this many top candidates and sorts the whole vocabulary
+# only when its nucleus is wider: a full sort of 32 x 49k costs ~15 elementwise passes.
+_CPU_TOP_P_CANDIDATES = 1024
+
+
+class PenaltyPool:
+    """Generated-token counts per request row, kept on the device between steps.
+
+    Rows are the engine's request-pool indices (the row of `req_to_token`), so the batch may
+    change every step without reshuffling: a step gathers the rows of its penalised requests,
+    and after sampling one scatter-add records the new tokens. Memory: rows x V x 5 bytes
+    (int32 counts + bool prompt mask), allocated when the first penalised request starts.
+
+    Engine contract:
+      start(row, params, prompt_ids, output_ids)  whenever a request takes a row (admission,
+                                                  or re-admission after retraction with the
+                                                  outputs it already has); free if unpenalised
+      add(rows [N], token_ids [N])                 after every sampled or forced token
+    """
+
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
+        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, torch.device(device)
+        self.counts: Tensor | None = None  # [rows, V] int32: generated-token counts
+        self.prompt_seen: Tensor | None = None  # [rows, V] bool: token occurs in the prompt
+
+    @staticmethod
+    def needs(params: SamplingParams) -> bool:
+        return (
+            params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+        )
+
+    def start(
+        self, row: int, params: SamplingParams, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
+    ) -> None:
+        if self.counts is None:
+            if not self.needs(params):
+                return  # nothing penalised yet; a penalised request zeroes its row when it starts
+            shape = (self.num_rows, self.vocab_size)
+            self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        assert self.prompt_seen is not None
+        self.counts[row].zero_()
+        self.prompt_seen[row].zero_()
+        if params.repetition_penalty != 1.0 and len(prompt_ids):
+            ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).clamp_(0, self.vocab_size - 1)
+            self.prompt_seen[row, ids.to(self.device)] = True
+        if len(output_ids):
+            ids = torch.as_tensor(list(output_ids), dtype=torch.int64).to(self.device)
+            self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def add(self, rows: Tensor, token_ids: Tensor) -> None:
+        """rows [N] int64, token_ids [N] int64, on the pool's device; no host sync."""
+        if self.counts is not None:
+            ones = torch.ones_like(token_ids, dtype=torch.int32)
+            self.counts.index_put_((rows, token_ids), ones, accumulate=True)
+
+
+class PenaltyBatch(NamedTuple):
+    """The penalised rows of one batch."""
+
+    pool: PenaltyPool
+    idx: Tensor  # [P] int64: batch rows with a penalty
+    rows: Tensor  # [P] int64: their PenaltyPool rows
+    values: Tensor  # [3, P] float32: repetition, frequency, presence
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-batch device tensors. `build` once per batch composition, `with_step` every step."""
+
+    params: tuple[SamplingParams, ...]  # kept so `same_batch` can tell whether to rebuild
+    vocab_size: int  # = logits width
+    device: torch.device
+    temperatures: Tensor  # [B, 1] float32; 1.0 on greedy rows so dividing is harmless
+    top_ps: Tensor  # [B] float32; greedy rows get neutral filters (1, V, 0)
+    top_ks: Tensor  # [B] int64; vocab_size where disabled
+    min_ps: Tensor  # [B] float32
+    greedy: Tensor  # [B] bool
+    seeded: Tensor  # [B] bool
+    seeds: Tensor  # [B] int64 in [0, 2^32); 0 on unseeded rows
+    num_greedy: int
+    num_seeded: int
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    filter_width: int  # sorted candidates the top-k/top-p pass reads: max top_k, or V
+    max_top_k: int  # largest enabled top_k (0: none)
+    eos_token_ids: tuple[int, ...]
+    pool_rows: tuple[int, ...] | None
+    penalties: PenaltyBatch | None  # None when no request has a penalty
+    return_logprob: bool
+    top_logprobs_num: int  # max over the batch; the engine slices each request's share
+    # Step-dependent, rebuilt by `with_step`:
+    steps: Tensor | None = None  # [B] int64: seeded rows' counter (tokens sampled so far)
+    min_tokens_mask: tuple[Tensor, Tensor] | None = None  # (batch rows [M], token ids [M])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.params)
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.num_greedy == len(self.params)
+
+    @property
+    def need_penalties(self) -> bool:
+        return self.penalties is not None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        *,
+        vocab_size: int,
+        device: torch.device | str,
+        output_lens: Sequence[int],
+        seed_steps: Sequence[int] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        penalty_pool: PenaltyPool | None = None,
+        pool_rows: Sequence[int] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> SamplingBatchInfo:
+        """`output_lens[b]`: tokens request b has generated (for min_new_tokens);
+        `seed_steps[b]`: tokens it has sampled (default output_lens); `pool_rows[b]`: its
+        PenaltyPool row (needed when some request has a penalty)."""
+        device = torch.device(device)
+        params = tuple(params)
+        floats: list[list[float]] = [[], [], []]  # temperature, top_p, min_p
+        ints: list[list[int]] = [[], [], [], []]  # top_k, greedy, seeded, seed
+        pen: list[tuple[int, int, float, float, float]] = []
+        for b, p in enumerate(params):
+            g = p.is_greedy
+            floats[0].append(1.0 if g else p.temperature)
+            floats[1].append(1.0 if g else p.top_p)
+            floats[2].append(0.0 if g else p.min_p)
+            ints[0].append(p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size)
+            ints[1].append(g)
+            ints[2].append(p.seed is not None)
+            ints[3].append(_fold_seed(p.seed) if p.seed is not None else 0)
+            if PenaltyPool.needs(p):
+                assert penalty_pool is not None and pool_rows is not None, "penalties need a pool"
+                pen.append((b, pool_rows[b], p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        # One host tensor per dtype, one copy each: this runs every step on the CPU thread.
+        f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)  # [3, B]
+        i = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)  # [4, B]
+        sampled = [p for p in params if not p.is_greedy]  # filters matter only for these
+        top_ks = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
+        wide_top_p = any(p.top_p < 1.0 and not 0 < p.top_k < vocab_size for p in sampled)
+        penalties = None
+        if pen:
+            assert penalty_pool is not None
+            cols = list(zip(*pen))
+            where = torch.tensor(cols[:2], dtype=torch.int64).to(device)  # [2, P]
+            values = torch.tensor(cols[2:], dtype=torch.float32).to(device)  # [3, P]
+            penalties = PenaltyBatch(penalty_pool, where[0], where[1], values)
+        info = cls(
+            params=params, vocab_size=vocab_size, device=device,
+            temperatures=f[0].unsqueeze(1), top_ps=f[1], top_ks=i[0], min_ps=f[2],
+            greedy=i[1].bool(), seeded=i[2].bool(), seeds=i[3],
+            num_greedy=len(params) - len(sampled),
+            num_seeded=sum(p.seed is not None for p in params),
+            need_top_k=bool(top_ks),
+            need_top_p=any(p.top_p < 1.0 for p in sampled),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
+            filter_width=vocab_size if wide_top_p or not top_ks else max(top_ks),
+            max_top_k=max(top_ks, default=0),
+            eos_token_ids=tuple(eos_token_ids),
+            pool_rows=tuple(pool_rows) if pool_rows is not None else None,
+            penalties=penalties,
+            return_logprob=return_logprob or top_logprobs_num > 0,
+            top_logprobs_num=top_logprobs_num,
+        )  # fmt: skip
+        return info.with_step(output_lens, seed_steps)
+
+    def same_batch(self, params: Sequence[SamplingParams], pool_rows: Sequence[int] | None = None) -> bool:
+        """True when `with_step` suffices: the same request objects in the same order and rows."""
+        return (
+            len(params) == len(self.params)
+            and all(a is b for a, b in zip(params, self.params))
+            and (pool_rows is None or self.pool_rows is None or tuple(pool_rows) == self.pool_rows)
+        )
+
+    def with_step(self, output_lens: Sequence[int], seed_steps: Sequence[int] | None = None) -> SamplingBatchInfo:
+        """A copy with the step-dependent fields (seed counters, min_new_tokens mask) rebuilt."""
+        steps = None
+        if self.num_seeded:
+            counters = list(output_lens if seed_steps is None else seed_steps)
+            steps = torch.tensor(counters, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows: list[int] = []
+        ids: list[int] = []
+        for b, (p, n) in enumerate(zip(self.params, output_lens)):
+            if n < p.min_new_tokens:
+                banned = sorted(t for t in {*self.eos_token_ids, *p.stop_token_ids} if t < self.vocab_size)
+                rows += [b] * len(banned)
+                ids += banned
+        mask = None
+        if rows:
+            pairs = torch.tensor([rows, ids], dtype=torch.int64).to(self.device)  # [2, M]
+            mask = (pairs[0], pairs[1])
+        return dataclasses.replace(self, steps=steps, min_tokens_mask=mask)
+
+
+class SampleOutput(NamedTuple):
+    next_token_ids: Tensor  # [B] int64
+    next_logprobs: Tensor | None  # [B] float32: raw logprob of the chosen token, when asked
+    top_logprobs: tuple[Tensor, Tensor] | None  # ids [B, k] int64, vals [B, k] float32
+
+
+def _fold_seed(seed: int) -> int:
+    """Any Python int -> 32 bits, mixing the high half in so large seeds stay distinct."""
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    return ((s & _MASK32) ^ ((s >> 32) * 0x9E3779B1)) & _MASK32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """32-bit integer hash on int64 tensors holding [0, 2^32). Multipliers below 2^31 keep
+    every product below 2^63, so int64 never overflows (undefined behaviour in kernels)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: Tensor, steps: Tensor) -> Tensor:
+    """seeds, steps [B] int64 -> [B] float32 in [0, 1), a pure function of (seed, step)."""
+    h = _mix32(seeds ^ 0x2545F491)
+    h = _mix32(h ^ (steps & _MASK32))
+    h = _mix32((h + 0x3C6EF372) & _MASK32)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # 24 bits: exact in float32
+
+
+def apply_token_bitmask_torch(logits: Tensor, bitmask: Tensor) -> None:
+    """Reference: logits [B, V] float32, bitmask [B, ceil(V/32)] int32; bit set = allowed."""
+    batch, words = bitmask.shape
+    n = min(logits.shape[1], words * 32)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]: bit j of word w is token 32w+j
+    allowed = bits.reshape(batch, words * 32)[:, :n].to(logits.device, torch.bool)
+    logits[:, :n].masked_fill_(~allowed, float("-inf"))
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
+    """Apply an xgrammar bitmask in place with xgrammar's kernel, else the torch reference."""
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    try:
+        import xgrammar
+
+        vocab = min(logits.shape[1], bitmask.shape[1] * 32)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+    except (ImportError, RuntimeError, ValueError, TypeError):  # no kernel for this device/dtype
+        apply_token_bitmask_torch(logits, bitmask)
+
+
+def apply_penalties(
+    logits: Tensor, counts: Tensor, prompt_seen: Tensor | None,
+    repetition: Tensor, frequency: Tensor, presence: Tensor,
+) -> Tensor:  # fmt: skip
+    """logits [P, V], counts [P, V] (generated tokens), prompt_seen [P, V] bool, penalties [P].
+
+    Repetition (CTRL / HF): a seen token's positive logit is divided by the penalty and a
+    negative one multiplied, so a penalty > 1 always makes it less likely. Then OpenAI's
+    `logit -= frequency * count + presence * (count > 0)` over generated tokens."""
+    c = counts.to(logits.dtype)  # [P, V]
+    generated = counts > 0  # [P, V]
+    seen = generated if prompt_seen is None else generated | prompt_seen
+    rep = repetition.unsqueeze(1)  # [P, 1]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency.unsqueeze(1) * c - presence.unsqueeze(1) * generated.to(logits.dtype)
+
+
+def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None) -> Tensor:
+    """Mask and penalise logits [B, V] in place (the model's buffer), before temperature."""
+    if vocab_mask is not None:
+        apply_token_bitmask(logits, vocab_mask)
+    if info.min_tokens_mask is not None:
+        logits.index_put_(info.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
+    pen = info.penalties
+    if pen is not None:
+        counts, seen = pen.pool.counts, pen.pool.prompt_seen
+        assert counts is not None and seen is not None, "PenaltyPool.start was not called"
+        logits[pen.idx] = apply_penalties(logits[pen.idx], counts[pen.rows], seen[pen.rows], *pen.values)
+    return logits
+
+
+def _sorted_threshold(vals: Tensor, top_ks: Tensor, top_ps: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """vals [R, K] sorted descending -> (probability threshold [R], nucleus size [R]).
+
+    Top-p acts on what top-k leaves, renormalised (as HF): sorted token i stays while the mass
+    before it is < top_p x the survivors' mass (1 for rows without top-k). A threshold value,
+    not a set, keeps every token tied at the boundary, so tie order never matters."""
+    width = vals.shape[1]
+    k_on = top_ks < vocab_size  # [R]
+    last = (top_ks.clamp(max=width) - 1).unsqueeze(1)  # [R, 1]: the k-th position
+    in_k = torch.arange(width, device=vals.device).unsqueeze(0) < top_ks.unsqueeze(1)  # [R, K]
+    v = vals * in_k
+    cum = v.cumsum(-1)  # [R, K]
+    total = torch.where(k_on, cum.gather(1, last).squeeze(1), 1.0)  # [R]
+    keep = ((cum - v) < (top_ps * total).unsqueeze(1)) & in_k  # [R, K]: a prefix of each row
+    n_keep = keep.sum(-1).clamp(min=1)  # [R]
+    thr_k = torch.where(k_on, vals.gather(1, last).squeeze(1), 0.0)
+    thr_p = torch.where(top_ps < 1.0, vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1), 0.0)
+    return torch.maximum(thr_k, thr_p), n_keep
+
+
+def _top_k_top_p_threshold(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """probs [B, V] -> [B] threshold for top-k and top-p, sorting as little as possible."""
+    vocab = probs.shape[1]
+    width = info.filter_width
+    # CPU: read the top candidates first and fully sort only rows whose nucleus is wider. The
+    # host sync this needs is free on the CPU; on a GPU a full sort is cheap instead.
+    narrow = width == vocab and probs.device.type == "cpu"
+    if narrow:
+        width = min(vocab, max(_CPU_TOP_P_CANDIDATES, info.max_top_k))
+    if width < vocab:
+        vals = probs.topk(width, dim=-1).values  # [B, width], descending
+    else:
+        vals = probs.sort(dim=-1, descending=True).values  # [B, V]
+    thr, n_keep = _sorted_threshold(vals, info.top_ks, info.top_ps, vocab)
+    if narrow and width < vocab:
+        wide = (n_keep >= width) & (info.top_ks >= vocab) & (info.top_ps < 1.0)  # [B]
+        redo = wide.nonzero().squeeze(1)  # [R]
+        if redo.numel():
+            full = probs[redo].sort(dim=-1, descending=True).values  # [R, V]
+            thr[redo] = _sorted_threshold(full, info.top_ks[redo], info.top_ps[redo], vocab)[0]
+    return thr
+
+
+def filtered_probs(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """Temperature, then top-k, top-p and min-p: probs [B, V] with filtered tokens zeroed.
+
+    Not renormalised: the draw scales its uniform number by each row's remaining mass."""
+    probs = torch.softmax(logits / info.temperatures, dim=-1)  # [B, V]
+    threshold: Tensor | None = None  # [B]
+    if info.need_top_k or info.need_top_p:
+        threshold = _top_k_top_p_threshold(probs, info)
+    if info.need_min_p:
+        relative = probs.amax(dim=-1) * info.min_ps  # [B]: min-p is relative to the top token
+        threshold = relative if threshold is None else torch.maximum(threshold, relative)
+    if threshold is not None:
+        probs = probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
+    return probs
+
+
+def _draw(probs: Tensor, uniform: Tensor) -> Tensor:
+    """Inverse CDF in vocabulary order: probs [B, V] (unnormalised), uniform [B] -> ids [B]."""
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    total = cdf[:, -1:].contiguous()  # [B, 1]
+    ids = torch.searchsorted(cdf, uniform.unsqueeze(1) * total, right=True)  # [B, 1]
+    # u * total may round up to total; the first position where the CDF reaches its total is
+    # the last token with mass, so capping there never picks a filtered token.
+    last = torch.searchsorted(cdf, total, right=False)  # [B, 1]
+    return torch.minimum(ids, last).squeeze(1).clamp(max=probs.shape[1] - 1)
+
+
+def _uniforms(info: SamplingBatchInfo, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """[B] uniform numbers: hashed for seeded rows, from the generator for the others."""
+    hashed = seeded_uniform(info.seeds, info.steps) if info.steps is not None else None
+    if hashed is not None and info.num_seeded == info.batch_size:
+        return hashed  # the generator's state is untouched by fully seeded batches
+    u = torch.rand(info.batch_size, generator=generator, device=device)
+    return u if hashed is None else torch.where(info.seeded, hashed, u)
+
+
+def sample(
+    logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SampleOutput:  # fmt: skip
+    """logits [B, V] float32 (modified in place) -> next tokens, and raw logprobs when asked.
+
+    vocab_mask: xgrammar bitmask [B, ceil(V/32)] int32; unconstrained rows have every bit set."""
+    assert logits.shape == (info.batch_size, info.vocab_size), (logits.shape, info.batch_size)
+    raw = torch.log_softmax(logits, dim=-1) if info.return_logprob else None  # [B, V]
+    logits = process_logits(logits, info, vocab_mask)
+    if info.all_greedy:
+        next_ids = logits.argmax(dim=-1)  # [B]
+    else:
+        drawn = _draw(filtered_probs(logits, info), _uniforms(info, generator, logits.device))
+        next_ids = torch.where(info.greedy, logits.argmax(dim=-1), drawn) if info.num_greedy else drawn
+    next_logprobs = top = None
+    if raw is not None:
+        next_logprobs = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
+        if info.top_logprobs_num > 0:
+            vals, ids = raw.topk(min(info.top_logprobs_num, raw.shape[1]), dim=-1)  # [B, k]
+            top = (ids, vals)
+    return SampleOutput(next_ids, next_logprobs, top)
+
+
+class Sampler:
+    """Owns the generator of unseeded requests (seeded by the engine's `random_seed`)."""
+
+    def __init__(self, device: torch.device | str, random_seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        if random_seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(random_seed)
+
+    def __call__(self, logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None) -> SampleOutput:
+        return sample(logits, info, vocab_mask, self.generator)
+
+
+def gather_logprobs(
+    logits: Tensor, token_ids: Tensor, top_k: int = 0, chunk_elems: int = 1 << 25
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompt logprobs: logits [N, V], token_ids [N] -> (lp [N], top_ids [N, k], top_vals [N, k]).
+
+    float32 log_softmax by row chunks, so a long prompt never holds a second full [N, V] copy."""
+    n, vocab = logits.shape
+    k = min(top_k, vocab)
+    if n == 0:
+        empty = torch.empty(0, k, dtype=torch.float32, device=logits.device)
+        return empty.new_empty(0), empty.long(), empty
+    rows = max(1, chunk_elems // vocab)
+    lps, top_ids, top_vals = [], [], []
+    for start in range(0, n, rows):
+        part = torch.log_softmax(logits[start : start + rows].float(), dim=-1)  # [r, V]
+        ids = token_ids[start : start + rows].to(torch.int64).unsqueeze(1)  # [r, 1]
+        lps.append(part.gather(1, ids).squeeze(1))
+        vals, idx = part.topk(k, dim=-1)  # [r, k]
+        top_ids.append(idx)
+        top_vals.append(vals)
+    return torch.cat(lps), torch.cat(top_ids), torch.cat(top_vals)
