@@ -1,0 +1,334 @@
+"""xgrammar adapter: compile cache, one matcher per request, batch bitmasks, jump-forward.
+
+How the engine drives it (see also `grammar_jump.py` for the jump-forward plan)::
+
+    backend = GrammarBackend(tokenizer, vocab_size=model_vocab_size)
+    # in generate(), on the caller's thread, BEFORE queueing (raises InvalidConstraintError):
+    compiled = backend.compile(kind, spec)            # cached by (kind, spec)
+    # when the request is admitted (engine thread):
+    req.grammar = backend.new_state(compiled)
+    # each step, for the batch (rows of unconstrained requests stay all ones):
+    fill_bitmasks([r.grammar for r in batch], bitmask)     # [B, ceil(V/32)] int32, CPU
+    apply_bitmask(logits, bitmask)                         # logits [B, V], on logits' device
+    # after sampling token t for a constrained request:
+    req.grammar.accept_token(t)        # False means a bug (the mask allowed it): abort the request
+    plan = req.grammar.jump_forward(req.output_ids, max_new_tokens=budget_left)
+    if plan: drop plan.rollback output tokens (+KV), append plan.append_ids, then
+             req.grammar.apply(plan); the next forward of the request is an extend.
+
+Regex constraints: xgrammar, not interegular. The choice: xgrammar compiles a regex to the
+same byte-level pushdown automaton it uses for JSON Schema and EBNF, so one matcher type, one
+token-mask path (precomputed per-state token sets, a few microseconds a row) and one
+jump-forward query (`find_jump_forward_string`) serve all three kinds, with rollback for free.
+interegular gives a character-level FSM only: we would have to build and cache our own
+token-level index over the 49k-token vocabulary (outlines-style, seconds per regex), handle
+byte-level tokens that split UTF-8 characters, and keep a second jump-forward implementation
+that could disagree with the first. Its one advantage, pure-Python regex analysis, is not
+needed: xgrammar reports invalid regexes (lookarounds, backreferences) at compile time, which
+is when we must reject them anyway.
+
+Thread safety: `compile` may run on any thread (the compiler is thread-safe; our cache is
+locked and deduplicates concurrent compiles of one spec); a `ConstraintState` belongs to one
+request and is only touched by the engine thread.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Sequence
+
+import torch
+import xgrammar as xgr
+
+from sgl.errors import InvalidConstraintError
+
+if TYPE_CHECKING:
+    from sgl.backend.grammar_jump import JumpPlan
+
+__all__ = [
+    "CompiledConstraint",
+    "ConstraintState",
+    "GrammarBackend",
+    "allocate_bitmask",
+    "apply_bitmask",
+    "bitmask_to_bool",
+    "fill_bitmasks",
+]
+
+ConstraintKind = Literal["regex", "json_schema", "ebnf"]
+
+# xgrammar prefixes its C++ errors with "[time] /path/file.cc:line: "; users need the rest.
+_XGR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """A compiled grammar, shareable by every request with the same (kind, spec)."""
+
+    kind: ConstraintKind
+    spec: str
+    grammar: xgr.CompiledGrammar
+
+
+class GrammarBackend:
+    """Compiles constraints for one tokenizer and makes per-request matchers.
+
+    `vocab_size` is the model's logits width, which may exceed `len(tokenizer)` (padded
+    embeddings): ids past the tokenizer are never allowed. JSON schemas are compiled to a
+    fixed layout (no free whitespace; `json_indent` spaces of indentation, or one line with
+    ", " and ": " separators when None), so the layout is forced and jump-forward can skip it.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        *,
+        json_indent: int | None = 2,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_size: int = 256,
+        max_threads: int = 8,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
+        self.json_indent = json_indent
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer,
+            vocab_size=self.vocab_size,
+            stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+        )
+        self.stop_token_ids: tuple[int, ...] = tuple(self.tokenizer_info.stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    # -- compiling ----------------------------------------------------------------------------
+
+    def compile(self, kind: str, spec: str) -> CompiledConstraint:
+        """Compile (or fetch from the cache) a constraint; InvalidConstraintError if invalid.
+
+        Call it synchronously in `generate` before queueing, so a bad spec fails the call and
+        never reaches the engine thread. Failures are not cached (a retry recompiles).
+        """
+        if kind not in ("regex", "json_schema", "ebnf"):
+            raise InvalidConstraintError(
+                f"unknown constraint kind {kind!r}; expected regex, json_schema or ebnf",
+                field=kind,
+            )
+        if not isinstance(spec, str):
+            raise InvalidConstraintError(f"{kind} must be a string, got {type(spec).__name__}",
+                                         field=kind)
+        key = (kind, spec)
+        with self._lock:
+            future = self._cache.get(key)
+            owner = future is None
+            if owner:
+                future = Future()
+                self._cache[key] = future
+                self.cache_misses += 1
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+        assert future is not None
+        if not owner:
+            return future.result()  # re-raises the owner's InvalidConstraintError
+        try:
+            compiled = CompiledConstraint(kind, spec, self._compile_uncached(kind, spec))  # type: ignore[arg-type]
+        except BaseException as exc:
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+            future.set_exception(exc)
+            raise
+        future.set_result(compiled)
+        return compiled
+
+    def _compile_uncached(self, kind: str, spec: str) -> xgr.CompiledGrammar:
+        try:
+            if kind == "regex":
+                return self._compiler.compile_regex(spec)
+            if kind == "json_schema":
+                return self._compiler.compile_json_schema(
+                    spec, any_whitespace=False, indent=self.json_indent, strict_mode=True
+                )
+            return self._compiler.compile_grammar(spec)
+        except Exception as exc:  # RuntimeError / ValueError / xgr.InvalidJSONError
+            reason = _XGR_PREFIX.sub("", str(exc)).strip().splitlines()[0] if str(exc) else ""
+            what = {"regex": "regex", "json_schema": "JSON schema", "ebnf": "EBNF grammar"}[kind]
+            raise InvalidConstraintError(
+                f"invalid {what}: {reason or type(exc).__name__}. Spec: {_preview(spec)}",
+                field=kind,
+            ) from exc
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+        self._compiler.clear_cache()
+
+    # -- per request --------------------------------------------------------------------------
+
+    def new_state(self, compiled: CompiledConstraint) -> ConstraintState:
+        return ConstraintState(compiled, self.tokenizer, self.stop_token_ids, self.vocab_size)
+
+    def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
+        return allocate_bitmask(batch_size, self.vocab_size)
+
+
+def _preview(text: str, limit: int = 120) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+class ConstraintState:
+    """The grammar state of one request: an xgrammar matcher plus its accepted-token count.
+
+    Invariant: the matcher has accepted exactly the request's output tokens, in order
+    (`num_accepted == len(output_ids)` until a stop token terminates it). Rollback and
+    jump-forward rely on it.
+    """
+
+    def __init__(
+        self,
+        compiled: CompiledConstraint,
+        tokenizer: Any,
+        stop_token_ids: Sequence[int],
+        vocab_size: int,
+    ) -> None:
+        self.compiled = compiled
+        self.tokenizer = tokenizer
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.vocab_size = vocab_size
+        self.matcher = xgr.GrammarMatcher(compiled.grammar)
+        self.num_accepted = 0
+        self.num_jumps = 0
+        self.num_jump_tokens = 0  # tokens appended by jumps, net of rollbacks
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance on a sampled token; False (state unchanged) if the grammar forbids it."""
+        accepted = self.matcher.accept_token(int(token_id))
+        if accepted:
+            self.num_accepted += 1
+        return accepted
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into bitmask[row] (CPU int32, one bit per token)."""
+        if self.matcher.is_terminated():
+            # Nothing may follow the stop token; allow the stop tokens so a row that is still
+            # scheduled (e.g. overlap scheduling one step late) samples something harmless.
+            _only_tokens(bitmask, row, self.stop_token_ids)
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted after a complete match."""
+        return self.matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """True if the text so far is a complete match (a stop token may come next)."""
+        return self.matcher.is_completed()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` accepted tokens (the engine drops them too)."""
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} tokens")
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+
+    def allowed_only_eos(self) -> bool:
+        """True if the grammar is complete and only a stop token may follow."""
+        if self.matcher.is_terminated():
+            return True
+        if not self.matcher.is_completed():
+            return False
+        return _allows_only_stop(self.matcher, self.vocab_size, self.stop_token_ids)
+
+    # -- jump-forward -------------------------------------------------------------------------
+
+    def jump_forward(
+        self, output_ids: Sequence[int], *, max_new_tokens: int | None = None, **options: Any
+    ) -> JumpPlan | None:
+        """Plan a jump over the forced continuation; see `grammar_jump.plan_jump_forward`."""
+        from sgl.backend.grammar_jump import plan_jump_forward
+
+        return plan_jump_forward(
+            self.tokenizer, self, output_ids, max_new_tokens=max_new_tokens, **options
+        )
+
+    def apply(self, plan: JumpPlan) -> None:
+        """Move the matcher as the plan says (after the engine applied it to the request)."""
+        from sgl.backend.grammar_jump import apply_plan
+
+        apply_plan(self, plan)
+
+
+# -- bitmasks -----------------------------------------------------------------------------------
+
+
+def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """A [batch_size, ceil(vocab_size / 32)] int32 CPU mask, all ones (everything allowed)."""
+    return xgr.allocate_token_bitmask(batch_size, vocab_size)
+
+
+_batch_matcher: xgr.BatchGrammarMatcher | None = None
+_BATCH_THRESHOLD = 8  # below this, the thread pool's hand-off costs more than it saves
+
+
+def fill_bitmasks(states: Sequence[ConstraintState | None], bitmask: torch.Tensor) -> bool:
+    """Fill one row per request; rows of unconstrained requests (None) become all ones.
+
+    Returns True if any row is constrained, i.e. whether `apply_bitmask` is needed at all.
+    """
+    global _batch_matcher
+    bitmask[: len(states)].fill_(-1)
+    rows = [i for i, s in enumerate(states) if s is not None and not s.is_terminated()]
+    for i, state in enumerate(states):
+        if state is not None and state.is_terminated():
+            state.fill_bitmask(bitmask, i)
+    if len(rows) >= _BATCH_THRESHOLD:
+        if _batch_matcher is None:
+            _batch_matcher = xgr.BatchGrammarMatcher()
+        matchers = [states[i].matcher for i in rows]  # type: ignore[union-attr]
+        _batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+    else:
+        for i in rows:
+            states[i].fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+    return any(s is not None for s in states)
+
+
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int | None = None
+) -> None:
+    """Set disallowed logits to -inf in place. logits: [B, V] on any device; bitmask: CPU."""
+    mask = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size)
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Pure-torch unpacking: [B, ceil(V/32)] int32 -> [B, V] bool (True = allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]; bit j of word w is token 32w+j
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _only_tokens(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    bitmask[row].zero_()
+    for token in token_ids:
+        word, bit = divmod(int(token), 32)
+        value = int(bitmask[row, word]) | (1 << bit)
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32 wrap
+
+
+def _allows_only_stop(matcher: xgr.GrammarMatcher, vocab_size: int, stops: Sequence[int]) -> bool:
+    mask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(mask, 0)
+    allowed = bitmask_to_bool(mask, vocab_size)[0].nonzero().flatten().tolist()
+    return bool(allowed) and set(allowed) <= set(stops)

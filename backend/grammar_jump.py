@@ -1,0 +1,190 @@
+"""Jump-forward decoding that keeps the tokenizer's own token boundaries.
+
+When the grammar admits exactly one continuation string S (xgrammar's
+`find_jump_forward_string`), the engine can append S's tokens in one extend step instead of
+decoding them one per step. Done naively this degrades output (SGLang dropped its version for
+that reason): S's tokens are not the tokens the tokenizer would give for the text in context,
+and the model then conditions on splits it never saw in training. Two boundaries matter:
+
+    output so far          forced S                 what the model writes next
+    ... ' "' 'na'  |  'me": "'                 |  'Bob' ...
+          left boundary: 'na' + 'me' should be the single token 'name' (re-merge)
+                                     right boundary: ' "' might merge with what follows
+
+Left: re-tokenize T + S, where T is the text of the last k (<= 4) output tokens, keep the
+longest prefix of those k tokens that the re-tokenization reproduces, roll back the rest and
+append the re-tokenized remainder. The first of the k tokens must survive (the "anchor"):
+otherwise the merge may reach further left than the window and we do not jump.
+
+Right: hold back the last re-tokenized token; the model decodes it itself (masked), free to
+choose a longer token that merges it with the next, unforced text. The exception is a jump
+that ends the grammar (only a stop token may follow): nothing can merge there.
+
+Never across termination: a point where the grammar could stop is never forced (a stop
+token is an alternative), so S ends there at the latest; we do not extend it.
+
+The plan is computed on a fork of the matcher, so planning never changes the request's
+state; `apply_plan` commits it after the engine has changed the request's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from sgl.backend.grammar import ConstraintState
+
+__all__ = ["JumpPlan", "apply_plan", "plan_jump_forward"]
+
+
+@dataclass(frozen=True)
+class JumpPlan:
+    """Drop the last `rollback` output tokens, then append `append_ids` in one extend step.
+
+    Invariant: the text of the kept tokens plus `append_ids` starts with the text of the old
+    output tokens, so text already streamed to the user stays valid (it only grows).
+    `forced_text` is the grammar's forced string; the appended tokens cover a prefix of it
+    (all of it unless the boundary token was held back).
+    """
+
+    rollback: int
+    append_ids: tuple[int, ...]
+    forced_text: str
+    base_accepted: int  # state.num_accepted when planned; apply checks it
+    matcher: xgr.GrammarMatcher | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def net_new_tokens(self) -> int:
+        """How many more output tokens the request has after the jump."""
+        return len(self.append_ids) - self.rollback
+
+
+def plan_jump_forward(
+    tokenizer: Any,
+    state: ConstraintState,
+    output_ids: Sequence[int],
+    *,
+    max_boundary_tokens: int = 4,
+    min_chars: int = 3,
+    max_new_tokens: int | None = None,
+) -> JumpPlan | None:
+    """Decide a jump for one request, or None when there is nothing worth jumping.
+
+    `output_ids` are the request's output tokens, all accepted by `state` (the last one may
+    not have been through the model yet). `max_new_tokens` caps `net_new_tokens` (pass the
+    request's remaining budget). The state is not modified.
+    """
+    matcher = state.matcher
+    if matcher.is_terminated():
+        return None
+    forced = matcher.find_jump_forward_string()
+    if len(forced) < min_chars:
+        return None
+    if max_new_tokens is not None and max_new_tokens < 1:
+        return None
+
+    k = min(max_boundary_tokens, len(output_ids), state.num_accepted)
+    tail = [int(t) for t in output_ids[len(output_ids) - k :]] if k else []
+    # Drop leading tokens that start inside a UTF-8 character: their text alone is not valid.
+    while tail and "\ufffd" in (boundary_text := _decode(tokenizer, tail)):
+        tail = tail[1:]
+    boundary_text = _decode(tokenizer, tail) if tail else ""
+    k = len(tail)
+    if "\ufffd" in boundary_text:
+        return None
+
+    text = boundary_text + forced
+    retokenized = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    if _decode(tokenizer, retokenized) != text:
+        return None  # the tokenizer normalises this text: we cannot reason about boundaries
+    kept = _common_prefix(tail, retokenized)
+    if k and kept == 0:
+        return None  # the anchor changed: the merge may reach before the window
+    rollback = k - kept
+    candidate = retokenized[kept:]
+
+    fork = matcher.fork()
+    if rollback:
+        fork.rollback(rollback)
+    accepted = 0
+    for token in candidate:
+        if not fork.accept_token(token):
+            break
+        accepted += 1
+    if accepted < len(candidate):
+        # Cannot happen for text the grammar accepts, unless a token is special; the last
+        # accepted token may then sit on a boundary, so hold it back below.
+        candidate = candidate[:accepted]
+        ends_grammar = False
+    else:
+        ends_grammar = _only_stop_allowed(fork, state)
+    if not ends_grammar and candidate:
+        # Hold back the boundary token: the model may merge it with what it writes next.
+        fork.rollback(1)
+        candidate = candidate[:-1]
+
+    if max_new_tokens is not None and len(candidate) - rollback > max_new_tokens:
+        extra = len(candidate) - rollback - max_new_tokens
+        fork.rollback(extra)
+        candidate = candidate[: len(candidate) - extra]
+
+    if len(candidate) - rollback < 1:
+        return None  # nothing saved: decoding would take as many steps
+    # Rolled-back text must be re-covered, or already-streamed text would shrink.
+    covered = _decode(tokenizer, retokenized[: kept + len(candidate)])
+    if len(covered) < len(boundary_text) or not covered.startswith(boundary_text):
+        return None
+    return JumpPlan(
+        rollback=rollback,
+        append_ids=tuple(candidate),
+        forced_text=forced,
+        base_accepted=state.num_accepted,
+        matcher=fork,
+    )
+
+
+def apply_plan(state: ConstraintState, plan: JumpPlan) -> None:
+    """Commit a plan to the state: afterwards it has accepted the jumped-to tokens."""
+    if plan.base_accepted != state.num_accepted:
+        raise ValueError(
+            f"stale jump plan: planned at {plan.base_accepted} accepted tokens, "
+            f"state has {state.num_accepted}"
+        )
+    if plan.matcher is not None:
+        # The fork already walked rollback + append; adopting it saves re-walking.
+        state.matcher = plan.matcher
+        object.__setattr__(plan, "matcher", None)  # a plan is applied at most once
+    else:
+        state.matcher.rollback(plan.rollback)
+        for i, token in enumerate(plan.append_ids):
+            if not state.matcher.accept_token(token):
+                state.matcher.rollback(i)
+                raise ValueError(f"jump plan token {token} rejected by the grammar")
+    state.num_accepted += plan.net_new_tokens
+    state.num_jumps += 1
+    state.num_jump_tokens += plan.net_new_tokens
+
+
+def _only_stop_allowed(matcher: xgr.GrammarMatcher, state: ConstraintState) -> bool:
+    from sgl.backend.grammar import _allows_only_stop
+
+    if not matcher.is_completed():
+        return False
+    return _allows_only_stop(matcher, state.vocab_size, state.stop_token_ids)
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    # No clean-up: it rewrites spaces before punctuation, which would break the text algebra.
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

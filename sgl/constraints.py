@@ -1,0 +1,408 @@
+"""Constraints: every way a user can restrict the output, normalised to one spec.
+
+`gen(regex=...)`, `json_schema=`, `schema=` (a Pydantic model or any type a pydantic
+`TypeAdapter` accepts), `grammar=` (EBNF text or the name of a file in `grammars/`),
+`choices=` and `dtype=` all become one `ConstraintSpec` of kind "regex", "json_schema" or
+"ebnf": the three kinds the engine compiles (with xgrammar, in `sgl.backend.grammar`).
+
+This module is pure Python: it must not import torch or xgrammar, so `import sgl` stays
+light. Pydantic is imported lazily, only when `schema=` is used. Whether a spec *compiles* is
+decided engine-side (`GrammarBackend.compile`), synchronously in `generate` before anything is
+queued; here we only normalise, detect conflicting options and warn about JSON Schema keywords
+the engine accepts but cannot enforce.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+from sgl.errors import InvalidConstraintError, ParseError
+
+__all__ = [
+    "ConstraintKind",
+    "ConstraintSpec",
+    "UnenforceableSchemaWarning",
+    "build_constraint",
+    "grammar_names",
+    "load_grammar",
+    "unenforceable_keywords",
+]
+
+ConstraintKind = Literal["regex", "json_schema", "ebnf"]
+
+
+class UnenforceableSchemaWarning(UserWarning):
+    """A JSON Schema keyword is accepted but not enforced while decoding (see the message)."""
+
+
+# -- regexes for dtype= -------------------------------------------------------------------------
+# JSON-style numbers: no leading zeros, no "+", so int("...")/float("...") always parse them.
+_INT_REGEX = r"-?(0|[1-9][0-9]*)"
+_FLOAT_REGEX = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+_BOOL_REGEX = r"(True|False)"
+# A JSON string literal, parsed back with json.loads: quotes make the end unambiguous, which
+# an unquoted free-text regex would not.
+_STR_REGEX = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+
+# Characters that are special in the regex dialect xgrammar compiles (ECMAScript-like).
+_REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/-")
+
+
+def escape_regex(text: str) -> str:
+    """Escape a literal for a regex; unlike re.escape it only touches real metacharacters."""
+    return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
+
+
+# -- the spec -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """One compiled-to-be constraint: `kind` and `text` are all the engine needs.
+
+    `text` is canonical (a JSON schema is dumped with sorted keys), so `(kind, text)` is a
+    good cache key. `source` says which option produced it, for error messages. The parser,
+    when present, turns the generated text back into a typed value (`parse`).
+    """
+
+    kind: ConstraintKind
+    text: str
+    source: str = ""
+    parser: Callable[[str], Any] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.text)
+
+    def sampling_kwargs(self) -> dict[str, str]:
+        """The matching `SamplingParams` field: {"regex"|"json_schema"|"ebnf": text}."""
+        return {self.kind: self.text}
+
+    def parse(self, text: str, finish_reason: str | None = None) -> Any:
+        """Turn generated text into the typed value, or raise ParseError naming the cause.
+
+        Without a parser (regex / EBNF given as text) the text is returned unchanged; a
+        json_schema without a Python type parses to plain JSON values.
+        """
+        parser = self.parser
+        if parser is None:
+            if self.kind != "json_schema":
+                if finish_reason == "length":
+                    # The text is a prefix of a valid output, never the full one: say so.
+                    raise ParseError(_truncated_message(self.source, text, "no parse attempted"))
+                return text
+            parser = json.loads
+        try:
+            return parser(text)
+        except Exception as exc:  # pydantic.ValidationError, ValueError, JSONDecodeError, ...
+            if finish_reason == "length":
+                raise ParseError(_truncated_message(self.source, text, str(exc))) from exc
+            raise ParseError(
+                f"output does not validate against {self.source}: {exc}. "
+                f"Output was {_preview(text)}"
+            ) from exc
+
+
+def _preview(text: str, limit: int = 200) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _truncated_message(source: str, text: str, cause: str) -> str:
+    return (
+        f"output for {source} was truncated: generation stopped at max_new_tokens "
+        f"(finish_reason='length') before the constraint was complete, so it cannot be "
+        f"parsed; raise max_new_tokens. Parser said: {cause}. Output was {_preview(text)}"
+    )
+
+
+# -- grammars/ lookup ---------------------------------------------------------------------------
+
+_GRAMMAR_SUFFIXES = {".ebnf": "ebnf", ".gbnf": "ebnf", ".json": "json_schema"}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+def _grammar_dirs() -> list[Any]:
+    """Where grammar files live: the `sgl.grammars` package data in a wheel, or the repo's
+    `grammars/` folder in an editable install (where the data package is not importable,
+    because setuptools' editable finder does not resolve namespace sub-packages)."""
+    found: list[Any] = []
+    try:
+        found.append(resources.files("sgl.grammars"))
+    except (ModuleNotFoundError, TypeError):
+        pass
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "grammars", here.parent / "grammars"):
+        if candidate.is_dir():
+            found.append(candidate)
+    return found
+
+
+def grammar_names() -> list[str]:
+    """Names accepted by `grammar=` (file stems in grammars/), sorted."""
+    names: set[str] = set()
+    for folder in _grammar_dirs():
+        for entry in folder.iterdir():
+            suffix = "." + entry.name.rsplit(".", 1)[-1] if "." in entry.name else ""
+            if suffix in _GRAMMAR_SUFFIXES:
+                names.add(entry.name[: -len(suffix)])
+    return sorted(names)
+
+
+def load_grammar(name: str) -> tuple[ConstraintKind, str]:
+    """Read grammars/<name>.ebnf (or .gbnf / .json) and return (kind, text)."""
+    for folder in _grammar_dirs():
+        for suffix, kind in _GRAMMAR_SUFFIXES.items():
+            entry = folder / (name + suffix)
+            if entry.is_file():
+                text = entry.read_text(encoding="utf-8")
+                if kind == "json_schema":
+                    return "json_schema", _canonical_json(json.loads(text))
+                return kind, text  # type: ignore[return-value]
+    raise InvalidConstraintError(
+        f"grammar={name!r} is neither EBNF text (it has no '::=' rule) nor the name of a "
+        f"bundled grammar; bundled grammars: {grammar_names()}",
+        field="grammar",
+    )
+
+
+# -- JSON Schema keywords xgrammar accepts but does not enforce --------------------------------
+# Found by compiling a schema with each keyword and checking that a violating document is still
+# accepted (xgrammar 0.2.9). Everything else it either enforces or rejects at compile time.
+_UNENFORCED = {
+    "uniqueItems": "duplicates are not prevented",
+    "if": "conditional subschemas are ignored",
+    "then": "conditional subschemas are ignored",
+    "else": "conditional subschemas are ignored",
+    "not": "negated subschemas are ignored",
+    "dependentRequired": "dependencies between properties are ignored",
+    "dependentSchemas": "dependencies between properties are ignored",
+    "dependencies": "dependencies between properties are ignored",
+    "contains": "'contains' is ignored",
+    "minContains": "'contains' is ignored",
+    "maxContains": "'contains' is ignored",
+    "contentEncoding": "string content is not checked",
+    "contentMediaType": "string content is not checked",
+    "contentSchema": "string content is not checked",
+}
+_ENFORCED_FORMATS = frozenset(
+    "email date time date-time duration uri uri-reference uri-template uuid ipv4 ipv6 "
+    "hostname json-pointer relative-json-pointer".split()
+)
+# Keywords whose values are maps of name -> subschema, or lists of subschemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_SINGLE = (
+    "items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+    "propertyNames", "contains", "not", "if", "then", "else", "additionalItems",
+)
+
+
+def unenforceable_keywords(schema: Any, path: str = "#") -> list[tuple[str, str, str]]:
+    """(keyword, JSON pointer, why) for every keyword that decoding would not enforce."""
+    found: list[tuple[str, str, str]] = []
+    if not isinstance(schema, Mapping):
+        return found
+    for key, why in _UNENFORCED.items():
+        if key in schema:
+            found.append((key, f"{path}/{key}", why))
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in _ENFORCED_FORMATS:
+        found.append(("format", f"{path}/format", f"format {fmt!r} is not checked"))
+    multiple = schema.get("multipleOf")
+    if multiple is not None and (schema.get("type") != "integer" or not isinstance(multiple, int)):
+        found.append(("multipleOf", f"{path}/multipleOf", "only integer multipleOf is enforced"))
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        found.append(("allOf", f"{path}/allOf", "only one branch of allOf is enforced"))
+    for key in _SCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, Mapping):
+            for name, child in sub.items():
+                found += unenforceable_keywords(child, f"{path}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, child in enumerate(sub):
+                found += unenforceable_keywords(child, f"{path}/{key}/{i}")
+    for key in _SCHEMA_SINGLE:
+        found += unenforceable_keywords(schema.get(key), f"{path}/{key}")
+    return found
+
+
+def _warn_unenforceable(schema: Any, source: str) -> None:
+    for keyword, pointer, why in unenforceable_keywords(schema):
+        warnings.warn(
+            f"{source}: JSON Schema keyword {keyword!r} at {pointer} is not enforced during "
+            f"decoding ({why}); validate the output yourself (schema= does, on parse)",
+            UnenforceableSchemaWarning,
+            stacklevel=4,
+        )
+
+
+def _canonical_json(schema: Any) -> str:
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+# -- build_constraint ---------------------------------------------------------------------------
+
+
+def build_constraint(
+    *,
+    regex: str | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
+    schema: Any = None,
+    grammar: str | None = None,
+    choices: Sequence[str] | None = None,
+    dtype: type | None = None,
+) -> ConstraintSpec | None:
+    """Normalise the constraint options of `gen`/`generate` into one spec (or None).
+
+    At most one option may be given; conflicting ones raise InvalidConstraintError naming
+    them. Unenforceable JSON Schema keywords are reported with UnenforceableSchemaWarning.
+    """
+    given = {
+        name: value
+        for name, value in (
+            ("regex", regex), ("json_schema", json_schema), ("schema", schema),
+            ("grammar", grammar), ("choices", choices), ("dtype", dtype),
+        )
+        if value is not None
+    }
+    if not given:
+        return None
+    if len(given) > 1:
+        names = sorted(given)
+        raise InvalidConstraintError(
+            f"conflicting constraints {names}: give only one of regex=, json_schema=, "
+            f"schema=, grammar=, choices=, dtype=",
+            field=names[1],
+        )
+    (name, value), = given.items()
+    return _BUILDERS[name](value)
+
+
+def _from_regex(regex: Any) -> ConstraintSpec:
+    if not isinstance(regex, str) or not regex:
+        raise InvalidConstraintError(f"regex={regex!r}: must be a non-empty string", field="regex")
+    return ConstraintSpec("regex", regex, source=f"regex {regex!r}")
+
+
+def _from_json_schema(value: Any) -> ConstraintSpec:
+    if isinstance(value, (str, bytes)):
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise InvalidConstraintError(
+                f"json_schema is not valid JSON ({exc}); pass a dict or a JSON string",
+                field="json_schema",
+            ) from exc
+    else:
+        parsed = value
+    if not isinstance(parsed, Mapping):
+        raise InvalidConstraintError(
+            f"json_schema must be a JSON object (dict), got {type(parsed).__name__}",
+            field="json_schema",
+        )
+    _warn_unenforceable(parsed, "json_schema")
+    return ConstraintSpec("json_schema", _canonical_json(parsed), source="json_schema")
+
+
+def _from_schema(tp: Any) -> ConstraintSpec:
+    try:
+        import pydantic
+    except ImportError as exc:  # pragma: no cover - pydantic is a dependency
+        raise InvalidConstraintError("schema= needs pydantic installed", field="schema") from exc
+    name = getattr(tp, "__name__", None) or repr(tp)
+    try:
+        if isinstance(tp, type) and issubclass(tp, pydantic.BaseModel):
+            as_json = tp.model_json_schema()
+            parser: Callable[[str], Any] = tp.model_validate_json
+        else:
+            adapter = pydantic.TypeAdapter(tp)
+            as_json = adapter.json_schema()
+            parser = adapter.validate_json
+    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as exc:
+        raise InvalidConstraintError(
+            f"schema={name}: cannot build a JSON schema for it ({exc}); pass a Pydantic model "
+            f"or a type pydantic.TypeAdapter accepts",
+            field="schema",
+        ) from exc
+    source = f"schema {name}"
+    _warn_unenforceable(as_json, source)
+    return ConstraintSpec("json_schema", _canonical_json(as_json), source=source, parser=parser)
+
+
+def _from_grammar(grammar: Any) -> ConstraintSpec:
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise InvalidConstraintError(
+            f"grammar={grammar!r}: must be EBNF text or a bundled grammar name "
+            f"({grammar_names()})",
+            field="grammar",
+        )
+    if "::=" not in grammar and _NAME_RE.match(grammar.strip()):
+        kind, text = load_grammar(grammar.strip())
+        return ConstraintSpec(kind, text, source=f"grammar {grammar.strip()!r}")
+    return ConstraintSpec("ebnf", grammar, source="grammar")
+
+
+def _from_choices(choices: Any) -> ConstraintSpec:
+    if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices:
+        raise InvalidConstraintError(
+            f"choices={choices!r}: must be a non-empty list of strings", field="choices"
+        )
+    for choice in choices:
+        if not isinstance(choice, str) or not choice:
+            raise InvalidConstraintError(
+                f"choices: {choice!r} is not a non-empty string", field="choices"
+            )
+    # Longest first, so a choice that prefixes another is not preferred by the alternation.
+    ordered = sorted(dict.fromkeys(choices), key=len, reverse=True)
+    regex = "(" + "|".join(escape_regex(c) for c in ordered) + ")"
+    allowed = frozenset(choices)
+
+    def parse_choice(text: str) -> str:
+        if text not in allowed:
+            raise ValueError(f"{text!r} is not one of {list(choices)}")
+        return text
+
+    return ConstraintSpec("regex", regex, source=f"choices {list(choices)}", parser=parse_choice)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    raise ValueError(f"{text!r} is not True or False")
+
+
+_DTYPES: dict[type, tuple[str, Callable[[str], Any]]] = {
+    int: (_INT_REGEX, int),
+    float: (_FLOAT_REGEX, float),
+    bool: (_BOOL_REGEX, _parse_bool),
+    str: (_STR_REGEX, json.loads),
+}
+
+
+def _from_dtype(dtype: Any) -> ConstraintSpec:
+    if dtype not in _DTYPES:
+        raise InvalidConstraintError(
+            f"dtype={dtype!r}: must be one of int, float, bool, str", field="dtype"
+        )
+    regex, parser = _DTYPES[dtype]
+    return ConstraintSpec("regex", regex, source=f"dtype {dtype.__name__}", parser=parser)
+
+
+_BUILDERS: dict[str, Callable[[Any], ConstraintSpec]] = {
+    "regex": _from_regex,
+    "json_schema": _from_json_schema,
+    "schema": _from_schema,
+    "grammar": _from_grammar,
+    "choices": _from_choices,
+    "dtype": _from_dtype,
+}
