@@ -1,0 +1,163 @@
+"""Pure-torch attention over the paged KV pool: the CPU path and the GPU kernels' reference.
+
+Per step, `prepare` splits the requests in two groups and builds their gather indices once
+(every layer reuses them):
+
+- single-token rows (all of a DECODE step; decode requests riding along in an EXTEND step)
+  are attended in one batched call: their sequences' KV is gathered into a padded
+  [B, max_len] block with a key mask, and the G query heads that share a KV head are laid
+  out as G queries of that head, so grouped-query attention needs no KV expansion:
+
+      q [B, kv_heads, G, head_dim]  x  k [B, kv_heads, max_len, head_dim]  (mask [B,1,1,max_len])
+
+- multi-token rows (prefill chunks) are attended per request; with a cached prefix the causal
+  mask is aligned bottom-right (new query i sits at position prefix + i and sees keys
+  0 .. prefix + i).
+
+Softmax and accumulation run in float32 inside SDPA for every input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sgl.backend.attention.base import AttentionBackend
+from sgl.backend.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class _DecodeRows:
+    rows: torch.Tensor | None  # [B] rows of q holding the single-token queries; None: all rows
+    slots: torch.Tensor  # [B * max_len] pool slots of each request's sequence, padded with 0
+    key_mask: torch.Tensor  # [B, 1, 1, max_len] bool: True where the key is real
+    batch: int
+    max_len: int
+
+
+@dataclass
+class _ExtendRequest:
+    start: int  # first row of this request's queries in q
+    num_new: int
+    slots: torch.Tensor  # [seq_len] pool slots of the whole sequence
+    causal_mask: torch.Tensor | None  # [num_new, seq_len] bool; None: plain causal (no prefix)
+
+
+@dataclass
+class TorchAttentionMetadata:
+    decode: _DecodeRows | None
+    extends: list[_ExtendRequest]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def prepare(self, fb: ForwardBatch) -> None:
+        if fb.mode is ForwardMode.DECODE:
+            all_rows = list(range(fb.batch_size))
+            fb.attn_metadata = TorchAttentionMetadata(self._decode_rows(fb, all_rows, True), [])
+            return
+        single: list[int] = []
+        extends: list[_ExtendRequest] = []
+        # Rows are concatenated request by request, so starts follow from the host lengths
+        # (no device sync to read fb.extend_start).
+        starts = [0]
+        for num_new in fb.extend_seq_lens_cpu[:-1]:
+            starts.append(starts[-1] + num_new)
+        for b, (num_new, prefix, seq_len) in enumerate(
+            zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu)
+        ):
+            if num_new == 1:
+                single.append(b)
+                continue
+            row = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()  # [seq_len]
+            mask = None
+            if prefix > 0:
+                device = fb.req_to_token.device
+                key_pos = torch.arange(seq_len, device=device)  # [seq_len]
+                query_pos = torch.arange(prefix, seq_len, device=device)  # [num_new]
+                mask = key_pos[None, :] <= query_pos[:, None]  # [num_new, seq_len]
+            extends.append(_ExtendRequest(starts[b], num_new, row, mask))
+        decode = self._decode_rows(fb, single, False) if single else None
+        if decode is not None:
+            decode.rows = torch.tensor([starts[b] for b in single], device=fb.seq_lens.device)
+        fb.attn_metadata = TorchAttentionMetadata(decode, extends)
+
+    @staticmethod
+    def _decode_rows(fb: ForwardBatch, reqs: list[int], every: bool) -> _DecodeRows:
+        lens_cpu = [fb.seq_lens_cpu[b] for b in reqs]
+        max_len = max(lens_cpu)
+        if every:
+            pool_idx, lens = fb.req_pool_indices, fb.seq_lens
+        else:
+            sel = torch.tensor(reqs, device=fb.seq_lens.device)
+            pool_idx, lens = fb.req_pool_indices[sel], fb.seq_lens[sel]
+        slots = fb.req_to_token[pool_idx, :max_len].long()  # [B, max_len]
+        key_mask = torch.arange(max_len, device=slots.device)[None, :] < lens[:, None]
+        # Padding keys read slot 0 (reserved, never allocated): any finite value, masked out.
+        slots = slots.masked_fill(~key_mask, 0)
+        return _DecodeRows(None, slots.view(-1), key_mask[:, None, None, :], len(reqs), max_len)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        layer_id: int,
+        scale: float,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        k_buffer = fb.kv_pool.k_buffer[layer_id]  # [num_slots, kv_heads, head_dim]
+        v_buffer = fb.kv_pool.v_buffer[layer_id]
+        k_buffer[fb.out_cache_loc] = k.to(k_buffer.dtype)
+        v_buffer[fb.out_cache_loc] = v.to(v_buffer.dtype)
+        meta: TorchAttentionMetadata = fb.attn_metadata
+        if meta.decode is not None and not meta.extends and meta.decode.rows is None:
+            return self._attend_decode(q, k_buffer, v_buffer, meta.decode, scale)
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            rows = meta.decode.rows
+            out[rows] = self._attend_decode(q[rows], k_buffer, v_buffer, meta.decode, scale)
+        for req in meta.extends:
+            end = req.start + req.num_new
+            out[req.start : end] = self._attend_extend(q[req.start : end], k_buffer, v_buffer,
+                                                       req, scale)
+        return out
+
+    @staticmethod
+    def _attend_decode(
+        q: torch.Tensor,  # [B, heads, head_dim]
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        meta: _DecodeRows,
+        scale: float,
+    ) -> torch.Tensor:  # [B, heads, head_dim]
+        batch, heads, head_dim = q.shape
+        kv_heads = k_buffer.shape[1]
+        shape = (batch, meta.max_len, kv_heads, head_dim)
+        k = k_buffer.index_select(0, meta.slots).view(shape).transpose(1, 2)  # [B, kvh, L, d]
+        v = v_buffer.index_select(0, meta.slots).view(shape).transpose(1, 2)  # [B, kvh, L, d]
+        # [B, kv_heads, G, head_dim]: the G query heads of a KV head become G queries of it
+        qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(k.dtype)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.key_mask, scale=scale)
+        return out.reshape(batch, heads, head_dim).to(q.dtype)  # [B, heads, head_dim]
+
+    @staticmethod
+    def _attend_extend(
+        q: torch.Tensor,  # [n, heads, head_dim]
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        req: _ExtendRequest,
+        scale: float,
+    ) -> torch.Tensor:  # [n, heads, head_dim]
+        k = k_buffer.index_select(0, req.slots).transpose(0, 1)  # [kv_heads, L, head_dim]
+        v = v_buffer.index_select(0, req.slots).transpose(0, 1)  # [kv_heads, L, head_dim]
+        qh = q.transpose(0, 1).to(k.dtype)  # [heads, n, head_dim]
+        gqa = q.shape[1] != k.shape[0]
+        if req.causal_mask is None:
+            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=req.causal_mask,
+                                                 scale=scale, enable_gqa=gqa)
+        return out.transpose(0, 1).to(q.dtype)  # [n, heads, head_dim]

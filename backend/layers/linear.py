@@ -1,0 +1,75 @@
+"""Plain linear layers whose parameters are allocated uninitialized on the target device.
+
+Model construction must be cheap (an 8B dummy model is built directly on the GPU and then
+filled in place), so no layer here runs an initializer: the loader writes every value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def empty_param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ b). `weight` is [out_features, in_features], the HF layout."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool, device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = empty_param(out_features, in_features, device=device, dtype=dtype)
+        self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim (q|k|v, gate|up).
+
+    One matmul instead of several; `shard_slices` says where each HF tensor goes.
+    """
+
+    def __init__(
+        self, in_features: int, shard_sizes: dict[str, int], *, bias: bool,
+        device: torch.device, dtype: torch.dtype,
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, device=device,
+                         dtype=dtype)
+        self.shard_slices: dict[str, slice] = {}
+        start = 0
+        for name, size in shard_sizes.items():
+            self.shard_slices[name] = slice(start, start + size)
+            start += size
+
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        target = self.weight if param_name == "weight" else self.bias
+        if target is None:
+            raise KeyError(f"{shard}.{param_name}: this layer has no bias")
+        rows = self.shard_slices[shard]
+        if tensor.shape[0] != rows.stop - rows.start or tensor.shape[1:] != target.shape[1:]:
+            raise ValueError(
+                f"shard {shard}.{param_name} has shape {tuple(tensor.shape)}, expected "
+                f"{(rows.stop - rows.start, *target.shape[1:])}"
+            )
+        target.data[rows].copy_(tensor)
+
+
+class Embedding(nn.Module):
+    """Token embedding table [vocab, hidden]; also the LM head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, dim: int, *, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_param(vocab_size, dim, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)

@@ -1,0 +1,199 @@
+"""Llama decoder (also the base of Qwen2 and Qwen3), written for serving.
+
+Differences from the HF module tree, all for speed: q/k/v are one projection (`qkv_proj`)
+and gate/up are one (`gate_up_proj`); the residual add is fused into the next RMSNorm call;
+attention goes through the step's attention backend, which owns the KV cache. Variants set
+three switches: `qkv_bias`, `o_bias`, `qk_norm` (per-head RMSNorm on q and k before RoPE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sgl.backend.forward_batch import ForwardBatch
+from sgl.backend.layers.activation import silu_and_mul
+from sgl.backend.layers.linear import Embedding, Linear, MergedLinear
+from sgl.backend.layers.norm import RMSNorm
+from sgl.backend.layers.rotary import RotaryEmbedding, rope_parameters
+
+# HF projection name -> (our fused module, shard name)
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int, rotary: RotaryEmbedding, *, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.rotary = rotary  # shared by all layers (one cos/sin cache)
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=qkv_bias, **kw,
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias, **kw)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(fb.positions, q, k)
+        out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
+        return self.o_proj(out.reshape(tokens, self.q_size))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any, *, bias: bool, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter},
+                                         bias=bias, **kw)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int, rotary: RotaryEmbedding, *, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool, mlp_bias: bool, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.self_attn = Attention(cfg, layer_id, rotary, qkv_bias=qkv_bias, o_bias=o_bias,
+                                   qk_norm=qk_norm, **kw)
+        self.mlp = MLP(cfg, bias=mlp_bias, **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pre-norm block; `residual` carries the stream so each add fuses into a norm call.
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, *, max_positions: int, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool, mlp_bias: bool, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, rope_parameters(cfg), **kw)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotary, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
+                         mlp_bias=mlp_bias, **kw)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(fb.input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, fb)
+        if residual is None:  # a model with zero layers (tests only)
+            return self.norm(x)
+        x, _ = self.norm(x, residual)
+        return x  # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    # Variant switches; subclasses override `_variant`.
+    def __init__(self, hf_config: Any, *, device: torch.device, dtype: torch.dtype,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        switches = self._variant(hf_config)
+        self.model = LlamaModel(
+            hf_config, max_positions=max_positions or hf_config.max_position_embeddings,
+            device=device, dtype=dtype, **switches,
+        )
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens  # same Parameter, loaded once
+        else:
+            self.lm_head = Embedding(hf_config.vocab_size, hf_config.hidden_size, device=device,
+                                     dtype=dtype)
+
+    @staticmethod
+    def _variant(cfg: Any) -> dict[str, bool]:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False,
+                "mlp_bias": bool(getattr(cfg, "mlp_bias", False))}
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb)  # [T, hidden], final-normed
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [N, hidden] -> [N, vocab] float32 (samplers and logprobs want full precision)
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters; every one must arrive."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        missing = set(params)
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue  # HF buffers, recomputed here
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding table is the head
+            prefix, _, param_name = name.rpartition(".")
+            parent, _, proj = prefix.rpartition(".")
+            if proj in _FUSED:
+                fused, shard = _FUSED[proj]
+                module = modules[f"{parent}.{fused}"]
+                assert isinstance(module, MergedLinear)
+                module.load_shard(shard, param_name, tensor)
+                if shard in ("q", "gate"):  # count the fused tensor once
+                    missing.discard(f"{parent}.{fused}.{param_name}")
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            target = params[name]
+            if target.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"model shape {tuple(target.shape)}")
+            target.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise KeyError(f"checkpoint lacks tensors: {sorted(missing)[:8]}"
+                           f"{' ...' if len(missing) > 8 else ''}")

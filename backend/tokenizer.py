@@ -1,0 +1,61 @@
+"""Tokenizer loading (only loading: encoding and detokenizing live with their users).
+
+A GGUF file's tokenizer is rebuilt from its metadata by transformers, which takes seconds,
+so the result is saved next to the file's dequantized weights and loaded from there later.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sgl.backend.model_loader import gguf_cache_folder
+from sgl.errors import ModelLoadError
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(model_path: Path, tokenizer: str | None = None) -> Any | None:
+    """A transformers tokenizer for the model, or None when there is none (dummy weights).
+
+    `tokenizer` (a folder or a .gguf file) overrides the model's own.
+    """
+    from transformers import AutoTokenizer
+
+    source = Path(tokenizer).expanduser() if tokenizer is not None else Path(model_path)
+    if source.is_file() and source.suffix == ".gguf":
+        return _gguf_tokenizer(source)
+    if source.is_dir() and any((source / name).is_file() for name in _TOKENIZER_FILES):
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except Exception as exc:
+            raise ModelLoadError(f"could not load the tokenizer in {source}: {exc}") from exc
+    if tokenizer is not None:
+        raise ModelLoadError(
+            f"tokenizer {tokenizer!r}: expected a folder with tokenizer files "
+            f"({', '.join(_TOKENIZER_FILES)}) or a .gguf file"
+        )
+    return None  # e.g. a dummy preset: the engine then works on token ids only
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    cached = gguf_cache_folder(path) / "tokenizer"
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"could not read the tokenizer of {path}: {exc}") from exc
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    # Save into a temporary sibling, then rename: readers never see a half-written folder.
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tokenizer-"))
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, cached)
+    except OSError:  # another process won the race; its copy is as good
+        pass
+    return tok
