@@ -11,24 +11,25 @@ One step for a batch of B requests (every tensor on the model's device, no host 
       -> probs = softmax(logits / T), then top-k, top-p, min-p as one threshold per row
       -> inverse-CDF draw in vocabulary order, one uniform number per row
 
-Choices, and why:
-- Logprobs describe the model's raw distribution (temperature 1, no penalties, no grammar
-  mask), as SGLang returns by default: they mean the same thing for every sampling setting.
-- A seeded row's uniform number is a hash of (seed, step) made with integer tensor ops, so a
-  request draws the same tokens alone or at any position of any batch. For that, a row's draw
-  never depends on other rows: filters are per-row probability thresholds (ties at the
-  boundary are all kept) and the draw walks the probabilities in vocabulary order, whatever
-  sort the rest of the batch needed. Unseeded rows use the sampler's `torch.Generator`.
-- Penalty scopes: frequency and presence count generated tokens only (OpenAI semantics, as
-  SGLang). Repetition penalty covers the generated tokens and, when the engine passes the
-  prompt to `PenaltyPool.start`, the prompt tokens too (HF / vLLM semantics).
+- Logprobs are of the model's raw distribution (temperature 1, no penalties, no grammar mask),
+  as SGLang returns by default: they mean the same thing whatever the sampling settings.
+- A seeded row's uniform number hashes (seed, step) with integer tensor ops, so a request
+  draws the same tokens alone or at any position of any batch. For that no row's draw depends
+  on other rows: filters are per-row probability thresholds (ties at the boundary all stay)
+  and the draw walks probabilities in vocabulary order, whatever sort other rows needed.
+- Penalties: frequency and presence count generated tokens only (OpenAI semantics, as
+  SGLang); repetition covers the prompt and the generated tokens (HF / vLLM semantics).
+
+Engine use, per step: `info = sampler.build_for(batch)` on the scheduler thread, then in device
+order `out = sampler.sample(logits, info)` and `sampler.observe(info, out.next_token_ids)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -55,11 +56,8 @@ class PenaltyPool:
     and after sampling one scatter-add records the new tokens. Memory: rows x V x 5 bytes
     (int32 counts + bool prompt mask), allocated when the first penalised request starts.
 
-    Engine contract:
-      start(row, params, prompt_ids, output_ids)  whenever a request takes a row (admission,
-                                                  or re-admission after retraction with the
-                                                  outputs it already has); free if unpenalised
-      add(rows [N], token_ids [N])                 after every sampled or forced token
+    Contract: `start(row, ...)` when a penalised request takes a row (or its outputs changed
+    other than by sampling); `add(rows, ids)` after every sampled token. `Sampler` does both.
     """
 
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
@@ -68,16 +66,10 @@ class PenaltyPool:
         self.prompt_seen: Tensor | None = None  # [rows, V] bool: token occurs in the prompt
 
     @staticmethod
-    def needs(params: SamplingParams) -> bool:
-        return (
-            params.repetition_penalty != 1.0
-            or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0
-        )
+    def needs(p: SamplingParams) -> bool:
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
-    def start(
-        self, row: int, params: SamplingParams, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
-    ) -> None:
+    def start(self, row: int, params: SamplingParams, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()) -> None:
         if self.counts is None:
             if not self.needs(params):
                 return  # nothing penalised yet; a penalised request zeroes its row when it starts
@@ -114,7 +106,7 @@ class PenaltyBatch(NamedTuple):
 class SamplingBatchInfo:
     """Per-batch device tensors. `build` once per batch composition, `with_step` every step."""
 
-    params: tuple[SamplingParams, ...]  # kept so `same_batch` can tell whether to rebuild
+    params: tuple[SamplingParams, ...]
     vocab_size: int  # = logits width
     device: torch.device
     temperatures: Tensor  # [B, 1] float32; 1.0 on greedy rows so dividing is harmless
@@ -132,13 +124,14 @@ class SamplingBatchInfo:
     filter_width: int  # sorted candidates the top-k/top-p pass reads: max top_k, or V
     max_top_k: int  # largest enabled top_k (0: none)
     eos_token_ids: tuple[int, ...]
-    pool_rows: tuple[int, ...] | None
     penalties: PenaltyBatch | None  # None when no request has a penalty
     return_logprob: bool
     top_logprobs_num: int  # max over the batch; the engine slices each request's share
     # Step-dependent, rebuilt by `with_step`:
     steps: Tensor | None = None  # [B] int64: seeded rows' counter (tokens sampled so far)
     min_tokens_mask: tuple[Tensor, Tensor] | None = None  # (batch rows [M], token ids [M])
+    # PenaltyPool.start calls to make in device order, before this step's penalties.
+    penalty_starts: tuple[tuple[int, SamplingParams, Sequence[int], Sequence[int]], ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -148,48 +141,35 @@ class SamplingBatchInfo:
     def all_greedy(self) -> bool:
         return self.num_greedy == len(self.params)
 
-    @property
-    def need_penalties(self) -> bool:
-        return self.penalties is not None
-
     @classmethod
     def build(
-        cls,
-        params: Sequence[SamplingParams],
-        *,
-        vocab_size: int,
-        device: torch.device | str,
-        output_lens: Sequence[int],
-        seed_steps: Sequence[int] | None = None,
-        eos_token_ids: Sequence[int] = (),
-        penalty_pool: PenaltyPool | None = None,
-        pool_rows: Sequence[int] | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-    ) -> SamplingBatchInfo:
+        cls, params: Sequence[SamplingParams], *, vocab_size: int, device: torch.device | str,
+        output_lens: Sequence[int], seed_steps: Sequence[int] | None = None,
+        eos_token_ids: Sequence[int] = (), penalty_pool: PenaltyPool | None = None,
+        pool_rows: Sequence[int] | None = None, return_logprob: bool = False,
+        top_logprobs_num: int = 0, sample_indices: Sequence[int] | None = None,
+    ) -> SamplingBatchInfo:  # fmt: skip
         """`output_lens[b]`: tokens request b has generated (for min_new_tokens);
         `seed_steps[b]`: tokens it has sampled (default output_lens); `pool_rows[b]`: its
-        PenaltyPool row (needed when some request has a penalty)."""
+        PenaltyPool row (needed when some request has a penalty); `sample_indices[b]`: which of
+        the n samples of its prompt it is, so the n samples of one seed differ."""
         device = torch.device(device)
         params = tuple(params)
-        floats: list[list[float]] = [[], [], []]  # temperature, top_p, min_p
-        ints: list[list[int]] = [[], [], [], []]  # top_k, greedy, seeded, seed
+        host_f: list[tuple[float, float, float]] = []  # per row: temperature, top_p, min_p
+        host_i: list[tuple[int, int, int, int]] = []  # per row: top_k, greedy, seeded, seed
         pen: list[tuple[int, int, float, float, float]] = []
         for b, p in enumerate(params):
-            g = p.is_greedy
-            floats[0].append(1.0 if g else p.temperature)
-            floats[1].append(1.0 if g else p.top_p)
-            floats[2].append(0.0 if g else p.min_p)
-            ints[0].append(p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size)
-            ints[1].append(g)
-            ints[2].append(p.seed is not None)
-            ints[3].append(_fold_seed(p.seed) if p.seed is not None else 0)
+            on = not p.is_greedy  # greedy rows get neutral filters: they never force a sort
+            host_f.append((p.temperature if on else 1.0, p.top_p if on else 1.0, p.min_p if on else 0.0))
+            seed = 0 if p.seed is None else _fold_seed(p.seed, sample_indices[b] if sample_indices else 0)
+            top_k = p.top_k if on and 0 < p.top_k < vocab_size else vocab_size
+            host_i.append((top_k, not on, p.seed is not None, seed))
             if PenaltyPool.needs(p):
                 assert penalty_pool is not None and pool_rows is not None, "penalties need a pool"
                 pen.append((b, pool_rows[b], p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
         # One host tensor per dtype, one copy each: this runs every step on the CPU thread.
-        f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)  # [3, B]
-        i = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)  # [4, B]
+        f = torch.tensor(host_f, dtype=torch.float32).reshape(-1, 3).T.to(device)  # [3, B]
+        i = torch.tensor(host_i, dtype=torch.int64).reshape(-1, 4).T.to(device)  # [4, B]
         sampled = [p for p in params if not p.is_greedy]  # filters matter only for these
         top_ks = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
         wide_top_p = any(p.top_p < 1.0 and not 0 < p.top_k < vocab_size for p in sampled)
@@ -212,20 +192,11 @@ class SamplingBatchInfo:
             filter_width=vocab_size if wide_top_p or not top_ks else max(top_ks),
             max_top_k=max(top_ks, default=0),
             eos_token_ids=tuple(eos_token_ids),
-            pool_rows=tuple(pool_rows) if pool_rows is not None else None,
             penalties=penalties,
             return_logprob=return_logprob or top_logprobs_num > 0,
             top_logprobs_num=top_logprobs_num,
         )  # fmt: skip
         return info.with_step(output_lens, seed_steps)
-
-    def same_batch(self, params: Sequence[SamplingParams], pool_rows: Sequence[int] | None = None) -> bool:
-        """True when `with_step` suffices: the same request objects in the same order and rows."""
-        return (
-            len(params) == len(self.params)
-            and all(a is b for a, b in zip(params, self.params))
-            and (pool_rows is None or self.pool_rows is None or tuple(pool_rows) == self.pool_rows)
-        )
 
     def with_step(self, output_lens: Sequence[int], seed_steps: Sequence[int] | None = None) -> SamplingBatchInfo:
         """A copy with the step-dependent fields (seed counters, min_new_tokens mask) rebuilt."""
@@ -233,30 +204,32 @@ class SamplingBatchInfo:
         if self.num_seeded:
             counters = list(output_lens if seed_steps is None else seed_steps)
             steps = torch.tensor(counters, dtype=torch.int64).to(self.device, non_blocking=True)
-        rows: list[int] = []
-        ids: list[int] = []
-        for b, (p, n) in enumerate(zip(self.params, output_lens)):
-            if n < p.min_new_tokens:
-                banned = sorted(t for t in {*self.eos_token_ids, *p.stop_token_ids} if t < self.vocab_size)
-                rows += [b] * len(banned)
-                ids += banned
+        pairs = [
+            (b, t)
+            for b, (p, n) in enumerate(zip(self.params, output_lens))
+            if n < p.min_new_tokens
+            for t in sorted({*self.eos_token_ids, *p.stop_token_ids})
+            if t < self.vocab_size
+        ]
         mask = None
-        if rows:
-            pairs = torch.tensor([rows, ids], dtype=torch.int64).to(self.device)  # [2, M]
-            mask = (pairs[0], pairs[1])
-        return dataclasses.replace(self, steps=steps, min_tokens_mask=mask)
+        if pairs:
+            where = torch.tensor(pairs, dtype=torch.int64).T.to(self.device)  # [2, M]
+            mask = (where[0], where[1])
+        return dataclasses.replace(self, steps=steps, min_tokens_mask=mask, penalty_starts=())
 
 
 class SampleOutput(NamedTuple):
     next_token_ids: Tensor  # [B] int64
-    next_logprobs: Tensor | None  # [B] float32: raw logprob of the chosen token, when asked
-    top_logprobs: tuple[Tensor, Tensor] | None  # ids [B, k] int64, vals [B, k] float32
+    next_logprobs: Tensor | None = None  # [B] float32: raw logprob of the chosen token, when asked
+    top_ids: Tensor | None = None  # [B, k] int64: the k most likely raw tokens, when asked
+    top_vals: Tensor | None = None  # [B, k] float32: their raw logprobs
 
 
-def _fold_seed(seed: int) -> int:
-    """Any Python int -> 32 bits, mixing the high half in so large seeds stay distinct."""
+def _fold_seed(seed: int, sample_index: int = 0) -> int:
+    """Any Python int -> 32 bits, mixing in the high half (large seeds stay distinct) and the
+    sample index (sample 0 keeps the plain seed's stream)."""
     s = seed & 0xFFFFFFFFFFFFFFFF
-    return ((s & _MASK32) ^ ((s >> 32) * 0x9E3779B1)) & _MASK32
+    return ((s & _MASK32) ^ ((s >> 32) * 0x9E3779B1) ^ (sample_index * 0x85EBCA77)) & _MASK32
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -324,6 +297,8 @@ def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor |
         logits.index_put_(info.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
     pen = info.penalties
     if pen is not None:
+        for start in info.penalty_starts:
+            pen.pool.start(*start)
         counts, seen = pen.pool.counts, pen.pool.prompt_seen
         assert counts is not None and seen is not None, "PenaltyPool.start was not called"
         logits[pen.idx] = apply_penalties(logits[pen.idx], counts[pen.rows], seen[pen.rows], *pen.values)
@@ -424,28 +399,70 @@ def sample(
     else:
         drawn = _draw(filtered_probs(logits, info), _uniforms(info, generator, logits.device))
         next_ids = torch.where(info.greedy, logits.argmax(dim=-1), drawn) if info.num_greedy else drawn
-    next_logprobs = top = None
-    if raw is not None:
-        next_logprobs = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
-        if info.top_logprobs_num > 0:
-            vals, ids = raw.topk(min(info.top_logprobs_num, raw.shape[1]), dim=-1)  # [B, k]
-            top = (ids, vals)
-    return SampleOutput(next_ids, next_logprobs, top)
+    if raw is None:
+        return SampleOutput(next_ids)
+    next_logprobs = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
+    if info.top_logprobs_num == 0:
+        return SampleOutput(next_ids, next_logprobs)
+    vals, ids = raw.topk(min(info.top_logprobs_num, raw.shape[1]), dim=-1)  # [B, k]
+    return SampleOutput(next_ids, next_logprobs, ids, vals)
 
 
 class Sampler:
-    """Owns the generator of unseeded requests (seeded by the engine's `random_seed`)."""
+    """The engine's sampler: the generator of unseeded requests (seeded by the engine's
+    `random_seed`), the PenaltyPool, and `build_for`, which turns a ScheduleBatch into a
+    SamplingBatchInfo, reusing the last one when the sampled requests are unchanged."""
 
-    def __init__(self, device: torch.device | str, random_seed: int | None = None) -> None:
-        self.device = torch.device(device)
+    def __init__(
+        self, vocab_size: int, max_rows: int, device: torch.device | str,
+        seed: int | None = None, eos_token_ids: Sequence[int] = (),
+    ) -> None:  # fmt: skip
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.generator = torch.Generator(device=self.device)
-        if random_seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(random_seed)
+        _ = self.generator.seed() if seed is None else self.generator.manual_seed(seed)
+        self.penalty_pool = PenaltyPool(max_rows, vocab_size, self.device)
+        self._last: tuple[list[Any], tuple[Any, ...], SamplingBatchInfo] | None = None
+        # row -> (request, output tokens its counts will hold once the scheduled step ran)
+        self._rows: dict[int, tuple[Any, int]] = {}
 
-    def __call__(self, logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None) -> SampleOutput:
+    def build_for(self, batch: Any) -> SamplingBatchInfo:
+        """ScheduleBatch -> info for its sampled items (in order). Runs on the scheduler thread."""
+        reqs = [it.req for it in batch.items if it.samples]
+        lens = [r.output_len for r in reqs]  # includes an in-flight sample: the index drawn now
+        rows = [r.req_pool_idx for r in reqs]
+        # Logprob flags come from every item, as the runner decides from every item.
+        lp = [it.req.logprob for it in batch.items if it.req.logprob.return_logprob]
+        key = (rows, bool(lp), max((o.top_logprobs_num for o in lp), default=0))
+        starts = []
+        for r, n in zip(reqs, lens):
+            if PenaltyPool.needs(r.params):
+                # Counts are (re)built from the CPU ids when the row changes hands or the outputs
+                # changed other than by sampling (jump-forward, retraction). Such requests have
+                # no sample in flight, so output_ids is complete.
+                if self._rows.get(r.req_pool_idx, (None, -1)) != (r, n):
+                    starts.append((r.req_pool_idx, r.params, r.prompt_ids, tuple(r.output_ids)))
+                self._rows[r.req_pool_idx] = (r, n + 1)
+        last = self._last
+        if last is not None and last[1] == key and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
+            info = last[2].with_step(lens)
+        else:
+            info = SamplingBatchInfo.build(
+                [r.params for r in reqs], vocab_size=self.vocab_size, device=self.device,
+                output_lens=lens, eos_token_ids=self.eos_token_ids, penalty_pool=self.penalty_pool,
+                pool_rows=rows, return_logprob=key[1], top_logprobs_num=key[2],
+                sample_indices=[r.sample_index for r in reqs],
+            )  # fmt: skip
+        self._last = (reqs, key, info)
+        return dataclasses.replace(info, penalty_starts=tuple(starts)) if starts else info
+
+    def sample(self, logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None) -> SampleOutput:
         return sample(logits, info, vocab_mask, self.generator)
+
+    def observe(self, info: SamplingBatchInfo, next_token_ids: Tensor) -> None:
+        """Record the sampled tokens [B] in the penalty counts (device order, no sync)."""
+        if info.penalties is not None:
+            self.penalty_pool.add(info.penalties.rows, next_token_ids[info.penalties.idx])
 
 
 def gather_logprobs(
@@ -455,17 +472,12 @@ def gather_logprobs(
 
     float32 log_softmax by row chunks, so a long prompt never holds a second full [N, V] copy."""
     n, vocab = logits.shape
-    k = min(top_k, vocab)
-    if n == 0:
-        empty = torch.empty(0, k, dtype=torch.float32, device=logits.device)
-        return empty.new_empty(0), empty.long(), empty
-    rows = max(1, chunk_elems // vocab)
+    k, rows = min(top_k, vocab), max(1, chunk_elems // vocab)
     lps, top_ids, top_vals = [], [], []
-    for start in range(0, n, rows):
+    for start in range(0, max(n, 1), rows):  # one (maybe empty) chunk at least
         part = torch.log_softmax(logits[start : start + rows].float(), dim=-1)  # [r, V]
         ids = token_ids[start : start + rows].to(torch.int64).unsqueeze(1)  # [r, 1]
         lps.append(part.gather(1, ids).squeeze(1))
         vals, idx = part.topk(k, dim=-1)  # [r, k]
-        top_ids.append(idx)
-        top_vals.append(vals)
+        top_ids.append(idx), top_vals.append(vals)
     return torch.cat(lps), torch.cat(top_ids), torch.cat(top_vals)
