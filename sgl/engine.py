@@ -365,7 +365,7 @@ class Engine:
             futs.append(fut)
             state = None
             if prep.constraint is not None:
-                state = self._rt.grammar.new_state(prep.constraint.kind, prep.constraint.spec)
+                state = self._rt.grammar.new_state(self._rt.grammar.compile(prep.constraint.kind, prep.constraint.spec))
             reqs.append(Req(rid=rid, prompt_ids=list(prep.ids), params=params, logprob=lp,
                             stream=stream_queue is not None, deadline=deadline,
                             sink=_make_sink(loop, fut, stream_queue), constraint=state,
