@@ -230,8 +230,12 @@ def _dummy_config(model: str | None, overrides: dict[str, Any] | None) -> Any:
         path = resolve_model_path(model)
         base = (_gguf_source(path) if path.suffix == ".gguf" else _folder_config(path)[0])
         fields = {**base.to_dict(), **(overrides or {})}
+    elif model is None and overrides:
+        fields = dict(overrides)  # a whole config; transformers' defaults fill the rest
     else:
         fields = {**PRESETS[model or "smollm2-135m"], **(overrides or {})}
+    if "model_type" in (overrides or {}) and "architectures" not in (overrides or {}):
+        fields.pop("architectures", None)  # the base's class no longer applies
     model_type = fields.pop("model_type", "llama")
     return AutoConfig.for_model(model_type, **fields)
 
@@ -239,6 +243,8 @@ def _dummy_config(model: str | None, overrides: dict[str, Any] | None) -> Any:
 @torch.no_grad()
 def _init_dummy(module: nn.Module, device: torch.device, seed: int) -> None:
     # In place on the target device: an 8B model never round-trips through host memory.
+    if device.type == "meta":
+        return  # shapes only (memory planning, tests)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in module.named_parameters():
         if name.endswith("norm.weight"):

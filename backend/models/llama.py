@@ -133,7 +133,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Variant switches; subclasses override `_variant`.
     def __init__(self, hf_config: Any, *, device: torch.device, dtype: torch.dtype,
                  max_positions: int | None = None) -> None:
         super().__init__()
@@ -152,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _variant(cfg: Any) -> dict[str, bool]:
+        """The switches of this architecture (subclasses override)."""
         bias = bool(getattr(cfg, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False,
                 "mlp_bias": bool(getattr(cfg, "mlp_bias", False))}
@@ -167,10 +167,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (partly fused) parameters; every one must arrive."""
+        """Copy tensors into our parameters; every one must arrive.
+
+        Names are HF names (q/k/v and gate/up go into their fused slices) or our own.
+        """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        missing = set(params)
+        # What must still arrive: plain parameters by name, fused ones shard by shard.
+        missing: set[str] = set()
+        for name in params:
+            owner = modules[name.rpartition(".")[0]]
+            shards = owner.shard_slices if isinstance(owner, MergedLinear) else {"": None}
+            missing.update(f"{name}:{shard}" if shard else name for shard in shards)
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue  # HF buffers, recomputed here
@@ -183,8 +191,7 @@ class LlamaForCausalLM(nn.Module):
                 module = modules[f"{parent}.{fused}"]
                 assert isinstance(module, MergedLinear)
                 module.load_shard(shard, param_name, tensor)
-                if shard in ("q", "gate"):  # count the fused tensor once
-                    missing.discard(f"{parent}.{fused}.{param_name}")
+                missing.discard(f"{parent}.{fused}.{param_name}:{shard}")
                 continue
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
@@ -194,6 +201,9 @@ class LlamaForCausalLM(nn.Module):
                                  f"model shape {tuple(target.shape)}")
             target.copy_(tensor)
             missing.discard(name)
+            owner = modules[prefix]
+            if isinstance(owner, MergedLinear):  # our own fused name: every shard arrived
+                missing.difference_update(f"{name}:{shard}" for shard in owner.shard_slices)
         if missing:
             raise KeyError(f"checkpoint lacks tensors: {sorted(missing)[:8]}"
                            f"{' ...' if len(missing) > 8 else ''}")

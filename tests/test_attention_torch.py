@@ -1,0 +1,163 @@
+"""TorchAttentionBackend against a naive per-request, per-head reference.
+
+Also home of the small ForwardBatch builder and stand-in KV pool that test_models.py reuses.
+Pool slots are handed out in shuffled order so any indexing mistake shows up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from sgl.backend.attention.torch_backend import TorchAttentionBackend
+from sgl.backend.forward_batch import ForwardBatch, ForwardMode
+
+
+class FakePool:
+    """Duck-typed KV pool: per-layer buffers, a req_to_token table and a shuffled free list."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, max_reqs: int = 16,
+                 max_context: int = 512, seed: int = 0) -> None:
+        shape = (num_slots, kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32)
+        gen = torch.Generator().manual_seed(seed)
+        self.free = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()  # slot 0 reserved
+
+    def alloc(self, n: int) -> torch.Tensor:
+        slots, self.free = self.free[:n], self.free[n:]
+        return torch.tensor(slots, dtype=torch.int64)
+
+
+@dataclass
+class Step:
+    """One request's part of a step: its pool row, tokens already cached, new token ids."""
+
+    pool_index: int
+    prefix_len: int
+    new_ids: list[int]
+
+
+def make_forward_batch(pool: FakePool, backend: TorchAttentionBackend, steps: list[Step],
+                       mode: ForwardMode) -> ForwardBatch:
+    """Allocate slots for the new tokens, fill every ForwardBatch field, run prepare()."""
+    ids, positions, locs, starts = [], [], [], []
+    for step in steps:
+        n = len(step.new_ids)
+        slots = pool.alloc(n)
+        pool.req_to_token[step.pool_index, step.prefix_len : step.prefix_len + n] = slots.int()
+        starts.append(len(ids))
+        ids += step.new_ids
+        positions += range(step.prefix_len, step.prefix_len + n)
+        locs.append(slots)
+    prefix = [s.prefix_len for s in steps]
+    new = [len(s.new_ids) for s in steps]
+    seq = [p + n for p, n in zip(prefix, new)]
+    ends = [s + n - 1 for s, n in zip(starts, new)]
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    fb = ForwardBatch(
+        mode=mode, batch_size=len(steps), input_ids=t(ids), positions=t(positions),
+        out_cache_loc=torch.cat(locs), req_pool_indices=t([s.pool_index for s in steps]),
+        seq_lens=t(seq), extend_prefix_lens=t(prefix), extend_seq_lens=t(new),
+        extend_start=t(starts), seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=new, logits_indices=t(ends), req_to_token=pool.req_to_token,
+        kv_pool=pool, attn_backend=backend,  # type: ignore[arg-type]
+    )
+    backend.prepare(fb)
+    return fb
+
+
+def naive_attention(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor,
+                    prefix: int, scale: float) -> torch.Tensor:
+    """One request, loops over queries and heads. q [n, H, d]; k_seq/v_seq [L, Hkv, d]."""
+    n, heads, _ = q.shape
+    group = heads // k_seq.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(n):
+        visible = prefix + i + 1  # causal: position prefix + i sees keys 0 .. prefix + i
+        for h in range(heads):
+            keys = k_seq[:visible, h // group].double()  # [visible, d]
+            scores = keys @ q[i, h].double() * scale  # [visible]
+            out[i, h] = torch.softmax(scores, 0) @ v_seq[:visible, h // group].double()
+    return out
+
+
+def _run_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
+              mode: ForwardMode, dtype: torch.dtype = torch.float32) -> None:
+    torch.manual_seed(0)
+    head_dim, layer = 16, 1
+    pool = FakePool(2, 1024, kv_heads, head_dim, dtype=dtype)
+    backend = TorchAttentionBackend()
+    # Fill each request's prefix KV directly in the pool (as an earlier step would have).
+    seqs_k, seqs_v, steps = [], [], []
+    for b, (prefix, n) in enumerate(zip(prefix_lens, new_lens)):
+        slots = pool.alloc(prefix)
+        pool.req_to_token[b + 1, :prefix] = slots.int()
+        kp = torch.randn(prefix, kv_heads, head_dim).to(dtype)
+        vp = torch.randn(prefix, kv_heads, head_dim).to(dtype)
+        pool.k_buffer[layer][slots], pool.v_buffer[layer][slots] = kp, vp
+        seqs_k.append(kp)
+        seqs_v.append(vp)
+        steps.append(Step(b + 1, prefix, [0] * n))
+    fb = make_forward_batch(pool, backend, steps, mode)
+    tokens = fb.num_tokens
+    q = torch.randn(tokens, heads, head_dim).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = backend.forward(q, k, v, layer, scale, fb)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for b, (prefix, n) in enumerate(zip(prefix_lens, new_lens)):
+        rows = slice(int(fb.extend_start[b]), int(fb.extend_start[b]) + n)
+        k_seq = torch.cat([seqs_k[b], k[rows]])
+        v_seq = torch.cat([seqs_v[b], v[rows]])
+        expected = naive_attention(q[rows], k_seq, v_seq, prefix, scale)
+        torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol)
+    # The new k/v landed in the pool at out_cache_loc.
+    torch.testing.assert_close(pool.k_buffer[layer][fb.out_cache_loc], k)
+    torch.testing.assert_close(pool.v_buffer[layer][fb.out_cache_loc], v)
+    assert pool.k_buffer[0].abs().sum() == 0  # other layers untouched
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_decode_ragged_batch(heads: int, kv_heads: int) -> None:
+    _run_case([5, 0, 17, 1, 40], [1, 1, 1, 1, 1], heads, kv_heads, ForwardMode.DECODE)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_extend_without_prefix(heads: int, kv_heads: int) -> None:
+    _run_case([0, 0, 0], [7, 1, 12], heads, kv_heads, ForwardMode.EXTEND)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_extend_with_prefix_and_decode_rows(heads: int, kv_heads: int) -> None:
+    # Chunked-prefill continuation, a fresh prompt, and decode rows riding along.
+    _run_case([9, 0, 30, 4, 0], [6, 5, 1, 1, 3], heads, kv_heads, ForwardMode.EXTEND)
+
+
+def test_bfloat16_decode_and_extend() -> None:
+    _run_case([3, 20], [1, 1], 6, 2, ForwardMode.DECODE, torch.bfloat16)
+    _run_case([3, 0, 20], [4, 6, 1], 6, 2, ForwardMode.EXTEND, torch.bfloat16)
+
+
+def test_prepare_metadata_is_reused_across_layers() -> None:
+    # Two layers through one prepare(): each writes its own buffer and reads only its own.
+    pool = FakePool(2, 64, 2, 8)
+    backend = TorchAttentionBackend()
+    fb = make_forward_batch(pool, backend, [Step(1, 0, [0, 0, 0])], ForwardMode.EXTEND)
+    meta = fb.attn_metadata
+    q = torch.randn(3, 2, 8)
+    kv = [torch.randn(3, 2, 8) for _ in range(2)]
+    outs = [backend.forward(q, kv[i], kv[i], i, 0.3, fb) for i in range(2)]
+    assert fb.attn_metadata is meta
+    assert not torch.allclose(outs[0], outs[1])
+    torch.testing.assert_close(pool.k_buffer[1][fb.out_cache_loc], kv[1])
