@@ -32,8 +32,16 @@ __all__ = ["KVPool", "ReqToTokenPool", "SlotAllocator", "check_kv_integrity"]
 def _as_numpy(slots: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
     """View (no copy when possible) of slot indices as a 1-D int64 numpy array."""
     if isinstance(slots, torch.Tensor):
-        return slots.detach().to(device="cpu", dtype=torch.int64).reshape(-1).numpy()
+        if slots.dtype != torch.int64 or slots.device.type != "cpu" or slots.requires_grad:
+            slots = slots.detach().to(device="cpu", dtype=torch.int64)
+        return slots.reshape(-1).numpy()
     return np.asarray(slots, dtype=np.int64).reshape(-1)
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique without its overhead (it dominates small calls); sorted distinct values."""
+    s = np.sort(a)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if s.size > 1 else s
 
 
 class SlotAllocator:
@@ -130,6 +138,9 @@ class SlotAllocator:
         if last.shape != ext.shape or (ext < 0).any():
             raise ValueError("last_locs and extend_lens must have equal length, lens >= 0")
         start = last + 1  # next slot right after the last token
+        n = int(ext.sum())
+        if n == ext.size and n and int(ext.max()) == 1:
+            return self._alloc_one_each(last, start)
         has_room = (last >= 0) & (start % P != 0)
         room = np.where(has_room, P - start % P, 0)
         in_page = np.minimum(ext, room)  # tokens that continue the current page
@@ -140,7 +151,6 @@ class SlotAllocator:
         if (has_room & ~self._allocated[np.maximum(last, 0)]).any():
             raise AssertionError("alloc_extend: a last_loc is not an allocated slot")
         pages = self._pop_pages(total_pages)
-        n = int(ext.sum())
         req = np.repeat(np.arange(ext.size), ext)  # [n] request of each new token
         tok_start = np.cumsum(ext) - ext
         i = np.arange(n, dtype=np.int64) - tok_start[req]  # [n] index within its request
@@ -153,8 +163,23 @@ class SlotAllocator:
             slots[fresh] = pages[page_start[rf] + kf // P] * P + kf % P
         slots = slots.astype(np.int64, copy=False)
         self._mark_allocated(slots)
-        u, c = np.unique(slots // P, return_counts=True)
-        self._page_fill[u] += c
+        np.add.at(self._page_fill, slots // P, 1)
+        return torch.from_numpy(slots)
+
+    def _alloc_one_each(self, last: np.ndarray, start: np.ndarray) -> torch.Tensor | None:
+        """Decode fast path of alloc_extend (pages): one token per request, ~10 numpy ops."""
+        P = self.page_size
+        need_page = (last < 0) | (start % P == 0)  # [B] no room left in the current page
+        k = int(np.count_nonzero(need_page))
+        if k > self._top:
+            return None
+        if not self._allocated[last[~need_page]].all():
+            raise AssertionError("alloc_extend: a last_loc is not an allocated slot")
+        slots = start.copy()
+        if k:
+            slots[need_page] = self._pop_pages(k) * P
+        self._mark_allocated(slots)
+        np.add.at(self._page_fill, slots // P, 1)
         return torch.from_numpy(slots)
 
     def free(self, slots: torch.Tensor | np.ndarray | Sequence[int]) -> None:
@@ -167,16 +192,16 @@ class SlotAllocator:
         if not self._allocated[arr].all():
             bad = int(arr[~self._allocated[arr]][0])
             raise AssertionError(f"double free: slot {bad} is not allocated")
-        if arr.size > 1 and np.unique(arr).size != arr.size:
+        if arr.size > 1 and _sorted_unique(arr).size != arr.size:
             raise AssertionError("free: the same slot appears twice in one call")
         self._allocated[arr] = False
         self._num_allocated -= int(arr.size)
         if self.page_size == 1:
             emptied = arr
         else:
-            u, c = np.unique(arr // self.page_size, return_counts=True)
-            self._page_fill[u] -= c
-            emptied = u[self._page_fill[u] == 0]
+            pages = arr // self.page_size
+            np.subtract.at(self._page_fill, pages, 1)
+            emptied = _sorted_unique(pages[self._page_fill[pages] == 0])
         k = int(emptied.size)
         self._stack[self._top : self._top + k] = emptied
         self._top += k
@@ -196,7 +221,7 @@ class SlotAllocator:
         free_pages = self._stack[: self._top]
         if free_pages.size and (free_pages.min() < 1 or free_pages.max() >= self.num_pages):
             raise AssertionError("free stack holds page 0 or an out-of-range page")
-        if np.unique(free_pages).size != free_pages.size:
+        if _sorted_unique(free_pages).size != free_pages.size:
             raise AssertionError("a page is on the free stack twice")
         fill = self._allocated.reshape(self.num_pages, self.page_size).sum(axis=1)
         if fill[0] != 0:

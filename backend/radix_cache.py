@@ -31,6 +31,7 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -99,21 +100,23 @@ class RadixCache:
         self.page_size = page_size
         self.disable = disable
         self._clock = itertools.count(1)  # logical time for LRU (deterministic, no ties)
-        self.reset(_force=True)
+        self._new_root()
 
-    def reset(self, _force: bool = False) -> None:
-        """Flush the cache, freeing every cached slot. Illegal while any request holds a lock."""
-        if not _force:
-            if self._protected != 0 or self.root.lock_ref != 1:
-                raise AssertionError("reset() while nodes are locked")
-            slots = self.cached_slots()
-            if slots.numel():
-                self.allocator.free(slots)
+    def _new_root(self) -> None:
         self.root = TreeNode((), _EMPTY, None, 0)
         self.root.lock_ref = 1  # the root is never evicted; its lock is permanent
         self._evictable = 0  # tokens in unlocked nodes
         self._protected = 0  # tokens in locked nodes
         self._leaves: set[TreeNode] = set()  # non-root nodes without children
+
+    def reset(self) -> None:
+        """Flush the cache, freeing every cached slot. Illegal while any request holds a lock."""
+        if self._protected != 0 or self.root.lock_ref != 1:
+            raise AssertionError("reset() while nodes are locked")
+        slots = self.cached_slots()
+        if slots.numel():
+            self.allocator.free(slots)
+        self._new_root()
 
     @property
     def disabled(self) -> bool:
@@ -342,7 +345,8 @@ class RadixCache:
                 continue
             assert len(node.key) > 0 and len(node.key) % P == 0, f"{node!r}: key length not whole pages"
             assert node.value.shape == (len(node.key),), f"{node!r}: key/value lengths differ"
-            assert node.prefix_len == node.parent.prefix_len + len(node.key), f"{node!r}: prefix_len"  # type: ignore[union-attr]
+            parent_len = node.parent.prefix_len  # type: ignore[union-attr]
+            assert node.prefix_len == parent_len + len(node.key), f"{node!r}: prefix_len"
             assert node.lock_ref >= child_locks, f"{node!r}: locked child under a less-locked parent"
             if node.lock_ref:
                 protected += len(node.key)
@@ -354,9 +358,8 @@ class RadixCache:
             f"size counters {(self._evictable, self._protected)} != actual {(evictable, protected)}"
         )
         assert leaves == self._leaves, "leaf set out of sync"
-        slots = self.cached_slots()
-        assert torch.unique(slots).numel() == slots.numel(), "a slot is cached twice"
-        if slots.numel():
-            assert int(slots.min()) > 0, "the reserved slot 0 is cached"
-            mask = torch.from_numpy(self.allocator.allocated_mask())
-            assert bool(mask[slots].all()), "a cached slot is free in the allocator"
+        slots = np.sort(self.cached_slots().numpy())
+        assert not (slots[1:] == slots[:-1]).any(), "a slot is cached twice"
+        if slots.size:
+            assert slots[0] > 0, "the reserved slot 0 is cached"
+            assert self.allocator.allocated_mask()[slots].all(), "a cached slot is free in the allocator"

@@ -102,6 +102,23 @@ def test_pages_multi_request_layout() -> None:
     a.check_integrity()
 
 
+def test_pages_decode_fast_path() -> None:
+    a = SlotAllocator(32, page_size=4)  # pages 1..7
+    r0, r1 = _l(a.alloc(2)), _l(a.alloc(4))  # r0 mid-page (4, 5), r1 fills page 2
+    s = _l(a.alloc_extend([r0[-1], r1[-1], -1], [1, 1, 1]))
+    assert s[0] == 6  # continues its page
+    assert s[1] % 4 == 0 and s[2] % 4 == 0 and s[1] != s[2]  # fresh pages
+    assert a.num_free == 4 * 3
+    t = _l(a.alloc_extend([6, s[1], s[2], -1], [1, 1, 1, 1]))
+    assert t[:3] == [7, s[1] + 1, s[2] + 1] and a.num_free == 8  # only the last took a page
+    before = a.num_free
+    assert a.alloc_extend([-1] * (before // 4 + 1), [1] * (before // 4 + 1)) is None  # all or nothing
+    assert a.num_free == before
+    with pytest.raises(AssertionError):
+        a.alloc_extend([30], [1])  # slot 30 is not allocated
+    a.check_integrity()
+
+
 def test_pages_free_only_when_page_empty() -> None:
     a = SlotAllocator(16, page_size=4)
     s = a.alloc(6)  # pages 1 and 2 (2 slots of page 2)

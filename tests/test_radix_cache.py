@@ -200,6 +200,13 @@ def test_check_integrity_catches_corruption() -> None:
     with pytest.raises(AssertionError, match="size counters"):
         t.check_integrity()
     t._evictable -= 1
+    put(a, t, [5, 6])
+    other = t.match_prefix([5, 6]).last_node
+    saved, other.value = other.value, s[:2].clone()  # two nodes claim the same slots
+    with pytest.raises(AssertionError, match="cached twice"):
+        t.check_integrity()
+    other.value = saved
+    t.check_integrity()
     a.free(s[:1])  # the tree still holds it
     with pytest.raises(AssertionError, match="free in the allocator"):
         t.check_integrity()
@@ -315,7 +322,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 30))
     def evict(self, n: int) -> None:
-        locked = [(r.node, r.node.prefix_len, self.t.match_prefix(r.tokens[: r.node.prefix_len]).slots) for r in self.reqs]
+        locked = [(r.node, r.node.prefix_len, self._path_slots(r.node)) for r in self.reqs]
         evictable = self.t.evictable_size()
         freed = self.t.evict(n)
         assert freed >= min(n, evictable) and (freed >= n or self.t.evictable_size() == 0)
@@ -326,6 +333,9 @@ class RadixMachine(RuleBasedStateMachine):
                 x = x.parent
             assert x is self.t.root, "a locked node was evicted"
             assert self.t.match_prefix(self._tokens_of(node)).slots.tolist() == slots.tolist()
+
+    def _path_slots(self, node: TreeNode) -> torch.Tensor:
+        return self.t.match_prefix(self._tokens_of(node)).slots
 
     def _tokens_of(self, node: TreeNode) -> list[int]:
         keys = []
