@@ -74,8 +74,8 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._start :])
         if text.endswith("\ufffd"):
             return ""  # a character's bytes are still arriving (or the model emitted U+FFFD)
-        if len(text) <= self._emitted:
-            return ""  # nothing new, or after a rollback the new ids have not re-covered it yet
+        if len(text) < self._emitted:
+            return ""  # after a rollback: the new ids have not re-covered the emitted text yet
         delta = text[self._emitted :]
         self._emitted = len(text)
         if len(self._ids) - self._start > _MAX_WINDOW:
