@@ -1,0 +1,149 @@
+"""One entry point per op: the Triton kernel on CUDA tensors, the pure-torch reference elsewhere.
+
+`SGL_KERNELS` (read here and nowhere else) overrides the choice:
+
+    auto       (default) Triton when the tensor is on CUDA and triton is installed
+    reference  always the pure-torch reference (debugging, bisecting a numerical difference)
+    triton     always Triton; on the CPU that needs TRITON_INTERPRET=1 set before the kernel
+               modules are imported (Triton's interpreter; slow, for tests only)
+
+Every op here has the signature of its `<op>_reference` / `<op>_triton` pair.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from sgl.backend.kernels import (
+    activation,
+    attention_decode,
+    attention_extend,
+    kv_store as _kv_store,
+    rmsnorm as _rmsnorm,
+    rotary,
+    token_bitmask,
+)
+from sgl.backend.kernels.triton_compat import HAS_TRITON
+
+Impl = Literal["triton", "reference"]
+
+
+def kernel_impl(device: torch.device) -> Impl:
+    """Which implementation serves tensors on `device` (see the module docstring)."""
+    mode = os.environ.get("SGL_KERNELS", "auto").strip().lower()
+    if mode == "reference":
+        return "reference"
+    if mode == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("SGL_KERNELS=triton but the `triton` package is not installed")
+        return "triton"
+    if mode != "auto":
+        raise ValueError(f"SGL_KERNELS must be auto, reference or triton, got {mode!r}")
+    return "triton" if device.type == "cuda" and HAS_TRITON else "reference"
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return kernel_impl(x.device) == "triton"
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    fn = _rmsnorm.rmsnorm_triton if _triton(x) else _rmsnorm.rmsnorm_reference
+    return fn(x, weight, eps)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:  # (rmsnorm(x + residual), x + residual)
+    fn = _rmsnorm.fused_add_rmsnorm_triton if _triton(x) else _rmsnorm.fused_add_rmsnorm_reference
+    return fn(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] fp32
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = rotary.rotary_embedding_triton if _triton(q) else rotary.rotary_embedding_reference
+    return fn(positions, q, k, cos_sin_cache, inplace)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    fn = activation.silu_and_mul_triton if _triton(x) else activation.silu_and_mul_reference
+    return fn(x)
+
+
+def kv_store(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    fn = _kv_store.kv_store_triton if _triton(k) else _kv_store.kv_store_reference
+    fn(k_buffer, v_buffer, k, v, out_cache_loc)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_kv_splits: int = 1,
+) -> torch.Tensor:
+    fn = (attention_decode.decode_attention_triton if _triton(q)
+          else attention_decode.decode_attention_reference)
+    return fn(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
+              num_kv_splits)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start: torch.Tensor,
+    scale: float,
+    max_extend_len: int | None = None,
+) -> torch.Tensor:
+    fn = (attention_extend.extend_attention_triton if _triton(q)
+          else attention_extend.extend_attention_reference)
+    return fn(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+              extend_prefix_lens, extend_seq_lens, extend_start, scale, max_extend_len)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [rows, vocab]
+    bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32
+    indices: torch.Tensor | None = None,
+) -> None:
+    # Our own small Triton kernel rather than xgrammar's: same layout and rule, one fewer
+    # dependency on the GPU path, and `indices` stays a device tensor (no host list).
+    fn = (token_bitmask.apply_token_bitmask_triton if _triton(logits)
+          else token_bitmask.apply_token_bitmask_reference)
+    fn(logits, bitmask, indices)
+
+
+__all__ = [
+    "Impl",
+    "kernel_impl",
+    "rmsnorm",
+    "fused_add_rmsnorm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "kv_store",
+    "decode_attention",
+    "extend_attention",
+    "apply_token_bitmask",
+]

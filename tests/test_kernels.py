@@ -1,0 +1,443 @@
+"""Every kernel against its pure-torch reference, parametrized over implementations.
+
+Without CUDA the Triton kernels run under Triton's interpreter. Triton decides "interpreted or
+compiled" when a function is decorated with `@triton.jit`, which for its own standard library
+(`tl.sum`, `tl.max`, `tl.cdiv`, ...) happens when `triton` is first imported. So:
+
+- if triton is not imported yet, this module sets TRITON_INTERPRET=1 and imports it: the
+  Triton tests run here, in process;
+- if another test module imported triton first (compiled mode, useless without a GPU), the
+  in-process Triton tests skip and `test_triton_kernels_in_subprocess` reruns this file in a
+  fresh interpreter with TRITON_INTERPRET=1 set from the start.
+
+`expected` values come from the reference evaluated on fp32 copies of the inputs; each
+implementation, given the test dtype, must land within that dtype's tolerance. The references
+themselves are checked against independent formulas (SDPA, F.rms_norm, HF rotate_half).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are decorated
+
+from sgl.backend.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from sgl.backend.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from sgl.backend.kernels import (  # noqa: E402
+    activation,
+    attention_decode,
+    attention_extend,
+    dispatch,
+    kv_store,
+    rmsnorm,
+    rotary,
+    token_bitmask,
+    triton_compat,
+)
+
+
+def _triton_runs_here() -> bool:
+    if not triton_compat.HAS_TRITON:
+        return False
+    if CUDA:
+        return True
+    # Interpreted kernels need an interpreted standard library and interpreted kernels of ours.
+    return triton_compat.is_interpreted(triton_compat.tl.max) and triton_compat.is_interpreted(
+        attention_decode._decode_stage1
+    )
+
+
+TRITON_HERE = _triton_runs_here()
+_SUBPROCESS_MARK = "SGL_KERNEL_TESTS_CHILD"
+needs_triton = pytest.mark.skipif(
+    not TRITON_HERE, reason="triton missing, or imported uninterpreted (see the subprocess test)"
+)
+
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+IMPLS = ["reference", "triton"]
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest) -> str:
+    if request.param == "triton" and not TRITON_HERE:
+        pytest.skip("triton missing, or imported uninterpreted (see the subprocess test)")
+    return request.param
+
+
+def op(module: Any, name: str, impl: str) -> Callable[..., Any]:
+    return getattr(module, f"{name}_{impl}")
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def randn(*shape: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+# --------------------------------------------------------------------------- pointwise ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 200), (3, 5, 96)])
+def test_rmsnorm(impl: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    g = gen(0)
+    x, r = randn(*shape, dtype=dtype, g=g), randn(*shape, dtype=dtype, g=g)
+    w = randn(shape[-1], dtype=dtype, g=g)
+    close(op(rmsnorm, "rmsnorm", impl)(x, w, 1e-6),
+          rmsnorm.rmsnorm_reference(x.float(), w.float(), 1e-6), dtype)
+    normed, summed = op(rmsnorm, "fused_add_rmsnorm", impl)(x, r, w, 1e-6)
+    exp_normed, exp_summed = rmsnorm.fused_add_rmsnorm_reference(x.float(), r.float(), w.float())
+    close(summed, exp_summed, dtype)
+    close(normed, exp_normed, dtype)
+    assert normed.shape == summed.shape == x.shape and normed.dtype == dtype
+
+
+def test_rmsnorm_reference_matches_torch() -> None:
+    x, w = torch.randn(5, 64, generator=gen(1)), torch.randn(64, generator=gen(2))
+    torch.testing.assert_close(rmsnorm.rmsnorm_reference(x, w, 1e-5),
+                               F.rms_norm(x, (64,), w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 64), (9, 300), (4, 1100)])
+def test_silu_and_mul(impl: str, dtype: torch.dtype, tokens: int, inter: int) -> None:
+    x = randn(tokens, 2 * inter, dtype=dtype, g=gen(3))
+    out = op(activation, "silu_and_mul", impl)(x)
+    assert out.shape == (tokens, inter)
+    close(out, F.silu(x.float()[:, :inter]) * x.float()[:, inter:], dtype)
+
+
+def _hf_rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Hugging Face Llama's formula, written independently: x * cos + rotate_half(x) * sin."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    freqs = positions.double().cpu()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1).to(x.device)  # [T, dim]
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+    return (x.double() * cos + torch.cat([-x2, x1], dim=-1).double() * sin).float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(4, 4, 32, 32), (6, 2, 64, 64),
+                                                                (8, 2, 48, 32)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotary(impl: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                rotary_dim: int, inplace: bool) -> None:
+    g = gen(4)
+    tokens = 11
+    positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
+    # q, k as views of one fused projection, as a model produces them (strided token axis).
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, g=g)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    cache = rotary.make_cos_sin_cache(512, rotary_dim, 10000.0, device=DEVICE)
+    exp_q, exp_k = rotary.rotary_embedding_reference(positions, q.float(), k.float(), cache)
+    q_in, k_in = q.clone(), k.clone()
+    out_q, out_k = op(rotary, "rotary_embedding", impl)(positions, q, k, cache, inplace)
+    close(out_q, exp_q, dtype)
+    close(out_k, exp_k, dtype)
+    if inplace:
+        assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    else:
+        assert torch.equal(q, q_in) and torch.equal(k, k_in)
+    if rotary_dim == head_dim:
+        torch.testing.assert_close(exp_q, _hf_rotary(q_in.float(), positions, 10000.0),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_store(impl: str, dtype: torch.dtype) -> None:
+    g = gen(5)
+    slots, kv_heads, head_dim, tokens = 64, 3, 48, 9
+    k_buffer = randn(slots, kv_heads, head_dim, dtype=dtype, g=g)
+    v_buffer = randn(slots, kv_heads, head_dim, dtype=dtype, g=g)
+    kv = randn(tokens, 2 * kv_heads * head_dim, dtype=dtype, g=g)  # fused, strided views
+    k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    loc = (torch.randperm(slots - 1, generator=g)[:tokens] + 1).to(DEVICE)
+    exp_k, exp_v = k_buffer.clone(), v_buffer.clone()
+    exp_k[loc], exp_v[loc] = k, v
+    op(kv_store, "kv_store", impl)(k_buffer, v_buffer, k, v, loc)
+    assert torch.equal(k_buffer, exp_k) and torch.equal(v_buffer, exp_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,words,use_indices", [(100, 4, False), (100, 4, True),
+                                                      (4500, 141, False), (70, 3, True)])
+def test_token_bitmask(impl: str, dtype: torch.dtype, vocab: int, words: int,
+                       use_indices: bool) -> None:
+    g = gen(6)
+    rows = 5
+    logits = randn(rows, vocab, dtype=dtype, g=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=g,
+                            dtype=torch.int32).to(DEVICE)
+    indices = torch.tensor([4, 1], device=DEVICE) if use_indices else None
+    expected = logits.clone()
+    width = min(vocab, 32 * words)
+    for r in (indices.tolist() if indices is not None else range(rows)):
+        for t in range(width):  # the bit rule, written out
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                expected[r, t] = float("-inf")
+    op(token_bitmask, "apply_token_bitmask", impl)(logits, bitmask, indices)
+    assert torch.equal(logits, expected)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def make_pool(seq_lens: list[int], kv_heads: int, head_dim: int, page_size: int,
+              dtype: torch.dtype, g: torch.Generator) -> SimpleNamespace:
+    """A shuffled paged pool: each request's pages are scattered (page 0 reserved), and the
+    requests sit at shuffled rows of req_to_token, so every index is exercised."""
+    pages = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages) + 3  # + reserved page 0 + spare pages never used
+    order = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    max_reqs, max_ctx = len(seq_lens) + 2, max(max(seq_lens), 1) + 5
+    req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
+    rows = (torch.randperm(max_reqs - 1, generator=g)[: len(seq_lens)] + 1)
+    for b, n in enumerate(seq_lens):
+        mine, order = order[: pages[b]], order[pages[b] :]
+        slots = [p * page_size + i for p in mine for i in range(page_size)][:n]
+        req_to_token[rows[b], :n] = torch.tensor(slots, dtype=torch.int32)
+    num_slots = num_pages * page_size
+    return SimpleNamespace(
+        k=randn(num_slots, kv_heads, head_dim, dtype=dtype, g=g),
+        v=randn(num_slots, kv_heads, head_dim, dtype=dtype, g=g),
+        req_to_token=req_to_token.to(DEVICE),
+        rows=rows.to(DEVICE),
+    )
+
+
+def sdpa_attention(q: torch.Tensor, pool: SimpleNamespace, seq_lens: list[int],
+                   prefix_lens: list[int], ext_lens: list[int]) -> torch.Tensor:
+    """Independent check of the references: dense gather + SDPA with an explicit mask."""
+    group = q.shape[1] // pool.k.shape[1]
+    out, start = torch.zeros_like(q, dtype=torch.float32), 0
+    for b, (n, prefix, length) in enumerate(zip(ext_lens, prefix_lens, seq_lens)):
+        slots = pool.req_to_token[pool.rows[b], :length].long()
+        k = pool.k[slots].float().repeat_interleave(group, 1).transpose(0, 1)  # [H, L, D]
+        v = pool.v[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+        qb = q[start : start + n].float().transpose(0, 1)  # [H, n, D]
+        mask = torch.arange(length)[None, :] <= (prefix + torch.arange(n))[:, None]
+        if n and length:
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.to(DEVICE))
+            out[start : start + n] = o.transpose(0, 1)
+        start += n
+    return out
+
+
+GQA = [(4, 4, 32), (6, 2, 48), (8, 2, 64)]  # (heads, kv_heads, head_dim): ratios 1, 3, 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GQA)
+@pytest.mark.parametrize("page_size,num_kv_splits", [(1, 4), (16, 1), (16, 3)])
+def test_decode_attention(impl: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                          head_dim: int, page_size: int, num_kv_splits: int) -> None:
+    g = gen(7)
+    seq_lens = [1, 37, 200, 0, 129]  # 0: a padded CUDA-graph row (output must be 0, not NaN)
+    pool = make_pool(seq_lens, kv_heads, head_dim, page_size, dtype, g)
+    q = randn(len(seq_lens), heads, head_dim, dtype=dtype, g=g)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    scale = head_dim**-0.5
+    args = (pool.req_to_token, pool.rows, lens, scale, num_kv_splits)
+    expected = attention_decode.decode_attention_reference(q.float(), pool.k.float(),
+                                                           pool.v.float(), *args)
+    out = op(attention_decode, "decode_attention", impl)(q, pool.k, pool.v, *args)
+    assert out.shape == (len(seq_lens), heads, head_dim) and out.dtype == dtype
+    close(out, expected, dtype)
+    if dtype == torch.float32 and impl == "reference":
+        dense = sdpa_attention(q, pool, seq_lens, [n - 1 for n in seq_lens], [1] * len(seq_lens))
+        torch.testing.assert_close(expected, dense, atol=1e-4, rtol=1e-4)
+
+
+EXTEND_CASES = {  # (page_size, prefix_lens, extend_lens)
+    "no_prefix": (1, [0, 0, 0], [70, 1, 17]),
+    "prefix": (16, [33, 100, 5], [40, 3, 64]),
+    "mixed_decode_rows": (16, [0, 150, 12, 64], [65, 1, 1, 30]),
+    "prefix_page1": (1, [20, 7], [33, 2]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GQA)
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+def test_extend_attention(impl: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                          head_dim: int, case: str) -> None:
+    g = gen(8)
+    page_size, prefix_lens, ext_lens = EXTEND_CASES[case]
+    seq_lens = [p + n for p, n in zip(prefix_lens, ext_lens)]
+    pool = make_pool(seq_lens, kv_heads, head_dim, page_size, dtype, g)
+    q = randn(sum(ext_lens), heads, head_dim, dtype=dtype, g=g)
+    starts = [sum(ext_lens[:b]) for b in range(len(ext_lens))]
+    t = lambda xs: torch.tensor(xs, device=DEVICE)  # noqa: E731
+    args = (pool.req_to_token, pool.rows, t(seq_lens), t(prefix_lens), t(ext_lens), t(starts),
+            head_dim**-0.5, max(ext_lens))
+    expected = attention_extend.extend_attention_reference(q.float(), pool.k.float(),
+                                                           pool.v.float(), *args)
+    out = op(attention_extend, "extend_attention", impl)(q, pool.k, pool.v, *args)
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out, expected, dtype)
+    if dtype == torch.float32 and impl == "reference":
+        dense = sdpa_attention(q, pool, seq_lens, prefix_lens, ext_lens)
+        torch.testing.assert_close(expected, dense, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- backend, dispatch
+
+
+def make_forward_batch(mode: ForwardMode, prefix_lens: list[int], ext_lens: list[int],
+                       dtype: torch.dtype, page_size: int, g: torch.Generator,
+                       kv_heads: int = 2, head_dim: int = 32) -> ForwardBatch:
+    seq_lens = [p + n for p, n in zip(prefix_lens, ext_lens)]
+    pool = make_pool(seq_lens, kv_heads, head_dim, page_size, dtype, g)
+    other = make_pool(seq_lens, kv_heads, head_dim, page_size, dtype, g)  # layer 0: unused
+    locs = [pool.req_to_token[pool.rows[b], p : p + n] for b, (p, n)
+            in enumerate(zip(prefix_lens, ext_lens))]
+    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=DEVICE)  # noqa: E731
+    total = sum(ext_lens)
+    return ForwardBatch(
+        mode=mode, batch_size=len(seq_lens),
+        input_ids=torch.zeros(total, dtype=torch.long, device=DEVICE),
+        positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, ext_lens)]).to(DEVICE),
+        out_cache_loc=torch.cat(locs).long(),
+        req_pool_indices=pool.rows, seq_lens=t(seq_lens), extend_prefix_lens=t(prefix_lens),
+        extend_seq_lens=t(ext_lens),
+        extend_start=t([sum(ext_lens[:b]) for b in range(len(ext_lens))]),
+        seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=ext_lens,
+        logits_indices=t([sum(ext_lens[: b + 1]) - 1 for b in range(len(ext_lens))]),
+        req_to_token=pool.req_to_token,
+        kv_pool=SimpleNamespace(k_buffer=[other.k, pool.k], v_buffer=[other.v, pool.v]),
+        attn_backend=None,  # type: ignore[arg-type]
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_triton_backend(dtype: torch.dtype, mode: ForwardMode) -> None:
+    g = gen(9)
+    if mode is ForwardMode.DECODE:
+        prefix_lens, ext_lens = [0, 40, 99, 16], [1, 1, 1, 1]
+    else:
+        prefix_lens, ext_lens = [0, 40, 99, 16], [30, 1, 1, 20]  # prefill + decode rows
+    fb = make_forward_batch(mode, prefix_lens, ext_lens, dtype, 16, g)
+    backend = TritonAttentionBackend(num_sms=4)
+    fb.attn_backend = backend
+    heads, (kv_heads, head_dim) = 6, fb.kv_pool.k_buffer[1].shape[1:]
+    q = randn(fb.num_tokens, heads, head_dim, dtype=dtype, g=g)
+    k = randn(fb.num_tokens, kv_heads, head_dim, dtype=dtype, g=g)
+    v = randn(fb.num_tokens, kv_heads, head_dim, dtype=dtype, g=g)
+    k_expected, v_expected = fb.kv_pool.k_buffer[1].clone(), fb.kv_pool.v_buffer[1].clone()
+    layer0 = fb.kv_pool.k_buffer[0].clone()
+    kv_store.kv_store_reference(k_expected, v_expected, k, v, fb.out_cache_loc)
+    expected = attention_extend.extend_attention_reference(
+        q.float(), k_expected.float(), v_expected.float(), fb.req_to_token, fb.req_pool_indices,
+        fb.seq_lens, fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start,
+        head_dim**-0.5)
+
+    backend.prepare(fb)
+    out = backend.forward(q, k, v, 1, head_dim**-0.5, fb)
+    assert torch.equal(fb.kv_pool.k_buffer[1], k_expected)
+    assert torch.equal(fb.kv_pool.v_buffer[1], v_expected)
+    assert torch.equal(fb.kv_pool.k_buffer[0], layer0)  # other layers untouched
+    close(out, expected, dtype)
+
+
+def test_triton_backend_decode_metadata_is_shape_only() -> None:
+    """DECODE launch parameters must not depend on lengths (CUDA-graph replay)."""
+    backend = TritonAttentionBackend(num_sms=132)
+    metas = []
+    for seq_lens in ([5, 7], [3000, 1]):
+        fb = make_forward_batch(ForwardMode.DECODE, [n - 1 for n in seq_lens], [1, 1],
+                                torch.float32, 1, gen(10))
+        backend.prepare(fb)
+        metas.append(fb.attn_metadata)
+    assert metas[0] == metas[1] and metas[0].num_kv_splits > 1
+
+
+def test_dispatch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("SGL_KERNELS", raising=False)
+    assert dispatch.kernel_impl(cpu) == "reference"
+    assert dispatch.kernel_impl(cuda) == ("triton" if triton_compat.HAS_TRITON else "reference")
+    monkeypatch.setenv("SGL_KERNELS", "reference")
+    assert dispatch.kernel_impl(cuda) == "reference"
+    monkeypatch.setenv("SGL_KERNELS", "bogus")
+    with pytest.raises(ValueError):
+        dispatch.kernel_impl(cpu)
+
+
+@pytest.mark.parametrize("mode", ["auto", "reference", "triton"])
+def test_dispatch_ops_agree(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if mode == "triton" and not TRITON_HERE:
+        pytest.skip("triton missing, or imported uninterpreted (see the subprocess test)")
+    monkeypatch.setenv("SGL_KERNELS", mode)
+    g = gen(11)
+    x, r, w = (randn(3, 64, dtype=torch.float32, g=g) for _ in range(3))
+    w = w[0]
+    close(dispatch.rmsnorm(x, w), rmsnorm.rmsnorm_reference(x, w), torch.float32)
+    close(dispatch.fused_add_rmsnorm(x, r, w)[0],
+          rmsnorm.fused_add_rmsnorm_reference(x, r, w)[0], torch.float32)
+    close(dispatch.silu_and_mul(x), activation.silu_and_mul_reference(x), torch.float32)
+    fb = make_forward_batch(ForwardMode.DECODE, [9, 20], [1, 1], torch.float32, 1, g)
+    q = randn(2, 4, 32, dtype=torch.float32, g=g)
+    kb, vb = fb.kv_pool.k_buffer[1], fb.kv_pool.v_buffer[1]
+    args = (fb.req_to_token, fb.req_pool_indices, fb.seq_lens, 0.2)
+    close(dispatch.decode_attention(q, kb, vb, *args, 2),
+          attention_decode.decode_attention_reference(q, kb, vb, *args), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,context", [(1, 4096), (64, 1024)])
+def test_gpu_attention_realistic(batch: int, context: int) -> None:
+    """Llama-3-8B attention shapes in bf16 on a real GPU (decode and prefill)."""
+    g = gen(12)
+    heads, kv_heads, head_dim = 32, 8, 128
+    pool = make_pool([context] * batch, kv_heads, head_dim, 16, torch.bfloat16, g)
+    lens = torch.full((batch,), context, device=DEVICE)
+    q = randn(batch, heads, head_dim, dtype=torch.bfloat16, g=g)
+    splits = attention_decode.decode_num_kv_splits(batch, kv_heads)
+    args = (pool.req_to_token, pool.rows, lens, head_dim**-0.5)
+    expected = attention_decode.decode_attention_reference(q, pool.k, pool.v, *args)
+    close(dispatch.decode_attention(q, pool.k, pool.v, *args, splits), expected, torch.bfloat16)
+    ext = min(context, 512)
+    t = lambda xs: torch.tensor(xs, device=DEVICE)  # noqa: E731
+    qe = randn(ext * batch, heads, head_dim, dtype=torch.bfloat16, g=g)
+    ext_args = (pool.req_to_token, pool.rows, lens, t([context - ext] * batch), t([ext] * batch),
+                t([b * ext for b in range(batch)]), head_dim**-0.5, ext)
+    close(dispatch.extend_attention(qe, pool.k, pool.v, *ext_args),
+          attention_extend.extend_attention_reference(qe, pool.k, pool.v, *ext_args),
+          torch.bfloat16)
+
+
+@pytest.mark.skipif(TRITON_HERE or not triton_compat.HAS_TRITON or CUDA
+                    or os.environ.get(_SUBPROCESS_MARK) == "1",
+                    reason="the Triton tests already ran in this process")
+def test_triton_kernels_in_subprocess() -> None:
+    """Triton was imported before this module could ask for its interpreter: rerun here."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", _SUBPROCESS_MARK: "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider",
+         "-k", "triton or backend or dispatch"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
