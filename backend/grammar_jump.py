@@ -14,7 +14,9 @@ and the model then conditions on splits it never saw in training. Two boundaries
 Left: re-tokenize T + S, where T is the text of the last k (<= 4) output tokens, keep the
 longest prefix of those k tokens that the re-tokenization reproduces, roll back the rest and
 append the re-tokenized remainder. The first of the k tokens must survive (the "anchor"):
-otherwise the merge may reach further left than the window and we do not jump.
+otherwise the merge may reach further left than the window: we retry with a window twice as
+wide, then give up (unless the window holds the whole output: there is nothing further left
+but the prompt, which is never re-tokenized).
 
 Right: hold back the last re-tokenized token; the model decodes it itself (masked), free to
 choose a longer token that merges it with the next, unforced text. The exception is a jump
@@ -53,6 +55,7 @@ class JumpPlan:
     rollback: int
     append_ids: tuple[int, ...]
     forced_text: str
+    boundary_kept: int  # output tokens before the rollback point that re-tokenization kept
     base_accepted: int  # state.num_accepted when planned; apply checks it
     matcher: xgr.GrammarMatcher | None = field(default=None, repr=False, compare=False)
 
@@ -86,23 +89,20 @@ def plan_jump_forward(
     if max_new_tokens is not None and max_new_tokens < 1:
         return None
 
-    k = min(max_boundary_tokens, len(output_ids), state.num_accepted)
-    tail = [int(t) for t in output_ids[len(output_ids) - k :]] if k else []
-    # Drop leading tokens that start inside a UTF-8 character: their text alone is not valid.
-    while tail and "\ufffd" in (boundary_text := _decode(tokenizer, tail)):
-        tail = tail[1:]
-    boundary_text = _decode(tokenizer, tail) if tail else ""
-    k = len(tail)
-    if "\ufffd" in boundary_text:
+    usable = min(len(output_ids), state.num_accepted)
+    # If the first window token changes (no anchor), the merge may reach further left: widen
+    # the window once before giving up.
+    boundary = None
+    for window in (max_boundary_tokens, 2 * max_boundary_tokens):
+        boundary = _retokenize_boundary(tokenizer, output_ids, min(window, usable), forced)
+        if boundary is None or boundary[3] > 0 or len(boundary[0]) >= len(output_ids):
+            break
+        if window >= usable:
+            return None
+    if boundary is None or (boundary[3] == 0 and len(boundary[0]) < len(output_ids)):
         return None
-
-    text = boundary_text + forced
-    retokenized = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-    if _decode(tokenizer, retokenized) != text:
-        return None  # the tokenizer normalises this text: we cannot reason about boundaries
-    kept = _common_prefix(tail, retokenized)
-    if k and kept == 0:
-        return None  # the anchor changed: the merge may reach before the window
+    tail, boundary_text, retokenized, kept = boundary
+    k = len(tail)
     rollback = k - kept
     candidate = retokenized[kept:]
 
@@ -131,16 +131,16 @@ def plan_jump_forward(
         fork.rollback(extra)
         candidate = candidate[: len(candidate) - extra]
 
-    if len(candidate) - rollback < 1:
-        return None  # nothing saved: decoding would take as many steps
-    # Rolled-back text must be re-covered, or already-streamed text would shrink.
+    # Rolled-back text must be re-covered, or already-streamed text would shrink; and some
+    # forced text must be covered, or the jump saves no decode step.
     covered = _decode(tokenizer, retokenized[: kept + len(candidate)])
-    if len(covered) < len(boundary_text) or not covered.startswith(boundary_text):
+    if len(covered) <= len(boundary_text) or not covered.startswith(boundary_text):
         return None
     return JumpPlan(
         rollback=rollback,
         append_ids=tuple(candidate),
         forced_text=forced,
+        boundary_kept=kept,
         base_accepted=state.num_accepted,
         matcher=fork,
     )
@@ -174,6 +174,25 @@ def _only_stop_allowed(matcher: xgr.GrammarMatcher, state: ConstraintState) -> b
     if not matcher.is_completed():
         return False
     return _allows_only_stop(matcher, state.vocab_size, state.stop_token_ids)
+
+
+def _retokenize_boundary(
+    tokenizer: Any, output_ids: Sequence[int], k: int, forced: str
+) -> tuple[list[int], str, list[int], int] | None:
+    """Re-tokenize the text of the last k output tokens plus the forced string.
+
+    Returns (tail tokens, their text, re-tokenized ids, how many tail tokens survive).
+    """
+    tail = [int(t) for t in output_ids[len(output_ids) - k :]] if k else []
+    # Drop leading tokens that start inside a UTF-8 character: their text alone is not valid.
+    while tail and "\ufffd" in _decode(tokenizer, tail):
+        tail = tail[1:]
+    boundary_text = _decode(tokenizer, tail) if tail else ""
+    text = boundary_text + forced
+    retokenized = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    if _decode(tokenizer, retokenized) != text:
+        return None  # the tokenizer normalises this text: we cannot reason about boundaries
+    return tail, boundary_text, retokenized, _common_prefix(tail, retokenized)
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:

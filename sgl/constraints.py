@@ -66,8 +66,8 @@ def escape_regex(text: str) -> str:
 class ConstraintSpec:
     """One compiled-to-be constraint: `kind` and `text` are all the engine needs.
 
-    `text` is canonical (a JSON schema is dumped with sorted keys), so `(kind, text)` is a
-    good cache key. `source` says which option produced it, for error messages. The parser,
+    `text` is canonical (a JSON schema's keywords are sorted, its property order kept), so
+    `(kind, text)` is a good cache key. `source` says which option produced it, for error messages. The parser,
     when present, turns the generated text back into a typed value (`parse`).
     """
 
@@ -246,7 +246,29 @@ def _warn_unenforceable(schema: Any, source: str) -> None:
 
 
 def _canonical_json(schema: Any) -> str:
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """One text per schema, for cache keys: keyword order is sorted, but the order inside
+    `properties` is kept (it is the order the model writes the keys in, which matters: e.g.
+    reasoning before answer) and data (enum, const, default, examples) is kept verbatim."""
+    return json.dumps(_canonical_schema(schema), separators=(",", ":"), ensure_ascii=False)
+
+
+def _canonical_schema(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_canonical_schema(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key == "properties" and isinstance(value, Mapping):
+            out[key] = {name: _canonical_schema(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {name: _canonical_schema(value[name]) for name in sorted(value)}
+        elif key in _SCHEMA_LISTS or key in _SCHEMA_SINGLE:
+            out[key] = _canonical_schema(value)
+        else:
+            out[key] = value  # data or a scalar keyword: verbatim
+    return out
 
 
 # -- build_constraint ---------------------------------------------------------------------------
