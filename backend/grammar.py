@@ -8,7 +8,7 @@ How the engine drives it (see also `grammar_jump.py` for the jump-forward plan):
     # when the request is admitted (engine thread):
     req.grammar = backend.new_state(compiled)
     # each step, for the batch (rows of unconstrained requests stay all ones):
-    fill_bitmasks([r.grammar for r in batch], bitmask)     # [B, ceil(V/32)] int32, CPU
+    backend.fill_bitmasks([r.grammar for r in batch], bitmask)  # [B, ceil(V/32)] int32, CPU
     apply_bitmask(logits, bitmask)                         # logits [B, V], on logits' device
     # after sampling token t for a constrained request:
     req.grammar.accept_token(t)        # False means a bug (the mask allowed it): abort the request
@@ -106,6 +106,7 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -181,6 +182,14 @@ class GrammarBackend:
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         return allocate_bitmask(batch_size, self.vocab_size)
+
+    def fill_bitmasks(
+        self, states: Sequence[ConstraintState | None], bitmask: torch.Tensor
+    ) -> bool:
+        """`fill_bitmasks` on this backend's thread pool (created on first large batch)."""
+        if self._batch_matcher is None and sum(s is not None for s in states) >= _BATCH_THRESHOLD:
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+        return fill_bitmasks(states, bitmask, self._batch_matcher)
 
 
 def _preview(text: str, limit: int = 120) -> str:
@@ -278,26 +287,32 @@ def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(batch_size, vocab_size)
 
 
-_batch_matcher: xgr.BatchGrammarMatcher | None = None
 _BATCH_THRESHOLD = 8  # below this, the thread pool's hand-off costs more than it saves
 
 
-def fill_bitmasks(states: Sequence[ConstraintState | None], bitmask: torch.Tensor) -> bool:
+def fill_bitmasks(
+    states: Sequence[ConstraintState | None],
+    bitmask: torch.Tensor,
+    batch_matcher: xgr.BatchGrammarMatcher | None = None,
+) -> bool:
     """Fill one row per request; rows of unconstrained requests (None) become all ones.
 
-    Returns True if any row is constrained, i.e. whether `apply_bitmask` is needed at all.
+    With a `batch_matcher` (GrammarBackend.fill_bitmasks passes its own), rows are filled
+    on its thread pool when there are enough. Returns True if any row is constrained, i.e.
+    whether `apply_bitmask` is needed at all.
     """
-    global _batch_matcher
     bitmask[: len(states)].fill_(-1)
-    rows = [i for i, s in enumerate(states) if s is not None and not s.is_terminated()]
+    rows = []
     for i, state in enumerate(states):
-        if state is not None and state.is_terminated():
+        if state is None:
+            continue
+        if state.is_terminated():
             state.fill_bitmask(bitmask, i)
-    if len(rows) >= _BATCH_THRESHOLD:
-        if _batch_matcher is None:
-            _batch_matcher = xgr.BatchGrammarMatcher()
+        else:
+            rows.append(i)
+    if batch_matcher is not None and len(rows) >= _BATCH_THRESHOLD:
         matchers = [states[i].matcher for i in rows]  # type: ignore[union-attr]
-        _batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
     else:
         for i in rows:
             states[i].fill_bitmask(bitmask, i)  # type: ignore[union-attr]

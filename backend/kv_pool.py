@@ -114,6 +114,8 @@ class SlotAllocator:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` fresh slots (starting new pages), int64 CPU tensor, or None if not enough free."""
+        if n < 0:
+            raise ValueError(f"alloc of {n} slots")
         if self.page_size > 1:
             return self.alloc_extend([-1], [n])
         if n > self._top:

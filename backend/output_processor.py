@@ -140,23 +140,22 @@ class OutputProcessor:
         p = r.params
         if r.constraint is not None:
             r.constraint.accept_token(tok)
-        if (tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos)) and r.output_len >= p.min_new_tokens:
-            r.matched_stop = tok
-            self._finish(r, "stop")
-            return
-        delta = self._push_text(r, [tok])
+        stop_tok = (tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos)) and (
+            len(r.output_ids) >= p.min_new_tokens)
+        delta = "" if stop_tok else self._push_text(r, [tok])  # may finish on a stop string
         if r.finished:
             return
-        if r.constraint is not None and r.constraint.is_terminated():
+        if r.stream:  # every token is streamed, with whatever text it completed (maybe none)
+            lps = self._lp_objs(r.output_logprobs[-1:]) if lp is not None else None
+            self._emit(r, "chunk", StreamChunk(text=delta, token_ids=[tok], index=r.sample_index, logprobs=lps))
+        if stop_tok:
+            r.matched_stop = tok
             self._finish(r, "stop")
-            return
-        if r.output_len >= p.max_new_tokens or r.seq_len >= self.context_length:
+        elif r.constraint is not None and r.constraint.is_terminated():
+            self._finish(r, "stop")
+        elif self._at_length_limit(r):
             self._finish(r, "length")
-            return
-        if delta and r.stream:
-            self._emit(r, "chunk", StreamChunk(text=delta, token_ids=[tok], index=r.sample_index,
-                                               logprobs=self._lp_objs(r.output_logprobs[-1:]) if lp is not None else None))
-        if r.constraint is not None and r.jump_forward:
+        elif r.constraint is not None and r.jump_forward:
             self._jump_forward(r)
 
     def _push_text(self, r: Req, ids: list[int]) -> str:
@@ -197,10 +196,15 @@ class OutputProcessor:
             return
         if r.constraint.is_terminated():
             self._finish(r, "stop")
-        elif r.output_len >= r.params.max_new_tokens or r.seq_len >= self.context_length:
+        elif self._at_length_limit(r):
             self._finish(r, "length")
-        elif delta and r.stream:
+        elif r.stream:
             self._emit(r, "chunk", StreamChunk(text=delta, token_ids=list(plan.append_ids), index=r.sample_index))
+
+    def _at_length_limit(self, r: Req) -> bool:
+        # Known tokens only: with the overlap loop a sample of the next step may be in flight.
+        n = len(r.output_ids)
+        return n >= r.params.max_new_tokens or len(r.prompt_ids) + n >= self.context_length
 
     # -- finishing ---------------------------------------------------------------------------
 

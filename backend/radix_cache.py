@@ -184,7 +184,8 @@ class RadixCache:
         if self.disable:
             return MatchResult(_EMPTY, self.root)
         node, values = self._walk(_as_tokens(tokens), next(self._clock))
-        slots = torch.cat(values) if len(values) > 1 else (values[0] if values else _EMPTY)
+        # A fresh tensor (cat/clone), never a view of a node's value: the caller may write to it.
+        slots = torch.cat(values) if len(values) > 1 else (values[0].clone() if values else _EMPTY)
         return MatchResult(slots, node)
 
     def _insert(
@@ -260,6 +261,8 @@ class RadixCache:
         longer (slots allocated beyond len(tokens), e.g. for a last token never computed, are
         freed). The page-aligned part is inserted, duplicates and the unaligned tail are freed,
         and `last_node` is unlocked. Afterwards the request owns no slots.
+        Precondition: len(tokens) >= the request's cached (tree-owned) prefix length, since
+        `slots[page_floor(len(tokens)):]` are freed as the request's own.
         """
         toks = _as_tokens(tokens)
         slots = slots.to(dtype=torch.int64, device="cpu")

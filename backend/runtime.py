@@ -65,7 +65,7 @@ class Runtime:
     def __init__(self, config: EngineConfig) -> None:
         from sgl.backend.engine_loop import EngineCore
         from sgl.backend.kv_pool import KVPool, ReqToTokenPool, check_kv_integrity
-        from sgl.backend.model_loader import load_model, resolve_model_path
+        from sgl.backend.model_loader import PRESETS, load_model, resolve_model_path
         from sgl.backend.model_runner import ModelRunner
         from sgl.backend.output_processor import OutputProcessor
         from sgl.backend.radix_cache import RadixCache
@@ -84,10 +84,13 @@ class Runtime:
         model, mcfg = load_model(config.model, device=device, dtype=dtype,
                                  load_format=config.load_format, model_config=config.model_config,
                                  seed=config.random_seed)
+        dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
+            config.model in PRESETS or (config.model is None and config.model_config)))
         tokenizer = None
-        if config.load_format != "dummy" or config.tokenizer:
-            tokenizer = load_tokenizer(resolve_model_path(config.model) if config.load_format != "dummy"
-                                       else None, config.tokenizer)
+        if not dummy:
+            tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
+        elif config.tokenizer:
+            tokenizer = load_tokenizer(resolve_model_path(config.tokenizer), None)
         context_length = min(config.context_length or mcfg.context_length, mcfg.context_length)
         if config.context_length and config.context_length > mcfg.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",

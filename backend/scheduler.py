@@ -74,8 +74,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def req_slots(self, req: Req, end: int | None = None) -> torch.Tensor:
+        """A copy of the request's slots: the table row is reused by later requests, so
+        nothing that outlives this call (radix tree values!) may be a view of it."""
         end = req.kv_len if end is None else end
-        return self.req_pool.table[req.req_pool_idx, :end]
+        return self.req_pool.table[req.req_pool_idx, :end].clone()
 
     # -- the decision ------------------------------------------------------------------------
 
@@ -98,7 +100,9 @@ class Scheduler:
         budget = self.cfg.chunked_prefill_size
         step_tokens = len(decoding)
         reserve = self._decode_reserve(self.running)
-        admitted_prompts: list[list[int]] = []
+        # Prompts being prefilled whose KV is not in the tree yet: a waiting request sharing a
+        # long prefix with one of them waits for it (lpm), instead of computing it twice.
+        admitted_prompts = [r.prompt_ids for r in self.running if r.cached_len < len(r.prompt_ids) - 1]
 
         for r in prefilling:  # chunked prefills in progress continue first
             if budget <= 0:
@@ -196,7 +200,7 @@ class Scheduler:
         if r.logprob.wants_prompt_logprobs:
             cached = min(cached, max(r.logprob.logprob_start_len - 1, 0))
         cached -= cached % self.cfg.page_size
-        if self.cfg.policy == "lpm" and admitted_prompts:
+        if self.cfg.policy == "lpm" and admitted_prompts and not self.tree.disabled:
             shared = max(_common_prefix_len(tokens, p) for p in admitted_prompts)
             if shared >= cached + IN_BATCH_PREFIX_DEFER:
                 return False
