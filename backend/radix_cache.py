@@ -231,7 +231,7 @@ class RadixCache:
             if dup.numel():
                 self.allocator.free(dup)
             return torch.cat((tree_prefix, slots[n:])), node
-        return slots, node
+        return slots.clone(), node  # never alias the caller's tensor (often a req_to_token row view)
 
     def cache_unfinished(
         self, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, old_last_node: TreeNode

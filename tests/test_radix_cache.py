@@ -144,6 +144,23 @@ def test_cache_unfinished_relocks_and_frees_duplicates() -> None:
     check_kv_integrity(a, t, [])
 
 
+def test_returned_slots_never_alias_inputs_or_tree() -> None:
+    a, t = make()
+    table = torch.zeros(10, dtype=torch.int64)  # stands in for a req_to_token CPU row
+    s = a.alloc(3)
+    assert s is not None
+    table[:3] = s
+    prefix, node = t.cache_unfinished([1, 2, 3], table[:3], t.root)
+    table[:3] = 0  # the row is reused by another request
+    assert prefix.tolist() == s.tolist()
+    m = t.match_prefix([1, 2, 3])
+    assert m.slots.tolist() == s.tolist()
+    m.slots[0] = 0  # writing to a match result must not corrupt the tree
+    t.check_integrity()
+    t.cache_finished([1, 2, 3], prefix, node)
+    check_kv_integrity(a, t, [])
+
+
 def test_cache_finished_pages_frees_tail_and_extra_slots() -> None:
     a, t = make(page=4)
     slots = a.alloc(7)
