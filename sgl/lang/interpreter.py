@@ -122,7 +122,9 @@ class StreamExecutor:
         if self.error_ is None:
             self.error_ = exc
         if cancel_running and self._worker is not None:
+            # A task cancelled before it started never runs its `finally`: forget it here.
             self._worker.cancel()
+            self._worker = None
         dropped, self._queue = self._queue, collections.deque()
         for expr in dropped:
             if isinstance(expr, Op):
@@ -244,11 +246,8 @@ class StreamExecutor:
         for c in completions:
             meta = dict(c.meta_info)
             value: Any = c.text
-            if resolved.constraint is not None and hasattr(resolved.constraint, "parse"):
-                parsed = resolved.constraint.parse(c.text, c.finish_reason)
-                meta["parsed"] = parsed
-                if resolved.typed:  # schema=: the variable holds the validated value
-                    value = parsed
+            if resolved.typed:  # schema=: the variable holds the validated value
+                value = meta["parsed"] = resolved.constraint.parse(c.text, c.finish_reason)
             c.meta_info = meta
             values.append(value)
         if name is not None:
