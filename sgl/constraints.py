@@ -29,6 +29,7 @@ __all__ = [
     "ConstraintSpec",
     "UnenforceableSchemaWarning",
     "build_constraint",
+    "escape_regex",
     "grammar_names",
     "load_grammar",
     "unenforceable_keywords",
@@ -40,15 +41,6 @@ ConstraintKind = Literal["regex", "json_schema", "ebnf"]
 class UnenforceableSchemaWarning(UserWarning):
     """A JSON Schema keyword is accepted but not enforced while decoding (see the message)."""
 
-
-# -- regexes for dtype= -------------------------------------------------------------------------
-# JSON-style numbers: no leading zeros, no "+", so int("...")/float("...") always parse them.
-_INT_REGEX = r"-?(0|[1-9][0-9]*)"
-_FLOAT_REGEX = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
-_BOOL_REGEX = r"(True|False)"
-# A JSON string literal, parsed back with json.loads: quotes make the end unambiguous, which
-# an unquoted free-text regex would not.
-_STR_REGEX = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
 
 # Characters that are special in the regex dialect xgrammar compiles (ECMAScript-like).
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/-")
@@ -67,8 +59,8 @@ class ConstraintSpec:
     """One compiled-to-be constraint: `kind` and `text` are all the engine needs.
 
     `text` is canonical (a JSON schema's keywords are sorted, its property order kept), so
-    `(kind, text)` is a good cache key. `source` says which option produced it, for error messages. The parser,
-    when present, turns the generated text back into a typed value (`parse`).
+    `(kind, text)` is a good cache key. `source` names the option that produced it, for
+    messages. The parser, when present, turns generated text into a typed value (`parse`).
     """
 
     kind: ConstraintKind
@@ -145,13 +137,9 @@ def _grammar_dirs() -> list[Any]:
 
 def grammar_names() -> list[str]:
     """Names accepted by `grammar=` (file stems in grammars/), sorted."""
-    names: set[str] = set()
-    for folder in _grammar_dirs():
-        for entry in folder.iterdir():
-            suffix = "." + entry.name.rsplit(".", 1)[-1] if "." in entry.name else ""
-            if suffix in _GRAMMAR_SUFFIXES:
-                names.add(entry.name[: -len(suffix)])
-    return sorted(names)
+    files = [entry.name for folder in _grammar_dirs() for entry in folder.iterdir()]
+    return sorted({name.rsplit(".", 1)[0] for name in files
+                   if "." + name.rsplit(".", 1)[-1] in _GRAMMAR_SUFFIXES})
 
 
 def load_grammar(name: str) -> tuple[ConstraintKind, str]:
@@ -174,21 +162,13 @@ def load_grammar(name: str) -> tuple[ConstraintKind, str]:
 # -- JSON Schema keywords xgrammar accepts but does not enforce --------------------------------
 # Found by compiling a schema with each keyword and checking that a violating document is still
 # accepted (xgrammar 0.2.9). Everything else it either enforces or rejects at compile time.
+_IGNORED = "is ignored"
 _UNENFORCED = {
-    "uniqueItems": "duplicates are not prevented",
-    "if": "conditional subschemas are ignored",
-    "then": "conditional subschemas are ignored",
-    "else": "conditional subschemas are ignored",
-    "not": "negated subschemas are ignored",
-    "dependentRequired": "dependencies between properties are ignored",
-    "dependentSchemas": "dependencies between properties are ignored",
-    "dependencies": "dependencies between properties are ignored",
-    "contains": "'contains' is ignored",
-    "minContains": "'contains' is ignored",
-    "maxContains": "'contains' is ignored",
-    "contentEncoding": "string content is not checked",
-    "contentMediaType": "string content is not checked",
-    "contentSchema": "string content is not checked",
+    "uniqueItems": "duplicates are not prevented", "if": _IGNORED, "then": _IGNORED,
+    "else": _IGNORED, "not": _IGNORED, "dependentRequired": _IGNORED,
+    "dependentSchemas": _IGNORED, "dependencies": _IGNORED, "contains": _IGNORED,
+    "minContains": _IGNORED, "maxContains": _IGNORED, "contentEncoding": _IGNORED,
+    "contentMediaType": _IGNORED, "contentSchema": _IGNORED,
 }
 _ENFORCED_FORMATS = frozenset(
     "email date time date-time duration uri uri-reference uri-template uuid ipv4 ipv6 "
@@ -288,14 +268,9 @@ def build_constraint(
     At most one option may be given; conflicting ones raise InvalidConstraintError naming
     them. Unenforceable JSON Schema keywords are reported with UnenforceableSchemaWarning.
     """
-    given = {
-        name: value
-        for name, value in (
-            ("regex", regex), ("json_schema", json_schema), ("schema", schema),
-            ("grammar", grammar), ("choices", choices), ("dtype", dtype),
-        )
-        if value is not None
-    }
+    options = {"regex": regex, "json_schema": json_schema, "schema": schema,
+               "grammar": grammar, "choices": choices, "dtype": dtype}
+    given = {name: value for name, value in options.items() if value is not None}
     if not given:
         return None
     if len(given) > 1:
@@ -316,16 +291,13 @@ def _from_regex(regex: Any) -> ConstraintSpec:
 
 
 def _from_json_schema(value: Any) -> ConstraintSpec:
+    parsed = value
     if isinstance(value, (str, bytes)):
         try:
             parsed = json.loads(value)
         except ValueError as exc:
-            raise InvalidConstraintError(
-                f"json_schema is not valid JSON ({exc}); pass a dict or a JSON string",
-                field="json_schema",
-            ) from exc
-    else:
-        parsed = value
+            raise InvalidConstraintError(f"json_schema is not valid JSON ({exc}); pass a dict "
+                                         "or a JSON string", field="json_schema") from exc
     if not isinstance(parsed, Mapping):
         raise InvalidConstraintError(
             f"json_schema must be a JSON object (dict), got {type(parsed).__name__}",
@@ -374,15 +346,12 @@ def _from_grammar(grammar: Any) -> ConstraintSpec:
 
 
 def _from_choices(choices: Any) -> ConstraintSpec:
-    if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices:
+    if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices or not all(
+        isinstance(choice, str) and choice for choice in choices
+    ):
         raise InvalidConstraintError(
-            f"choices={choices!r}: must be a non-empty list of strings", field="choices"
+            f"choices={choices!r}: must be a non-empty list of non-empty strings", field="choices"
         )
-    for choice in choices:
-        if not isinstance(choice, str) or not choice:
-            raise InvalidConstraintError(
-                f"choices: {choice!r} is not a non-empty string", field="choices"
-            )
     # Longest first, so a choice that prefixes another is not preferred by the alternation.
     ordered = sorted(dict.fromkeys(choices), key=len, reverse=True)
     regex = "(" + "|".join(escape_regex(c) for c in ordered) + ")"
@@ -397,25 +366,25 @@ def _from_choices(choices: Any) -> ConstraintSpec:
 
 
 def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    raise ValueError(f"{text!r} is not True or False")
+    if text.strip().lower() not in ("true", "false"):
+        raise ValueError(f"{text!r} is not True or False")
+    return text.strip().lower() == "true"
 
 
+# Numbers are JSON-style (no leading zeros, no "+"), so int()/float() always parse them. A str
+# is a JSON string literal (parsed with json.loads): the closing quote makes its end explicit.
 _DTYPES: dict[type, tuple[str, Callable[[str], Any]]] = {
-    int: (_INT_REGEX, int),
-    float: (_FLOAT_REGEX, float),
-    bool: (_BOOL_REGEX, _parse_bool),
-    str: (_STR_REGEX, json.loads),
+    int: (r"-?(0|[1-9][0-9]*)", int),
+    float: (r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?", float),
+    bool: (r"(True|False)", _parse_bool),
+    str: (r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"', json.loads),
 }
 
 
 def _from_dtype(dtype: Any) -> ConstraintSpec:
-    if dtype not in _DTYPES:
-        raise InvalidConstraintError(
-            f"dtype={dtype!r}: must be one of int, float, bool, str", field="dtype"
-        )
+    if not any(dtype is known for known in _DTYPES):
+        raise InvalidConstraintError(f"dtype={dtype!r}: must be int, float, bool or str",
+                                     field="dtype")
     regex, parser = _DTYPES[dtype]
     return ConstraintSpec("regex", regex, source=f"dtype {dtype.__name__}", parser=parser)
 

@@ -176,8 +176,11 @@ def test_batch_fill_mixes_constrained_and_free_rows(backend: GrammarBackend, tok
                                             for i in range(12)]  # 8 constrained: threaded path
     bitmask = allocate_bitmask(12, VOCAB)
     bitmask.zero_()  # stale content must be overwritten
-    assert fill_bitmasks(states, bitmask)
+    assert backend.fill_bitmasks(states, bitmask)  # threaded path: 8 constrained rows
     allowed = bitmask_to_bool(bitmask, VOCAB)
+    sequential = allocate_bitmask(12, VOCAB)
+    fill_bitmasks(states, sequential)
+    assert torch.equal(sequential, bitmask)
     digit = tokenizer.encode("7")[0]
     for row, state in enumerate(states):
         if state is None:
