@@ -39,20 +39,22 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 import xgrammar as xgr
 
+# Re-exported: the jump-forward planner is part of this adapter's API (split only for size).
+from sgl.backend.grammar_jump import JumpPlan, apply_plan, plan_jump_forward
 from sgl.errors import InvalidConstraintError
-
-if TYPE_CHECKING:
-    from sgl.backend.grammar_jump import JumpPlan
 
 __all__ = [
     "CompiledConstraint",
     "ConstraintState",
     "GrammarBackend",
+    "JumpPlan",
+    "apply_plan",
+    "plan_jump_forward",
     "allocate_bitmask",
     "apply_bitmask",
     "bitmask_to_bool",
@@ -266,16 +268,12 @@ class ConstraintState:
         self, output_ids: Sequence[int], *, max_new_tokens: int | None = None, **options: Any
     ) -> JumpPlan | None:
         """Plan a jump over the forced continuation; see `grammar_jump.plan_jump_forward`."""
-        from sgl.backend.grammar_jump import plan_jump_forward
-
         return plan_jump_forward(
             self.tokenizer, self, output_ids, max_new_tokens=max_new_tokens, **options
         )
 
     def apply(self, plan: JumpPlan) -> None:
         """Move the matcher as the plan says (after the engine applied it to the request)."""
-        from sgl.backend.grammar_jump import apply_plan
-
         apply_plan(self, plan)
 
 

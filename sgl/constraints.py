@@ -72,6 +72,10 @@ class ConstraintSpec:
     def key(self) -> tuple[str, str]:
         return (self.kind, self.text)
 
+    @property
+    def spec(self) -> str:  # the name SamplingParams and GrammarBackend.compile use
+        return self.text
+
     def sampling_kwargs(self) -> dict[str, str]:
         """The matching `SamplingParams` field: {"regex"|"json_schema"|"ebnf": text}."""
         return {self.kind: self.text}
@@ -390,10 +394,6 @@ def _from_dtype(dtype: Any) -> ConstraintSpec:
 
 
 _BUILDERS: dict[str, Callable[[Any], ConstraintSpec]] = {
-    "regex": _from_regex,
-    "json_schema": _from_json_schema,
-    "schema": _from_schema,
-    "grammar": _from_grammar,
-    "choices": _from_choices,
-    "dtype": _from_dtype,
+    "regex": _from_regex, "json_schema": _from_json_schema, "schema": _from_schema,
+    "grammar": _from_grammar, "choices": _from_choices, "dtype": _from_dtype,
 }
