@@ -32,10 +32,26 @@ def _stop(*_: Any, **__: Any) -> Any:
     raise _StopTracing
 
 
+class _Partial:
+    """`"Question: " + arg`: the constant part still belongs to the prefix."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __radd__(self, other: Any) -> _Partial:
+        return _Partial(other + self.text) if isinstance(other, str) else _stop()
+
+    def __add__(self, other: Any) -> _Partial:
+        return self  # whatever follows the argument is not constant
+
+
 class _Placeholder:
     """An argument whose every use ends the trace."""
 
-    __str__ = __repr__ = __format__ = __add__ = __radd__ = __len__ = __iter__ = _stop
+    def __radd__(self, other: Any) -> _Partial:
+        return _Partial(other) if isinstance(other, str) else _stop()
+
+    __str__ = __repr__ = __format__ = __add__ = __len__ = __iter__ = _stop
     __bool__ = __int__ = __float__ = __index__ = __getitem__ = __eq__ = __lt__ = _stop
     __hash__ = None  # type: ignore[assignment]
 
@@ -50,6 +66,9 @@ class _TracingState:
         self.num_messages = 0
 
     def __iadd__(self, other: Any) -> _TracingState:
+        if isinstance(other, _Partial):
+            self.text += other.text
+            raise _StopTracing
         self._append(ir.as_expr(other) if not isinstance(other, _Placeholder) else _stop())
         return self
 
