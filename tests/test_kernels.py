@@ -59,19 +59,18 @@ def _triton_runs_here() -> bool:
 
 TRITON_HERE = _triton_runs_here()
 _SUBPROCESS_MARK = "SGL_KERNEL_TESTS_CHILD"
-needs_triton = pytest.mark.skipif(
-    not TRITON_HERE, reason="triton missing, or imported uninterpreted (see the subprocess test)"
-)
-
-
+NO_TRITON = "triton missing, or imported uninterpreted (see the subprocess test)"
+needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 IMPLS = ["reference", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
 @pytest.fixture(params=IMPLS)
 def impl(request: pytest.FixtureRequest) -> str:
     if request.param == "triton" and not TRITON_HERE:
-        pytest.skip("triton missing, or imported uninterpreted (see the subprocess test)")
+        pytest.skip(NO_TRITON)
     return request.param
 
 
@@ -389,7 +388,7 @@ def test_dispatch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("mode", ["auto", "reference", "triton"])
 def test_dispatch_ops_agree(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if mode == "triton" and not TRITON_HERE:
-        pytest.skip("triton missing, or imported uninterpreted (see the subprocess test)")
+        pytest.skip(NO_TRITON)
     monkeypatch.setenv("SGL_KERNELS", mode)
     g = gen(11)
     x, r, w = (randn(3, 64, dtype=torch.float32, g=g) for _ in range(3))
