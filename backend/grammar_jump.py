@@ -92,16 +92,16 @@ def plan_jump_forward(
     usable = min(len(output_ids), state.num_accepted)
     # If the first window token changes (no anchor), the merge may reach further left: widen
     # the window once before giving up.
-    boundary = None
     for window in (max_boundary_tokens, 2 * max_boundary_tokens):
         boundary = _retokenize_boundary(tokenizer, output_ids, min(window, usable), forced)
-        if boundary is None or boundary[3] > 0 or len(boundary[0]) >= len(output_ids):
-            break
-        if window >= usable:
+        if boundary is None:
             return None
-    if boundary is None or (boundary[3] == 0 and len(boundary[0]) < len(output_ids)):
+        tail, boundary_text, retokenized, kept = boundary
+        anchored = kept > 0 or len(tail) >= len(output_ids)
+        if anchored or window >= usable:
+            break
+    if not anchored:
         return None
-    tail, boundary_text, retokenized, kept = boundary
     k = len(tail)
     rollback = k - kept
     candidate = retokenized[kept:]
