@@ -127,7 +127,7 @@ class SamplingBatchInfo:
     top_logprobs_num: int  # max over the batch; the engine slices each request's share
     # Step-dependent, rebuilt by `with_step`:
     steps: Tensor | None = None  # [B] int64: seeded rows' counter (tokens sampled so far)
-    min_tokens_mask: tuple[Tensor, Tensor] | None = None  # (batch rows [M], token ids [M])
+    min_tokens_mask: Tensor | None = None  # [M] int64: flat indices b * V + token to ban
     # PenaltyPool.start calls to make in device order, before this step's penalties.
     penalty_starts: tuple[tuple[int, SamplingParams, Sequence[int], Sequence[int]], ...] = ()
 
@@ -202,17 +202,14 @@ class SamplingBatchInfo:
         if self.num_seeded:
             counters = list(output_lens if seed_steps is None else seed_steps)
             steps = _to(torch.tensor(counters, dtype=torch.int64), self.device)
-        pairs = [
-            (b, t)
+        flat = [
+            b * self.vocab_size + t
             for b, (p, n) in enumerate(zip(self.params, output_lens))
             if n < p.min_new_tokens
             for t in sorted({*self.eos_token_ids, *p.stop_token_ids})
             if t < self.vocab_size
         ]
-        mask = None
-        if pairs:
-            where = _to(torch.tensor(pairs, dtype=torch.int64).T, self.device)  # [2, M]
-            mask = (where[0], where[1])
+        mask = _to(torch.tensor(flat, dtype=torch.int64), self.device) if flat else None
         return dataclasses.replace(self, steps=steps, min_tokens_mask=mask, penalty_starts=())
 
 
@@ -297,7 +294,8 @@ def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor |
     if vocab_mask is not None:
         apply_token_bitmask(logits, vocab_mask)
     if info.min_tokens_mask is not None:
-        logits[info.min_tokens_mask] = float("-inf")  # a Python scalar: no device copy, no sync
+        # index_fill_ takes its value as a kernel argument; index_put_ would copy it (a sync).
+        logits.view(-1).index_fill_(0, info.min_tokens_mask, float("-inf"))
     pen = info.penalties
     if pen is not None:
         for start in info.penalty_starts:
