@@ -72,6 +72,7 @@ class PreparedStep:
     top_logprobs_num: int
     prompt_top_logprobs_num: int
     want_logprobs: bool
+    vocab_mask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 grammar bitmask (CPU)
 
 
 class StepHandle:
@@ -89,7 +90,7 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, kv_pool, req_pool, attn_backend, sampler, *, device: torch.device,
-                 max_batch: int, vocab_size: int, overlap: bool) -> None:
+                 max_batch: int, vocab_size: int, overlap: bool, grammar=None) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.req_pool = req_pool
@@ -97,6 +98,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.vocab_size = vocab_size
+        self.grammar = grammar  # a GrammarBackend (set on first constrained request) or None
         self.futures = FutureRing(2 * max_batch + 2)
         self.future_tokens = torch.zeros(self.futures.size, dtype=torch.int64, device=device)
         self._worker = (
@@ -153,6 +155,16 @@ class ModelRunner:
                 prompt_targets.extend(r.prompt_ids[first + 1 : first + 1 + count])
             start += it.extend_len
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
+        vocab_mask = None
+        if batch.has_constraints:
+            # Constrained steps run synchronously (engine_loop.py): every matcher has accepted
+            # its request's latest token, so the masks can be filled here on the CPU.
+            from sgl.backend.grammar import allocate_bitmask
+
+            states = [it.req.constraint for it in batch.items if it.samples]
+            vocab_mask = allocate_bitmask(len(states), self.vocab_size)
+            if not self.grammar.fill_bitmasks(states, vocab_mask):
+                vocab_mask = None
         return PreparedStep(
             batch=batch,
             mode=mode,
@@ -172,6 +184,7 @@ class ModelRunner:
             top_logprobs_num=top_n,
             prompt_top_logprobs_num=prompt_top_n,
             want_logprobs=want_lp,
+            vocab_mask=vocab_mask,
         )
 
     # -- execute (device order) --------------------------------------------------------------
@@ -220,7 +233,8 @@ class ModelRunner:
         S = step.num_samples
         if S:
             sample_logits = logits[:S]  # [S, vocab]
-            res = self.sampler.sample(sample_logits, step.sampling)
+            mask = step.vocab_mask.to(self.device, non_blocking=True) if step.vocab_mask is not None else None
+            res = self.sampler.sample(sample_logits, step.sampling, mask)
             tokens = res.next_token_ids
             self.future_tokens[step.future_indices.to(self.device)] = tokens
             self.sampler.observe(step.sampling, tokens)

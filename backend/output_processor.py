@@ -138,8 +138,11 @@ class OutputProcessor:
             if top is not None:
                 r.output_top_logprobs.append(top)
         p = r.params
-        if r.constraint is not None:
-            r.constraint.accept_token(tok)
+        if r.constraint is not None and not r.constraint.accept_token(tok) and not r.constraint.is_terminated():
+            # The mask forbids this token, so this is an engine bug, not the caller's: say so.
+            r.error = f"grammar rejected sampled token {tok} (constrained decoding failed)"
+            self._finish(r, "abort", error=EngineError(r.error))
+            return
         stop_tok = (tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos)) and (
             len(r.output_ids) >= p.min_new_tokens)
         delta = "" if stop_tok else self._push_text(r, [tok])  # may finish on a stop string
@@ -176,9 +179,7 @@ class OutputProcessor:
         return delta
 
     def _jump_forward(self, r: Req) -> None:
-        from sgl.backend.grammar import plan_jump_forward
-
-        plan = plan_jump_forward(self.tokenizer, r.constraint, r.output_ids)
+        plan = r.constraint.jump_forward(r.output_ids, max_new_tokens=r.params.max_new_tokens - len(r.output_ids))
         if plan is None or not plan.append_ids:
             return
         # Never cut into KV that belongs to the radix tree (only possible after a retraction).
@@ -223,7 +224,12 @@ class OutputProcessor:
         if r.detokenizer is not None and not text_done:
             tail = r.detokenizer.flush()
             if r.stop_checker is not None:
-                tail += r.stop_checker.flush()
+                # held-back text may complete a stop string: it goes through the checker too
+                tail, matched = r.stop_checker.feed(tail)
+                if matched is not None:
+                    r.matched_stop, reason = matched, "stop"
+                else:
+                    tail += r.stop_checker.flush()
             text += tail
             if r.stream and tail:
                 self._emit(r, "chunk", StreamChunk(text=tail, token_ids=[], index=r.sample_index))

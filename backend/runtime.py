@@ -171,8 +171,10 @@ class Runtime:
         if self._grammar is None:
             from sgl.backend.grammar import GrammarBackend
 
-            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                           stop_token_ids=self.model_config.eos_token_ids)
             self.processor.grammar = self._grammar
+            self.runner.grammar = self._grammar
         return self._grammar
 
     def check_integrity(self) -> None:

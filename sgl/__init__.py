@@ -24,6 +24,8 @@ from sgl.errors import (
     RequestTimeoutError,
     SglError,
 )
+from sgl.lang import *  # noqa: F403 - the program language, re-exported (see sgl.lang.__all__)
+from sgl.lang import __all__ as _lang_all
 from sgl.outputs import EngineStats, GenerateOutput, Logprobs, StreamChunk, TokenLogprob, Usage
 from sgl.sampling import LogprobOptions, SamplingParams
 
@@ -56,4 +58,6 @@ __all__ = [
     "BackendCapabilityError",
     "ParseError",
     "ProgramError",
+    # the program language
+    *_lang_all,
 ]

@@ -1,0 +1,167 @@
+"""The engine on the real default model (SmolLM2-135M-Instruct, float32, CPU) against
+transformers' `generate` on the same dequantized weights: greedy outputs token for token.
+
+Where a token differs, the test demands that the reference itself was at a floating-point tie
+there (its two best logits within 1e-4); any other difference is a bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+import sgl
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+
+NEW_TOKENS = 64
+TIE = 1e-4
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 10.",
+]
+TEXTS = [
+    "def fibonacci(n):",
+    "The history of the Roman Empire began",
+    "Ingredients for a simple pancake recipe:\n1.",
+    "Q: How many legs does a spider have?\nA:",
+]
+
+
+@pytest.fixture(scope="module")
+def engine_tokenizer():
+    engine = sgl.Engine(max_total_tokens=16384)
+    try:
+        yield engine, engine.tokenizer
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(engine_tokenizer) -> list[list[int]]:
+    engine, tok = engine_tokenizer
+    chats = [engine.encode(engine.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
+             for c in CHATS]
+    return chats + [engine.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    """transformers' LlamaForCausalLM on our dequantized weights, and its greedy outputs."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from sgl.backend.model_loader import gguf_cache_folder, resolve_model_path
+
+    folder = gguf_cache_folder(resolve_model_path(None))
+    config = AutoConfig.from_pretrained(folder)
+    model = LlamaForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(unfused(load_file(folder / "model.safetensors"), config),
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            gen = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=2, pad_token_id=2)
+            outs.append(gen[0, len(p):].tolist())
+    return model, outs
+
+
+def unfused(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Our cache stores fused qkv / gate_up projections; transformers wants them apart."""
+    hd = config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("qkv_proj.weight"):
+            base = name[: -len("qkv_proj.weight")]
+            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = t.split(
+                [q, kv, kv])
+        elif name.endswith("gate_up_proj.weight"):
+            base = name[: -len("gate_up_proj.weight")]
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = t.chunk(2)
+        else:
+            out[name] = t
+    return out
+
+
+def assert_same_or_tie(model, prompt: list[int], expected: list[int], got: list[int]) -> None:
+    if got == expected:
+        return
+    pos = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + expected[:pos]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < TIE, (
+        f"greedy outputs differ at token {pos} and the reference was not at a tie there "
+        f"(gap {gap:.2e}): expected {expected[pos:pos + 5]}, got {got[pos:pos + 5]}"
+    )
+
+
+def distractors(n: int = 16) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randint(8, 300))] for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(disable_radix_cache=True), dict(disable_overlap_schedule=True)],
+    ids=["radix+overlap", "no-radix", "no-overlap"],
+)
+async def test_greedy_matches_transformers(prompts, reference, options) -> None:
+    model, expected = reference
+    engine = sgl.Engine(max_total_tokens=16384, **options)
+    try:
+        greedy = dict(temperature=0, max_new_tokens=NEW_TOKENS)
+        # alone, one request at a time
+        for p, exp in zip(prompts, expected):
+            out = await engine.generate(input_ids=p, **greedy)
+            assert_same_or_tie(model, p, exp, out.token_ids)
+        # together with 16 concurrent requests of different lengths
+        others = [engine.generate(input_ids=d, temperature=0, max_new_tokens=random.Random(i).randint(8, 80))
+                  for i, d in enumerate(distractors())]
+        outs = await asyncio.gather(*(engine.generate(input_ids=p, **greedy) for p in prompts), *others)
+        for p, exp, out in zip(prompts, expected, outs):
+            assert_same_or_tie(model, p, exp, out.token_ids)
+        engine.check_integrity()
+        stats = engine.stats()
+        assert stats.running == 0 and stats.kv_used_tokens == stats.kv_cached_tokens
+    finally:
+        engine.close()
+
+
+async def test_text_chat_and_stream_agree(engine_tokenizer) -> None:
+    """Chat messages use the model's template; streamed text concatenates to the final text."""
+    engine, _ = engine_tokenizer
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = await engine.generate(msgs, temperature=0, max_new_tokens=20)
+    assert "Paris" in out.text
+    text = ""
+    final = None
+    async for chunk in engine.stream("Write a short poem about the moon:", temperature=0.8, seed=3,
+                                     max_new_tokens=48):
+        text += chunk.text
+        if chunk.output is not None:
+            final = chunk.output
+    assert final is not None and text == final.text and final.text
+
+
+async def test_stop_strings_are_trimmed(engine_tokenizer) -> None:
+    engine, _ = engine_tokenizer
+    base = await engine.generate("Count: one, two, three, four,", temperature=0, max_new_tokens=24)
+    stop = base.text.strip().split()[1]  # a word the model does produce
+    out = await engine.generate("Count: one, two, three, four,", temperature=0, max_new_tokens=24, stop=stop)
+    assert out.finish_reason == "stop" and out.matched_stop == stop
+    assert stop not in out.text and base.text.startswith(out.text)
+    kept = await engine.generate("Count: one, two, three, four,", temperature=0, max_new_tokens=24, stop=stop,
+                                 no_stop_trim=True)
+    assert kept.text.endswith(stop)
