@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -43,13 +44,16 @@ class Step:
     new_ids: list[int]
 
 
-def make_forward_batch(pool: FakePool, backend: TorchAttentionBackend, steps: list[Step],
-                       mode: ForwardMode) -> ForwardBatch:
-    """Allocate slots for the new tokens, fill every ForwardBatch field, run prepare()."""
+def make_forward_batch(pool: FakePool, backend: Any, steps: list[Step], mode: ForwardMode,
+                       device: torch.device | str = "cpu") -> ForwardBatch:
+    """Allocate slots for the new tokens, fill every ForwardBatch field, run prepare().
+
+    `device`: where the batch tensors live (the pool's buffers must already be there).
+    """
     ids, positions, locs, starts = [], [], [], []
     for step in steps:
         n = len(step.new_ids)
-        slots = pool.alloc(n)
+        slots = pool.alloc(n).to(device)
         pool.req_to_token[step.pool_index, step.prefix_len : step.prefix_len + n] = slots.int()
         starts.append(len(ids))
         ids += step.new_ids
@@ -61,7 +65,7 @@ def make_forward_batch(pool: FakePool, backend: TorchAttentionBackend, steps: li
     ends = [s + n - 1 for s, n in zip(starts, new)]
 
     def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
     fb = ForwardBatch(
         mode=mode, batch_size=len(steps), input_ids=t(ids), positions=t(positions),
