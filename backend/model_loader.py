@@ -189,8 +189,12 @@ def load_model(
     if load_format == "auto" and (model in PRESETS or (model is None and model_config)):
         load_format = "dummy"
     if load_format == "dummy":
-        hf_config = _dummy_config(model, model_config)
-        module, config = _build(hf_config, device, dtype, [])
+        try:
+            hf_config = _dummy_config(model, model_config)
+            module, config = _build(hf_config, device, dtype, [])
+        except Exception as exc:  # transformers validates configs with its own errors
+            raise ModelLoadError(f"cannot build a dummy model from model={model!r}, "
+                                 f"model_config={model_config!r}: {exc}") from exc
         _init_dummy(module, device, seed)
         return module, config
 

@@ -287,3 +287,43 @@ def test_dummy_from_config_dict_builds_qwen3() -> None:
     assert config.architecture == "Qwen3ForCausalLM" and config.head_dim == 32
     assert model.model.layers[0].self_attn.q_norm is not None
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+# -- tokenizer --------------------------------------------------------------------------------
+
+
+def test_bad_tokenizer_override_raises(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="expected a folder with tokenizer files"):
+        load_tokenizer(tmp_path, tokenizer=str(tmp_path / "nope"))
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_is_cached_and_identical(cache: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(None)
+    first = load_tokenizer(path)
+    assert (model_loader.gguf_cache_folder(path) / "tokenizer" / "tokenizer_config.json").is_file()
+    original = AutoTokenizer.from_pretrained
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        assert "gguf_file" not in kwargs, "tokenizer rebuilt from the GGUF instead of the cache"
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", guarded)
+    second = load_tokenizer(path)
+    text = "Hello, world! <|im_start|>user\nÜnïcödé   spaces\t12345<|im_end|>"
+    assert first(text)["input_ids"] == second(text)["input_ids"]
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert first.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (first.eos_token_id, first.bos_token_id) == (second.eos_token_id, second.bos_token_id)
+    assert len(first) == len(second) == 49152
+
+
+def test_dummy_with_unusable_config_raises() -> None:
+    with pytest.raises(ModelLoadError, match="dummy"):
+        load_model(None, device=CPU, dtype=torch.float32, load_format="dummy",
+                   model_config={"model_type": "llama", "hidden_size": 30,
+                                 "num_attention_heads": 4, "num_hidden_layers": 1})
