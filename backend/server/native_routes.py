@@ -1,0 +1,299 @@
+"""SGLang's native HTTP protocol: /generate, /get_model_info, /get_server_info, /flush_cache,
+/health, /health_generate.
+
+Request and response shapes follow SGLang's server so that its `RuntimeEndpoint` (and ours,
+`sgl.RuntimeEndpoint`) work unchanged. Token logprobs are `[logprob, token_id, text|null]`
+with null for the first prompt token (JSON has no NaN). A single prompt with n > 1, or a
+batch, answers with a list (flattened over n). Streaming sends SSE `data: {...}` events whose
+`text` is cumulative, each tagged with `index`, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+
+from sgl.outputs import GenerateOutput, TokenLogprob
+from sgl.sampling import LogprobOptions, SamplingParams
+
+from sgl.backend.server.context import ServerContext, context_of
+from sgl.backend.server.driver import ClientGone, Job, run_or_abort
+from sgl.backend.server.protocol import (SSE_DONE, ApiError, Fields, TokenTexts, error_from_exception,
+                                         finite, json_response, read_json, sse)
+
+__all__ = ["routes_spec"]
+
+# Fields of SGLang's GenerateReqInput that we accept only with their "off" value.
+_OFF_FIELDS = ("image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor",
+               "session_params", "modalities", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+@dataclasses.dataclass
+class _Options:
+    logprob: LogprobOptions
+    text_in_logprobs: bool
+
+
+def _per_prompt(f: Fields, key: str, types: type | tuple[type, ...], default: Any, count: int) -> list[Any]:
+    """SGLang lets per-request options be one value or a list with one value per prompt."""
+    value = f.raw(key, default)
+    values = value if isinstance(value, list) else [value] * count
+    if len(values) != count:
+        raise ApiError(400, f"{key} has {len(values)} entries for {count} prompts", key)
+    for v in values:
+        if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)) \
+                or not isinstance(v, types):
+            raise ApiError(400, f"{key} has a value of the wrong type: {json.dumps(v)[:60]}", key)
+    return values
+
+
+def _sampling(raw: Any, where: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"{where} must be an object", where)
+    params = {k: v for k, v in raw.items() if v is not None}  # SGLang clients send nulls
+    if "sampling_seed" in params:  # newer SGLang's name for the seed
+        params["seed"] = params.pop("sampling_seed")
+    if isinstance(params.get("json_schema"), (dict, list)):
+        params["json_schema"] = json.dumps(params["json_schema"])
+    unknown = sorted(set(params) - SamplingParams.field_names())
+    if unknown:
+        raise ApiError(400, f"unknown sampling parameter(s) {unknown}; known: "
+                            f"{sorted(SamplingParams.field_names())}", f"{where}.{unknown[0]}")
+    return params
+
+
+def parse_generate(body: dict[str, Any]) -> tuple[list[Job], list[_Options], bool, bool]:
+    """-> jobs, per-job output options, single (answer with an object, not a list), stream."""
+    f = Fields(body)
+    text, ids = f.raw("text"), f.raw("input_ids")
+    if text is not None and ids is not None:
+        raise ApiError(400, "give either text or input_ids, not both", "input_ids")
+    if text is None and ids is None:
+        raise ApiError(400, "text or input_ids is required", "text")
+    if text is not None:
+        if isinstance(text, str):
+            prompts, single = [text], True
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            prompts, single = list(text), False
+        else:
+            raise ApiError(400, "text must be a string or a non-empty list of strings", "text")
+    else:
+        if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            prompts, single = [ids], True
+        elif isinstance(ids, list) and ids and all(isinstance(p, list) and p for p in ids):
+            prompts, single = list(ids), False
+        else:
+            raise ApiError(400, "input_ids must be a list of token ids or a list of such lists", "input_ids")
+    count = len(prompts)
+    sp = f.raw("sampling_params", {})
+    sps = sp if isinstance(sp, list) else [sp] * count
+    if len(sps) != count:
+        raise ApiError(400, f"sampling_params has {len(sps)} entries for {count} prompts", "sampling_params")
+    want = _per_prompt(f, "return_logprob", bool, False, count)
+    starts = _per_prompt(f, "logprob_start_len", int, -1, count)
+    tops = _per_prompt(f, "top_logprobs_num", int, 0, count)
+    text_in = f.typed("return_text_in_logprobs", bool, False)
+    stream = f.typed("stream", bool, False)
+    timeout = f.typed("timeout", (int, float), None)
+    f.ignore("rid", "stream_options", "log_metrics")
+    f.unsupported("return_hidden_states", allowed=(None, False))
+    for key in _OFF_FIELDS:
+        f.unsupported(key)
+    f.reject_unknown()
+    jobs, options = [], []
+    for i, prompt in enumerate(prompts):
+        where = "sampling_params" if not isinstance(sp, list) else f"sampling_params[{i}]"
+        params = _sampling(sps[i], where)
+        try:
+            lp = LogprobOptions(want[i], starts[i], tops[i])
+        except Exception as exc:  # noqa: BLE001 - InvalidSamplingParamsError with .field
+            raise error_from_exception(exc) from None
+        jobs.append(Job(prompt, params, lp, timeout))
+        options.append(_Options(lp, text_in))
+    return jobs, options, single, stream
+
+
+def _rows(entries: list[TokenLogprob], opts: _Options, texts: TokenTexts) -> list[list[Any]]:
+    return [[finite(e.logprob), e.token_id, texts(e.token_id) if opts.text_in_logprobs else None]
+            for e in entries]
+
+
+def _finish_reason(out: GenerateOutput) -> dict[str, Any]:
+    reason: dict[str, Any] = {"type": out.finish_reason, "matched": out.matched_stop}
+    if out.finish_reason == "length":
+        reason["length"] = out.usage.completion_tokens
+    if out.finish_reason == "abort":
+        reason["message"] = out.error
+    return reason
+
+
+def native_output(out: GenerateOutput, opts: _Options, texts: TokenTexts, latency: float) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": out.request_id,
+        "prompt_tokens": out.usage.prompt_tokens,
+        "completion_tokens": out.usage.completion_tokens,
+        "cached_tokens": out.usage.cached_tokens,
+        "finish_reason": _finish_reason(out),
+        "e2e_latency": latency,
+    }
+    if opts.logprob.return_logprob:
+        lp = out.logprobs
+        prompt = _rows(lp.prompt, opts, texts) if lp else []
+        meta["input_token_logprobs"] = prompt
+        meta["output_token_logprobs"] = _rows(lp.output, opts, texts) if lp else []
+        in_top: list[Any] = [_rows(r, opts, texts) for r in lp.prompt_top] if lp else []
+        if in_top and len(in_top) < len(prompt):  # the first prompt token has no distribution
+            in_top = [None] * (len(prompt) - len(in_top)) + in_top
+        meta["input_top_logprobs"] = in_top
+        meta["output_top_logprobs"] = [_rows(r, opts, texts) for r in lp.output_top] if lp else []
+        values = [v for v, _, _ in prompt if v is not None]
+        meta["normalized_prompt_logprob"] = sum(values) / len(values) if values else None
+    return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
+
+
+async def generate(request: Request) -> Response:
+    ctx = context_of(request)
+    start = time.monotonic()
+    try:
+        jobs, options, single, stream = parse_generate(await read_json(request))
+    except ApiError as exc:
+        ctx.metrics.count_request("generate", "invalid")
+        return exc.response()
+    opts_of = [o for job, o in zip(jobs, options) for _ in range(job.n)]  # by slot
+    if stream:
+        return await _stream(request, ctx, jobs, opts_of, start)
+    try:
+        outs = await run_or_abort(request.receive, ctx.driver.run(jobs))
+    except ClientGone:
+        ctx.metrics.count_request("generate", "disconnected")
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
+        err = error_from_exception(exc, "sampling_params")
+        ctx.metrics.count_request("generate", "invalid" if err.status < 500 else "error")
+        return err.response()
+    ctx.metrics.count_request("generate", "ok")
+    latency = time.monotonic() - start
+    results = [native_output(o, opts_of[i], ctx.texts, latency) for i, o in enumerate(outs)]
+    return json_response(results[0] if single and len(results) == 1 else results)
+
+
+async def _stream(request: Request, ctx: ServerContext, jobs: list[Job], opts_of: list[_Options],
+                  start: float) -> Response:
+    events = ctx.driver.stream(jobs, start)
+    try:  # prime: validation errors surface here, before the 200 status line is sent
+        first = await run_or_abort(request.receive, events.__anext__())
+    except ClientGone:
+        ctx.metrics.count_request("generate", "disconnected")
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001
+        err = error_from_exception(exc, "sampling_params")
+        ctx.metrics.count_request("generate", "invalid" if err.status < 500 else "error")
+        return err.response()
+
+    async def body() -> AsyncIterator[bytes]:
+        text: dict[int, str] = {}
+        ids: dict[int, list[int]] = {}
+        lps: dict[int, list[TokenLogprob]] = {}
+        outcome = "disconnected"  # unless we reach the end
+        try:
+            item: tuple[int, Any] | None = first
+            while item is not None:
+                slot, chunk = item
+                opts = opts_of[slot]
+                if chunk.output is not None:
+                    out = native_output(chunk.output, opts, ctx.texts, time.monotonic() - start)
+                else:
+                    text[slot] = text.get(slot, "") + chunk.text
+                    ids.setdefault(slot, []).extend(chunk.token_ids)
+                    lps.setdefault(slot, []).extend(chunk.logprobs or [])
+                    meta: dict[str, Any] = {"id": "", "completion_tokens": len(ids[slot]),
+                                            "finish_reason": None}
+                    if opts.logprob.return_logprob:
+                        meta["output_token_logprobs"] = _rows(lps[slot], opts, ctx.texts)
+                    out = {"text": text[slot], "output_ids": ids[slot], "meta_info": meta}
+                yield sse({**out, "index": slot})
+                item = await anext(events, None)
+            outcome = "ok"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            outcome = "error"
+            yield sse(error_from_exception(exc).body())
+        finally:
+            ctx.metrics.count_request("generate", outcome)
+            await events.aclose()  # aborts whatever is still running (client gone)
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def get_model_info(request: Request) -> Response:
+    ctx = context_of(request)
+    tok = ctx.engine.tokenizer
+    template = getattr(tok, "chat_template", None)
+    return json_response({
+        "model_path": ctx.model_path,
+        "tokenizer_path": ctx.engine.config.tokenizer or ctx.model_path,
+        "served_model_name": ctx.model_name,
+        "is_generation": True,
+        "context_length": ctx.engine.context_length,
+        "vocab_size": ctx.engine.model_config.vocab_size,
+        # sgl extras: RuntimeEndpoint derives role strings from the model's own template
+        "chat_template": template if isinstance(template, str) else None,
+        "bos_token": getattr(tok, "bos_token", None),
+        "eos_token": getattr(tok, "eos_token", None),
+    })
+
+
+async def get_server_info(request: Request) -> Response:
+    ctx = context_of(request)
+    import sgl
+
+    config = {k: v for k, v in dataclasses.asdict(ctx.engine.config).items()
+              if isinstance(v, (str, int, float, bool, type(None)))}
+    stats = dataclasses.asdict(ctx.engine.stats())
+    return json_response({**config, "version": sgl.__version__, "served_model_name": ctx.model_name,
+                          "max_total_num_tokens": ctx.engine.config.max_total_tokens,
+                          "uptime_s": time.time() - ctx.started, "stats": stats})
+
+
+async def flush_cache(request: Request) -> Response:
+    ctx = context_of(request)
+    done = await asyncio.to_thread(ctx.engine.flush_cache)
+    if done:
+        return PlainTextResponse("Cache flushed.\n")
+    return ApiError(400, "requests are running; flush the cache when the server is idle",
+                    type="conflict").response()
+
+
+async def health(request: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def health_generate(request: Request) -> Response:
+    """Healthy only if the engine can actually produce a token (SGLang's deep check)."""
+    ctx = context_of(request)
+    try:
+        await asyncio.wait_for(ctx.engine.generate(input_ids=[0], max_new_tokens=1, temperature=0.0), 60)
+    except Exception as exc:  # noqa: BLE001
+        return ApiError(503, f"the engine failed to generate: {exc}", type="unhealthy").response()
+    return Response(status_code=200)
+
+
+def routes_spec() -> list[tuple[str, Any, list[str]]]:
+    return [
+        ("/generate", generate, ["POST", "PUT"]),
+        ("/get_model_info", get_model_info, ["GET"]),
+        ("/get_server_info", get_server_info, ["GET"]),
+        ("/server_info", get_server_info, ["GET"]),
+        ("/flush_cache", flush_cache, ["POST", "GET"]),
+        ("/health", health, ["GET"]),
+        ("/health_generate", health_generate, ["GET"]),
+    ]
