@@ -307,6 +307,10 @@ class Engine:
             raise EngineClosedError("the engine is closed; create a new sgl.Engine")
         kwargs = dict(kwargs)
         front = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
+        if isinstance(kwargs.get("json_schema"), Mapping):
+            # A dict schema (issue 4 allows dict or JSON text): SamplingParams holds text only,
+            # so the constraint front end normalises it.
+            front["json_schema"] = kwargs.pop("json_schema")
         if sampling_params is None:
             params = SamplingParams.from_dict(kwargs)
         else:
