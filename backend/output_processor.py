@@ -92,6 +92,7 @@ class OutputProcessor:
                 self.fail(it.req, err, f"model step failed: {exc!r}")
             return
         k = p = 0
+        kept = 0  # sampled tokens appended (not those discarded for already finished requests)
         now = time.monotonic()
         for it in batch.items:
             r = it.req
@@ -125,9 +126,10 @@ class OutputProcessor:
                 continue
             if r.first_token_at is None:
                 r.first_token_at = now
+            kept += 1
+            self.output_tokens += 1  # before _append: a caller may read stats once it is done
             self._append(r, tok, lp, top)
-        self.output_tokens += k
-        self.recent.append((now, k))
+        self.recent.append((now, kept))
         if len(self.recent) > 256:
             del self.recent[:128]
 
