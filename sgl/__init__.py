@@ -27,6 +27,7 @@ from sgl.errors import (
 from sgl.lang import *  # noqa: F403 - the program language, re-exported (see sgl.lang.__all__)
 from sgl.lang import __all__ as _lang_all
 from sgl.outputs import EngineStats, GenerateOutput, Logprobs, StreamChunk, TokenLogprob, Usage
+from sgl.remote import OpenAI, RuntimeEndpoint
 from sgl.sampling import LogprobOptions, SamplingParams
 
 __version__ = "0.1.0"
@@ -58,6 +59,9 @@ __all__ = [
     "BackendCapabilityError",
     "ParseError",
     "ProgramError",
+    # remote backends
+    "RuntimeEndpoint",
+    "OpenAI",
     # the program language
     *_lang_all,
 ]
