@@ -163,17 +163,29 @@ class Engine:
             return self.stream(prompt, sampling_params, input_ids=input_ids, return_logprob=return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                                timeout=timeout, **kwargs)
+        _check_timeout(timeout)
         prompts, single = self._split_prompts(prompt, input_ids)
         lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
         prepared = [self._prepare(p, sampling_params, kwargs, lp) for p in prompts]
         loop = asyncio.get_running_loop()
-        groups = [self._submit(p, lp, timeout, loop, stream_queue=None) for p in prepared]
-        rids = [rid for rid, _ in groups]
+        rids: list[str] = []
         try:
+            groups = []
+            for p in prepared:
+                groups.append(self._submit(p, lp, timeout, loop, stream_queue=None))
+                rids.append(groups[-1][0])
             results = [await asyncio.gather(*futs) for _, futs in groups]
-        except asyncio.CancelledError:
+        except BaseException as exc:
+            # Cancelled, or one prompt of a batch failed: stop the others instead of letting
+            # them run on for nobody (their futures would also log "exception never retrieved").
+            why = "cancelled by the caller" if isinstance(exc, asyncio.CancelledError) else (
+                f"another prompt of the same generate() call failed: {exc!r}")
             for rid in rids:
-                self._rt.core.abort(rid, "cancelled by the caller")
+                self._rt.core.abort(rid, why)
+            for _, futs in groups:
+                for fut in futs:
+                    if fut.done() and not fut.cancelled():
+                        fut.exception()  # mark retrieved
             raise
         outputs: list[GenerateOutput] = []
         for prep, outs in zip(prepared, results):
@@ -202,6 +214,7 @@ class Engine:
         prompts, single = self._split_prompts(prompt, input_ids)
         if not single or len(prompts) != 1:
             raise InvalidRequestError("stream() takes one prompt; call it once per prompt", field="prompt")
+        _check_timeout(timeout)
         lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
         prep = self._prepare(prompts[0], sampling_params, kwargs, lp)
         loop = asyncio.get_running_loop()
@@ -355,8 +368,7 @@ class Engine:
 
         rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         timeout = timeout if timeout is not None else self.config.request_timeout
-        if timeout is not None and (not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout <= 0):
-            raise InvalidRequestError(f"timeout={timeout!r}: must be a positive number of seconds", field="timeout")
+        _check_timeout(timeout)
         deadline = time.monotonic() + timeout if timeout is not None else None
         jump = prep.params.jump_forward
         jump = (not self.config.disable_jump_forward) if jump is None else jump
@@ -386,6 +398,14 @@ class Engine:
         except ParseError as exc:
             exc.output = out  # type: ignore[attr-defined]
             raise
+
+
+def _check_timeout(timeout: Any) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout <= 0:
+        raise InvalidRequestError(f"timeout={timeout!r}: must be a positive number of seconds (or None)",
+                                  field="timeout")
 
 
 def _is_ids(x: Any) -> bool:
