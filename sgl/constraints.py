@@ -86,23 +86,45 @@ class ConstraintSpec:
         Without a parser (regex / EBNF given as text) the text is returned unchanged; a
         json_schema without a Python type parses to plain JSON values.
         """
+        if finish_reason == "length" and not self._complete_despite_length(text):
+            # The grammar had not ended, so the text may be a prefix of the value even when it
+            # parses: dtype=int cut at "1000" of "100000" must not come back as 1000.
+            raise ParseError(_truncated_message(self.source, text, self._parse_verdict(text)))
         parser = self.parser
         if parser is None:
             if self.kind != "json_schema":
-                if finish_reason == "length":
-                    # The text is a prefix of a valid output, never the full one: say so.
-                    raise ParseError(_truncated_message(self.source, text, "no parse attempted"))
                 return text
             parser = json.loads
         try:
             return parser(text)
         except Exception as exc:  # pydantic.ValidationError, ValueError, JSONDecodeError, ...
-            if finish_reason == "length":
-                raise ParseError(_truncated_message(self.source, text, str(exc))) from exc
             raise ParseError(
                 f"output does not validate against {self.source}: {exc}. "
                 f"Output was {_preview(text)}"
             ) from exc
+
+    def _complete_despite_length(self, text: str) -> bool:
+        """A JSON document whose last character closes an object, array or string is complete
+        (nothing may follow it but EOS), even if max_new_tokens hit before the EOS. Any other
+        text cut by the length limit might have continued (a number, a regex like [0-9]+)."""
+        if self.kind != "json_schema" or not text.rstrip().endswith(("}", "]", '"')):
+            return False
+        try:
+            json.loads(text)
+        except ValueError:
+            return False
+        return True
+
+    def _parse_verdict(self, text: str) -> str:
+        """What the parser makes of a truncated text, for the error message."""
+        parser = self.parser or (json.loads if self.kind == "json_schema" else None)
+        if parser is None:
+            return "no parse attempted"
+        try:
+            parser(text)
+        except Exception as exc:
+            return str(exc)
+        return "the prefix parses, but it is not the whole value"
 
 
 def _preview(text: str, limit: int = 200) -> str:

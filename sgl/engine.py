@@ -320,9 +320,9 @@ class Engine:
             raise EngineClosedError("the engine is closed; create a new sgl.Engine")
         kwargs = dict(kwargs)
         front = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
-        if isinstance(kwargs.get("json_schema"), Mapping):
+        if kwargs.get("json_schema") is not None and not isinstance(kwargs["json_schema"], str):
             # A dict schema (issue 4 allows dict or JSON text): SamplingParams holds text only,
-            # so the constraint front end normalises it.
+            # so the constraint front end normalises (or rejects) it.
             front["json_schema"] = kwargs.pop("json_schema")
         if sampling_params is None:
             params = SamplingParams.from_dict(kwargs)
