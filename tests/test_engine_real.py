@@ -54,18 +54,9 @@ def prompts(engine_tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(prompts):
     """transformers' LlamaForCausalLM on our dequantized weights, and its greedy outputs."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, LlamaForCausalLM
+    from sgl.backend.reference import load_reference_model
 
-    from sgl.backend.model_loader import gguf_cache_folder, resolve_model_path
-
-    folder = gguf_cache_folder(resolve_model_path(None))
-    config = AutoConfig.from_pretrained(folder)
-    model = LlamaForCausalLM(config).eval()
-    missing, unexpected = model.load_state_dict(unfused(load_file(folder / "model.safetensors"), config),
-                                                strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
+    model = load_reference_model()
     outs = []
     with torch.inference_mode():
         for p in prompts:
@@ -73,24 +64,6 @@ def reference(prompts):
                                  eos_token_id=2, pad_token_id=2)
             outs.append(gen[0, len(p):].tolist())
     return model, outs
-
-
-def unfused(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """Our cache stores fused qkv / gate_up projections; transformers wants them apart."""
-    hd = config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith("qkv_proj.weight"):
-            base = name[: -len("qkv_proj.weight")]
-            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = t.split(
-                [q, kv, kv])
-        elif name.endswith("gate_up_proj.weight"):
-            base = name[: -len("gate_up_proj.weight")]
-            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = t.chunk(2)
-        else:
-            out[name] = t
-    return out
 
 
 def assert_same_or_tie(model, prompt: list[int], expected: list[int], got: list[int]) -> None:

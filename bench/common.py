@@ -1,0 +1,65 @@
+"""Shared helpers for the benchmarks: machine/commit info and the JSON-lines result log.
+
+Every benchmark prints a table and appends one JSON line per run to bench/results/<name>.jsonl
+with the date, machine, commit, model, workload and figures, so runs compare over time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    gpu = ""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = " + " + torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return f"{os.cpu_count()} cores {cpu}{gpu}"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def record(name: str, model: str, workload: str, figures: dict[str, Any]) -> dict[str, Any]:
+    row = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               machine=machine(), commit=commit(), model=model, workload=workload, figures=figures)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / f"{name}.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[str(r.get(c, "")) if not isinstance(r.get(c), float) else f"{r[c]:.2f}" for c in columns]
+             for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    return "\n".join([line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *(line(r) for r in cells)])
