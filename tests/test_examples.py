@@ -194,3 +194,16 @@ def test_script_runs_standalone() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "Q: What is the capital of Italy?" in proc.stdout
     assert proc.stdout.count("\nA:") == len(load("few_shot_qa").QUESTIONS)
+
+
+def test_state_is_readable_after_its_loop_closed() -> None:
+    """`asyncio.run(f.arun())` returns a finished state whose loop is closed; reading it
+    must not need that loop (found writing examples/streaming.py; fake backend, fast)."""
+
+    @sgl.function
+    async def program(s):
+        s += "Q:" + sgl.gen("x", max_tokens=3)
+
+    state = asyncio.run(program.arun(backend=sgl.FakeBackend()))
+    assert state["x"] and state.text() == "Q:" + state["x"]
+    assert state.get_meta_info("x") is not None

@@ -110,6 +110,13 @@ class ProgramState:
                 f"the value is not ready and waiting here would block the event loop; in an "
                 f"async program use `{awaitable_name}`"
             )
+        if ex.loop.is_closed():
+            # The state outlived its loop (e.g. `asyncio.run(f.arun())` returned): nothing
+            # can run on that loop any more, so a ready value is read directly.
+            if ready():
+                return value()
+            raise RuntimeError("the event loop that ran this program is closed; the value was "
+                               "never produced")
         return run_blocking(make(), ex.loop)
 
     def get_var(self, name: str) -> Any:
@@ -125,7 +132,7 @@ class ProgramState:
 
     def get_meta_info(self, name: str, timeout: float | None = None) -> Any:
         ex = self.stream_executor
-        if on_loop_thread(ex.loop):
+        if on_loop_thread(ex.loop) or ex.loop.is_closed():  # no timeout needed: never waits
             return self._blocking(lambda: ex.get_meta_info(name), lambda: ex.var_ready(name),
                                   lambda: ex.meta_info.get(name), f"await s.aget_meta_info({name!r})")
         return run_blocking(ex.get_meta_info(name), ex.loop, timeout)
