@@ -1,0 +1,112 @@
+"""One real `sgl serve` process (and one in-process engine) shared by the server and remote tests.
+
+The server runs the default model on loopback with an API key (so the 401 tests need no
+second process); it starts on first use, and an atexit hook always terminates it. The
+in-process engine is the reference that greedy outputs are compared against.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+API_KEY = "test-key-123"
+SERVER_ARGS = ["--max-total-tokens", "8192", "--log-level", "warning"]
+_lock = threading.Lock()
+_server: Server | None = None
+_engine: Any = None
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kwargs)
+
+    def server_info(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/get_server_info", headers=self.headers, timeout=30).json()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll until no request runs or waits (aborts are asynchronous)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.server_info()["stats"]
+            if stats["running"] == 0 and stats["waiting"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+def get_server() -> Server:
+    global _server
+    with _lock:
+        if _server is not None:
+            return _server
+        port = _free_port()
+        log_path = f"/tmp/sgl-test-server-{port}.log"
+        log = open(log_path, "w")  # noqa: SIM115 - kept open for the process's lifetime
+        env = {**os.environ, "SGL_API_KEY": ""}  # the flag, not the environment, sets the key
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sgl", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--api-key", API_KEY, *SERVER_ARGS], stdout=log, stderr=subprocess.STDOUT, env=env)
+        atexit.register(_stop, process)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}: {open(log_path).read()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                _stop(process)
+                raise RuntimeError(f"the server did not start: {open(log_path).read()[-3000:]}")
+            time.sleep(0.3)
+        _server = Server(url, process, log_path)
+        return _server
+
+
+def get_engine() -> Any:
+    """The in-process reference engine, with the server's options."""
+    global _engine
+    with _lock:
+        if _engine is None:
+            import sgl
+
+            _engine = sgl.Engine(max_total_tokens=8192)
+            atexit.register(_engine.close)
+        return _engine
