@@ -44,6 +44,10 @@ class EngineCore:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._reqs: dict[str, list[Req]] = {}  # rid -> its n samples (for abort)
         self._stopping = False
+        # Submissions pass this gate; the loop closes it before its last drain of the inbox, so
+        # a request is either drained and ended, or refused here: never left unread (a hang).
+        self._gate = threading.Lock()
+        self._accepting = True
         self.fatal_error: BaseException | None = None
         self.num_steps = 0
         self._thread = threading.Thread(target=self._main, name="sgl-engine", daemon=True)
@@ -52,9 +56,13 @@ class EngineCore:
     # -- thread-safe API -----------------------------------------------------------------------
 
     def submit(self, reqs: list[Req]) -> None:
-        if self._stopping or not self._thread.is_alive():
-            raise EngineClosedError("the engine is closed; create a new sgl.Engine")
-        self._inbox.put(("submit", reqs))
+        with self._gate:
+            if self._stopping or not self._accepting:
+                if self.fatal_error is not None:
+                    raise EngineClosedError(f"the engine stopped after a crash ({self.fatal_error!r}); "
+                                            "create a new sgl.Engine") from self.fatal_error
+                raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+            self._inbox.put(("submit", reqs))
 
     def abort(self, rid: str, reason: str = "aborted by the caller") -> None:
         self._inbox.put(("abort", (rid, reason)))
@@ -176,11 +184,15 @@ class EngineCore:
         return True
 
     def _abort_everything(self, reason: str, cause: BaseException | None) -> None:
+        with self._gate:
+            self._accepting = False
+        err = None if cause is None else EngineError(f"{reason}: {cause!r}")
+        if err is not None:
+            err.__cause__ = cause
         for reqs in list(self._reqs.values()):
             for r in reqs:
                 if not r.finished:
-                    err = EngineError(reason) if cause is None else EngineError(f"{reason}: {cause!r}")
-                    self.processor.fail(r, err if cause else None, reason)
+                    self.processor.fail(r, err, reason)
         self._reqs.clear()
         # Anything still in the inbox never reached the scheduler: fail it as well.
         while True:
@@ -190,7 +202,7 @@ class EngineCore:
                 break
             if kind == "submit":
                 for r in payload:
-                    self.processor.fail(r, None, reason)
+                    self.processor.fail(r, err, reason)
             elif kind == "call":
                 payload()
 
