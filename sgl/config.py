@@ -22,6 +22,19 @@ __all__ = ["EngineConfig", "SchedulePolicy"]
 SchedulePolicy = Literal["lpm", "fcfs"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The type each option must have (checked before its range); _OPTIONAL ones may be None.
+_KINDS: dict[str, type] = {
+    "load_format": str, "context_length": int, "device": str,
+    "dtype": str, "random_seed": int, "max_total_tokens": int, "mem_fraction_static": float,
+    "page_size": int, "chunked_prefill_size": int, "max_prefill_tokens": int,
+    "max_running_requests": int, "schedule_policy": str, "disable_radix_cache": bool,
+    "disable_overlap_schedule": bool, "disable_jump_forward": bool,
+    "schedule_conservativeness": float, "attention_backend": str, "disable_cuda_graph": bool,
+    "cuda_graph_max_bs": int, "request_timeout": float, "debug_integrity": bool, "log_level": str,
+}
+_OPTIONAL = frozenset({"context_length", "max_total_tokens", "mem_fraction_static",
+                       "chunked_prefill_size", "max_prefill_tokens", "max_running_requests",
+                       "cuda_graph_max_bs", "request_timeout"})
 _DEVICES_PREFIX = ("auto", "cpu", "cuda")
 
 
@@ -105,6 +118,22 @@ class EngineConfig:
         def fail(name: str, why: str) -> None:
             raise InvalidConfigError(f"{name}={getattr(self, name)!r}: {why}")
 
+        # Types first, so that the range checks below never raise a bare TypeError, and a
+        # string like "no" is never taken as a true flag.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = _KINDS.get(f.name)
+            if kind is None or (value is None and f.name in _OPTIONAL):
+                continue
+            if kind is bool and not isinstance(value, bool):
+                fail(f.name, "must be True or False")
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                fail(f.name, "must be an integer")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                fail(f.name, "must be a number")
+            if kind is str and not isinstance(value, str):
+                fail(f.name, "must be a string")
+
         if self.dtype not in _DTYPES:
             fail("dtype", f"must be one of {_DTYPES}")
         if not self.device.startswith(_DEVICES_PREFIX):
@@ -129,6 +158,6 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             fail("attention_backend", "must be 'auto', 'torch' or 'triton'")
         if self.request_timeout is not None and not self.request_timeout > 0:
-            fail("request_timeout", "must be a positive number of seconds")
-        if self.schedule_conservativeness <= 0:
+            fail("request_timeout", "must be a positive number of seconds (or None)")
+        if not self.schedule_conservativeness > 0:
             fail("schedule_conservativeness", "must be > 0")

@@ -28,6 +28,7 @@ from sgl.errors import (
     ContextLengthError,
     EngineClosedError,
     InvalidRequestError,
+    InvalidSamplingParamsError,
     ParseError,
 )
 from sgl.outputs import EngineStats, GenerateOutput, StreamChunk
@@ -123,8 +124,16 @@ class Engine:
         if not getattr(tok, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template; send plain text",
                                       field="messages")
-        return tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                       tokenize=False)
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+                raise InvalidRequestError(f"message {i} must have a string 'role' and a string (or list) "
+                                          f"'content'; got keys {sorted(m)}", field="messages")
+        try:
+            return tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
+        except Exception as exc:  # a template error (e.g. jinja's) is the caller's input, not ours
+            raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
+                                      field="messages") from exc
 
     def stats(self) -> EngineStats:
         return EngineStats(**self._rt.stats())
@@ -289,6 +298,12 @@ class Engine:
             raise InvalidRequestError("a prompt (text, token ids or chat messages) is required", field="prompt")
         if isinstance(prompt, str) or _is_ids(prompt) or _is_messages(prompt):
             return [prompt], True
+        field = "input_ids" if input_ids is not None else "prompt"
+        if isinstance(prompt, Sequence) and len(prompt) == 0:
+            raise InvalidRequestError("the prompt is empty (an empty list)", field=field)
+        if isinstance(prompt, Sequence) and any(isinstance(t, (int, float)) for t in prompt):
+            i, bad = next((i, t) for i, t in enumerate(prompt) if isinstance(t, bool) or not isinstance(t, int))
+            raise InvalidRequestError(f"token ids must be integers; got {bad!r} at position {i}", field=field)
         if isinstance(prompt, Sequence) and len(prompt) > 0:
             return list(prompt), False
         raise InvalidRequestError(f"cannot read a prompt from {type(prompt).__name__}: pass text, token "
@@ -312,7 +327,10 @@ class Engine:
                 raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                                           field="input_ids")
             return ids
-        raise InvalidRequestError(f"cannot read a prompt from {type(prompt).__name__}", field="prompt")
+        if isinstance(prompt, Sequence) and len(prompt) == 0:
+            raise InvalidRequestError("a prompt in the list is empty", field="prompt")
+        raise InvalidRequestError(f"cannot read a prompt from {type(prompt).__name__}: pass text, token ids "
+                                  "or chat messages", field="prompt")
 
     def _prepare(self, prompt: Any, sampling_params: Any, kwargs: dict[str, Any],
                  lp: LogprobOptions) -> _Prepared:
@@ -342,11 +360,16 @@ class Engine:
             if constraint is not None:
                 params = params.replace(**{constraint.kind: constraint.spec})
                 self._rt.grammar.compile(constraint.kind, constraint.spec)  # raises if invalid
+        vocab = self._rt.model_config.vocab_size
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise InvalidSamplingParamsError(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary "
+                                             f"[0, {vocab})", field="stop_token_ids")
         ids = self._tokenize(prompt)
         ctx = self._rt.context_length
         if len(ids) >= ctx:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context window is {ctx}",
-                                     field="prompt")
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context window is {ctx}: "
+                                     f"shorten it to at most {ctx - 1} tokens", field="prompt")
         if len(ids) + params.max_new_tokens > ctx:
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
