@@ -2,26 +2,35 @@
 
 `launch(batch)` is split in two halves so that the overlap loop can hide CPU work:
 
-* `_prepare` (scheduler thread, CPU only): flatten the batch into host tensors.
-* `_execute` (the device's turn, in step order): apply `req_to_token` writes, resolve
-  future-token placeholders, run the model, sample, write sampled tokens into the future
-  buffer, and copy the small results to the host.
+* `_prepare` (scheduler thread, CPU only): flatten the batch into ONE host int64 tensor
+  (`PackedInputs`: ids, positions, slots, lengths, table writes...), pinned on CUDA.
+* `_execute` (the device's turn, in step order): one host->device copy of that tensor, apply
+  the `req_to_token` writes, resolve future-token placeholders, run the model (a CUDA graph
+  replay for DECODE batches that fit one), sample, write the sampled tokens into the future
+  buffer, and start the copies of the small results into pinned host memory.
 
-On CUDA `_execute` only enqueues kernels, so it runs inline and a CUDA event marks completion.
-On the CPU "the device" is a single worker thread: steps still run strictly in order, and the
-scheduler thread prepares step N+1 while the worker computes step N.
+On CUDA `_execute` only enqueues work and never waits for the device: no `.item()`,
+`.tolist()` or data-dependent branch on a device tensor; every decision is made from host
+data in `_prepare`. A CUDA event recorded after the result copies marks completion, and
+`StepHandle.result()` waits on it. On the CPU "the device" is a single worker thread: steps
+still run strictly in order, and the scheduler thread prepares step N+1 while the worker
+computes step N.
 
 Future tokens: a sampled token of step N is an input of step N+1 before the CPU has seen it.
 The scheduler writes `-k` as the input id, where `k` is the slot of `future_tokens` that step
-N fills on the device; `_execute` replaces negative ids by `future_tokens[k]`.
+N fills on the device; `_execute` replaces negative ids by `future_tokens[k]` on the device.
+
+    CPU   | prepare N | (launch N) | process N-1 | prepare N+1 | (launch N+1) | process N |
+    GPU         ...  step N-1 ...  |       step N ...                 |   step N+1 ...
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
@@ -50,24 +59,52 @@ class StepOutput:
     prompt_top: list[list[tuple[float, int]]] = field(default_factory=list)
 
 
+# Order of the fields inside the packed host tensor. The first five are the per-token /
+# per-request inputs a decode CUDA graph reads, so for a (padded) decode batch of size bs
+# `packed[:5 * bs].view(5, bs)` is exactly the graph's static input block.
+PACKED_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+                 "extend_prefix_lens", "extend_seq_lens", "extend_start", "logits_indices",
+                 "future_indices", "prompt_targets", "table_index", "table_value")
+
+
+class PackedInputs:
+    """All integer inputs of one step in one int64 host tensor (pinned on CUDA), so a step
+    costs one host->device copy whatever its size. `views(t)` slices a copy of it by field."""
+
+    def __init__(self, parts: Sequence[np.ndarray | list[int]], pin: bool) -> None:
+        arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+        self.lengths = [a.size for a in arrays]
+        host = torch.from_numpy(np.concatenate(arrays)) if arrays else torch.empty(0, dtype=torch.int64)
+        if pin:
+            pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
+            pinned.copy_(host)
+            host = pinned
+        self.host = host
+
+    def views(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, start = {}, 0
+        for name, n in zip(PACKED_FIELDS, self.lengths):
+            out[name] = t[start : start + n]
+            start += n
+        return out
+
+
 @dataclass
 class PreparedStep:
-    """Host tensors of one step (built on the scheduler thread)."""
+    """Host data of one step (built on the scheduler thread)."""
 
     batch: ScheduleBatch
     mode: ForwardMode
-    input_ids: torch.Tensor  # [T], may hold -k placeholders
-    positions: torch.Tensor  # [T]
-    out_cache_loc: torch.Tensor  # [T]
-    req_pool_indices: torch.Tensor  # [B]
+    packed: PackedInputs
+    has_placeholders: bool  # some input id is a future-token placeholder (< 0)
+    graph_bs: int | None  # DECODE replayed by the CUDA graph of this (padded) batch size
+    batch_size: int
+    num_tokens: int
     seq_lens: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
-    extend_start: list[int]
-    logits_indices: torch.Tensor  # [S + P]: S sample rows, then P prompt-logprob rows
     num_samples: int
-    future_indices: torch.Tensor  # [S]
-    prompt_targets: torch.Tensor  # [P]: the prompt token each prompt row scores
+    num_prompt_rows: int
     sampling: Any  # the sampler's per-batch info
     top_logprobs_num: int
     prompt_top_logprobs_num: int
@@ -88,6 +125,33 @@ class StepHandle:
         return self._value
 
 
+class _PendingResult:
+    """Result tensors of a step, host copies under way; `wait()` turns them into a StepOutput.
+
+    On CUDA every tensor here is a pinned host buffer filled by a non-blocking copy and
+    `event` follows the copies; on the CPU they are the computed tensors and `event` is None.
+    """
+
+    def __init__(self, event: Any = None, **tensors: torch.Tensor | None) -> None:
+        self.event = event
+        self.tensors = tensors
+
+    def wait(self) -> StepOutput:
+        if self.event is not None:
+            self.event.synchronize()  # the only place the host waits for the device
+        t = self.tensors
+        out = StepOutput(next_token_ids=t["tokens"].tolist() if t.get("tokens") is not None else [])
+        if t.get("logprobs") is not None:
+            out.next_logprobs = t["logprobs"].tolist()
+            if t.get("top_ids") is not None:
+                out.next_top = _pairs(t["top_vals"], t["top_ids"])
+        if t.get("prompt_lp") is not None:
+            out.prompt_logprobs = t["prompt_lp"].tolist()
+            if t.get("prompt_top_ids") is not None:
+                out.prompt_top = _pairs(t["prompt_top_vals"], t["prompt_top_ids"])
+        return out
+
+
 class ModelRunner:
     def __init__(self, model, kv_pool, req_pool, attn_backend, sampler, *, device: torch.device,
                  max_batch: int, vocab_size: int, overlap: bool, grammar=None) -> None:
@@ -97,6 +161,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.sampler = sampler
         self.device = device
+        self.is_cuda = device.type == "cuda"
         self.vocab_size = vocab_size
         self.grammar = grammar  # a GrammarBackend (set on first constrained request) or None
         self.futures = FutureRing(2 * max_batch + 2)
@@ -106,44 +171,61 @@ class ModelRunner:
             if overlap and device.type == "cpu"
             else None
         )
+        self.graphs = None  # a cuda_graph.DecodeGraphs once captured (capture_cuda_graphs)
         # Fault injection for tests: called with the PreparedStep inside _execute.
         self.step_hook: Callable[[PreparedStep], None] | None = None
+        # Benchmarks: (start event, end event, mode, batch size) per step when a list.
+        self.step_events: list[tuple[Any, Any, ForwardMode, int]] | None = None
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
 
+    def capture_cuda_graphs(self, max_bs: int) -> None:
+        """Capture decode graphs for padded batch sizes up to `max_bs` (CUDA + Triton only)."""
+        from sgl.backend.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_pool, self.req_pool, self.attn_backend,
+                                   self.future_tokens, max_bs)
+        self.graphs.capture()
+
     # -- launch ------------------------------------------------------------------------------
 
     def launch(self, batch: ScheduleBatch, sampling: Any) -> StepHandle:
         step = self._prepare(batch, sampling)
         if self._worker is not None:
-            fut = self._worker.submit(self._execute, step)
+            fut = self._worker.submit(lambda: self._execute(step).wait())
             return StepHandle(fut.result)
-        out = self._execute(step)
-        return StepHandle(lambda: out)
+        pending = self._execute(step)
+        return StepHandle(pending.wait)
 
     def _prepare(self, batch: ScheduleBatch, sampling: Any) -> PreparedStep:
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
+        positions: list[int] = []
         sample_rows: list[int] = []
         future_idx: list[int] = []
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
+        pool_idx: list[int] = []
         seq_lens, prefix_lens, extend_lens, extend_start = [], [], [], []
         top_n, prompt_top_n, want_lp = 0, 0, False
         start = 0
         for it in batch.items:
             r = it.req
+            n, prefix = it.extend_len, it.prefix_len
             ids.extend(it.input_ids)
-            positions.append(torch.arange(it.prefix_len, it.prefix_len + it.extend_len))
-            seq_lens.append(it.prefix_len + it.extend_len)
-            prefix_lens.append(it.prefix_len)
-            extend_lens.append(it.extend_len)
+            if n == 1:
+                positions.append(prefix)
+            else:
+                positions.extend(range(prefix, prefix + n))
+            pool_idx.append(r.req_pool_idx)
+            seq_lens.append(prefix + n)
+            prefix_lens.append(prefix)
+            extend_lens.append(n)
             extend_start.append(start)
             if it.samples:
-                sample_rows.append(start + it.extend_len - 1)
+                sample_rows.append(start + n - 1)
                 future_idx.append(it.future_index)
             if r.logprob.return_logprob:
                 want_lp = True
@@ -151,9 +233,9 @@ class ModelRunner:
             first, count = it.prompt_logprob_span
             if count:
                 prompt_top_n = max(prompt_top_n, r.logprob.top_logprobs_num)
-                prompt_rows.extend(range(start + first - it.prefix_len, start + first - it.prefix_len + count))
+                prompt_rows.extend(range(start + first - prefix, start + first - prefix + count))
                 prompt_targets.extend(r.prompt_ids[first + 1 : first + 1 + count])
-            start += it.extend_len
+            start += n
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         vocab_mask = None
         if batch.has_constraints:
@@ -165,21 +247,43 @@ class ModelRunner:
             vocab_mask = allocate_bitmask(len(states), self.vocab_size)
             if not self.grammar.fill_bitmasks(states, vocab_mask):
                 vocab_mask = None
+        num_reqs = len(batch.items)
+        out_cache_loc = batch.out_cache_loc.to(torch.int64).numpy()
+        graph_bs = None
+        if (mode is ForwardMode.DECODE and self.graphs is not None
+                and len(sample_rows) == num_reqs and not prompt_rows):
+            graph_bs = self.graphs.padded_size(num_reqs)
+        if graph_bs is not None and graph_bs > num_reqs:
+            # Padded rows: id 0 at position 0, KV written to the reserved slot 0, attending
+            # through the reserved req_to_token row 0 over one key (slot 0). Harmless.
+            pad = graph_bs - num_reqs
+            ids = ids + [0] * pad
+            positions = positions + [0] * pad
+            out_cache_loc = np.concatenate([out_cache_loc, np.zeros(pad, dtype=np.int64)])
+            pool_idx = pool_idx + [0] * pad
+            graph_seq_lens = seq_lens + [1] * pad
+        else:
+            graph_seq_lens = seq_lens
+        table_index, table_value = self._table_writes(batch.table_writes)
+        packed = PackedInputs(
+            [ids, positions, out_cache_loc, pool_idx, graph_seq_lens, prefix_lens, extend_lens,
+             extend_start, sample_rows + prompt_rows, future_idx, prompt_targets, table_index,
+             table_value],
+            pin=self.is_cuda,
+        )
         return PreparedStep(
             batch=batch,
             mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.cat(positions) if len(positions) > 1 else positions[0],
-            out_cache_loc=batch.out_cache_loc.to(torch.int64),
-            req_pool_indices=torch.tensor([it.req.req_pool_idx for it in batch.items], dtype=torch.int64),
+            packed=packed,
+            has_placeholders=any(i < 0 for i in ids),
+            graph_bs=graph_bs,
+            batch_size=num_reqs,
+            num_tokens=start,
             seq_lens=seq_lens,
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
-            extend_start=extend_start,
-            logits_indices=torch.tensor(sample_rows + prompt_rows, dtype=torch.int64),
             num_samples=len(sample_rows),
-            future_indices=torch.tensor(future_idx, dtype=torch.int64),
-            prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64),
+            num_prompt_rows=len(prompt_rows),
             sampling=sampling,
             top_logprobs_num=top_n,
             prompt_top_logprobs_num=prompt_top_n,
@@ -187,72 +291,126 @@ class ModelRunner:
             vocab_mask=vocab_mask,
         )
 
+    def _table_writes(self, writes: list[tuple[int, int, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """(row, start, slots) writes -> flat indices into `req_to_token` and their values."""
+        if not writes:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, empty
+        width = self.req_pool.req_to_token.shape[1]
+        lens = np.fromiter((len(s) for _, _, s in writes), dtype=np.int64, count=len(writes))
+        bases = np.fromiter((row * width + col for row, col, _ in writes), dtype=np.int64,
+                            count=len(writes))
+        # flat[j] = base of its write + its offset inside that write
+        offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        index = np.repeat(bases, lens) + offsets
+        values = np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for _, _, s in writes])
+        return index, values
+
     # -- execute (device order) --------------------------------------------------------------
 
-    def _execute(self, step: PreparedStep) -> StepOutput:
+    def _execute(self, step: PreparedStep) -> _PendingResult:
         with torch.inference_mode():
             if self.step_hook is not None:
                 self.step_hook(step)
             dev = self.device
+            timing = self.step_events is not None and self.is_cuda
+            if timing:
+                start_ev = torch.cuda.Event(enable_timing=True)
+                start_ev.record()
+            flat = step.packed.host.to(dev, non_blocking=True)  # [sum of field lengths]
+            v = step.packed.views(flat)
             table = self.req_pool.req_to_token
-            for row, start, slots in step.batch.table_writes:
-                table[row, start : start + len(slots)] = slots.to(dev, non_blocking=True)
-            input_ids = step.input_ids.to(dev, non_blocking=True)
-            if bool((step.input_ids < 0).any()):
-                placeholder = input_ids < 0
-                resolved = self.future_tokens[(-input_ids).clamp(min=0)]
-                input_ids = torch.where(placeholder, resolved, input_ids)
-            fb = ForwardBatch(
-                mode=step.mode,
-                batch_size=len(step.seq_lens),
-                input_ids=input_ids,
-                positions=step.positions.to(dev, non_blocking=True),
-                out_cache_loc=step.out_cache_loc.to(dev, non_blocking=True),
-                req_pool_indices=step.req_pool_indices.to(dev, non_blocking=True),
-                seq_lens=torch.tensor(step.seq_lens, dtype=torch.int64).to(dev, non_blocking=True),
-                extend_prefix_lens=torch.tensor(step.prefix_lens, dtype=torch.int64).to(dev, non_blocking=True),
-                extend_seq_lens=torch.tensor(step.extend_lens, dtype=torch.int64).to(dev, non_blocking=True),
-                extend_start=torch.tensor(step.extend_start, dtype=torch.int64).to(dev, non_blocking=True),
-                seq_lens_cpu=step.seq_lens,
-                extend_prefix_lens_cpu=step.prefix_lens,
-                extend_seq_lens_cpu=step.extend_lens,
-                logits_indices=step.logits_indices.to(dev, non_blocking=True),
-                req_to_token=table,
-                kv_pool=self.kv_pool,
-                attn_backend=self.attn_backend,
-            )
-            self.attn_backend.prepare(fb)
-            hidden = self.model.forward(fb)  # [T, hidden]
-            if len(step.logits_indices) == 0:
-                return StepOutput(next_token_ids=[])
-            logits = self.model.compute_logits(hidden[fb.logits_indices])  # [S + P, vocab]
-            return self._sample_and_score(step, logits)
+            if v["table_index"].numel():
+                # int64 -> int32 on the device; index_copy_ takes no host scalar (no sync)
+                table.view(-1).index_copy_(0, v["table_index"], v["table_value"].to(table.dtype))
+            if step.graph_bs is not None:
+                assert self.graphs is not None
+                logits = self.graphs.replay(flat, step.graph_bs, step.batch_size)  # [B, vocab]
+            else:
+                logits = self._forward_eager(step, v, table)
+            if logits is None:
+                pending = _PendingResult()
+            else:
+                pending = self._sample_and_score(step, logits, v)
+            if timing:
+                end_ev = torch.cuda.Event(enable_timing=True)
+                end_ev.record()
+                self.step_events.append((start_ev, end_ev, step.mode, step.batch_size))
+            return pending
 
-    def _sample_and_score(self, step: PreparedStep, logits: torch.Tensor) -> StepOutput:
-        out = StepOutput(next_token_ids=[])
+    def _forward_eager(self, step: PreparedStep, v: dict[str, torch.Tensor],
+                       table: torch.Tensor) -> torch.Tensor | None:
+        input_ids = v["input_ids"]
+        if step.has_placeholders:  # decided on the host: no device read
+            input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids).clamp(min=0)],
+                                    input_ids)
+        fb = ForwardBatch(
+            mode=step.mode,
+            batch_size=step.batch_size,
+            input_ids=input_ids,
+            positions=v["positions"],
+            out_cache_loc=v["out_cache_loc"],
+            req_pool_indices=v["req_pool_indices"],
+            seq_lens=v["seq_lens"],
+            extend_prefix_lens=v["extend_prefix_lens"],
+            extend_seq_lens=v["extend_seq_lens"],
+            extend_start=v["extend_start"],
+            seq_lens_cpu=step.seq_lens,
+            extend_prefix_lens_cpu=step.prefix_lens,
+            extend_seq_lens_cpu=step.extend_lens,
+            logits_indices=v["logits_indices"],
+            req_to_token=table,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
+        self.attn_backend.prepare(fb)
+        hidden = self.model.forward(fb)  # [T, hidden]
+        num_rows = step.num_samples + step.num_prompt_rows
+        if num_rows == 0:
+            return None
+        if step.mode is ForwardMode.DECODE and step.num_samples == step.num_tokens:
+            rows = hidden  # every token is sampled, in order: skip the gather
+        else:
+            rows = hidden[fb.logits_indices]  # [S + P, hidden]
+        return self.model.compute_logits(rows)  # [S + P, vocab] float32
+
+    def _sample_and_score(self, step: PreparedStep, logits: torch.Tensor,
+                          v: dict[str, torch.Tensor]) -> _PendingResult:
         S = step.num_samples
+        res = None
         if S:
             sample_logits = logits[:S]  # [S, vocab]
             mask = step.vocab_mask.to(self.device, non_blocking=True) if step.vocab_mask is not None else None
             res = self.sampler.sample(sample_logits, step.sampling, mask)
-            tokens = res.next_token_ids
-            self.future_tokens[step.future_indices.to(self.device)] = tokens
-            self.sampler.observe(step.sampling, tokens)
-            out.next_token_ids = tokens.tolist()
+            self.future_tokens[v["future_indices"]] = res.next_token_ids
+            self.sampler.observe(step.sampling, res.next_token_ids)
+        out: dict[str, torch.Tensor | None] = {}
+        if res is not None:
+            out["tokens"] = res.next_token_ids
             if step.want_logprobs:
-                out.next_logprobs = res.next_logprobs.tolist()
+                out["logprobs"] = res.next_logprobs
                 if step.top_logprobs_num and res.top_ids is not None:
-                    out.next_top = _pairs(res.top_vals, res.top_ids)
-        if len(step.prompt_targets):
+                    out["top_ids"], out["top_vals"] = res.top_ids, res.top_vals
+        if step.num_prompt_rows:
             from sgl.backend.sampler import gather_logprobs
 
-            lp, top_ids, top_vals = gather_logprobs(
-                logits[S:], step.prompt_targets.to(self.device), step.prompt_top_logprobs_num
-            )
-            out.prompt_logprobs = lp.tolist()
+            lp, top_ids, top_vals = gather_logprobs(logits[S:], v["prompt_targets"],
+                                                    step.prompt_top_logprobs_num)
+            out["prompt_lp"] = lp
             if step.prompt_top_logprobs_num:
-                out.prompt_top = _pairs(top_vals, top_ids)
-        return out
+                out["prompt_top_ids"], out["prompt_top_vals"] = top_ids, top_vals
+        if not self.is_cuda:
+            return _PendingResult(None, **out)
+        # Start the copies into pinned host memory; the event tells the host when they landed.
+        host: dict[str, torch.Tensor | None] = {}
+        for name, t in out.items():
+            if t is not None:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                host[name] = h
+        event = torch.cuda.Event()
+        event.record()
+        return _PendingResult(event, **host)
 
 
 def _pairs(vals: torch.Tensor, ids: torch.Tensor) -> list[list[tuple[float, int]]]:

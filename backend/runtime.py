@@ -134,6 +134,9 @@ class Runtime:
         self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler,
                                   device=device, max_batch=max_running, vocab_size=mcfg.vocab_size,
                                   overlap=overlap)
+        self.cuda_graph_sizes: list[int] = []
+        if device.type == "cuda" and not config.disable_cuda_graph:
+            self._capture_cuda_graphs(config, attn, max_running)
         self.scheduler = Scheduler(
             SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=chunk,
                             max_prefill_tokens=max_prefill, page_size=config.page_size,
@@ -149,6 +152,16 @@ class Runtime:
                                overlap=overlap,
                                integrity_check=self.check_integrity if config.debug_integrity else None)
         self.load_seconds = time.monotonic() - t0
+
+    def _capture_cuda_graphs(self, config: EngineConfig, attn: Any, max_running: int) -> None:
+        from sgl.backend.attention.triton_backend import TritonAttentionBackend
+
+        if not isinstance(attn, TritonAttentionBackend):
+            logger.warning("CUDA graphs need attention_backend='triton'; decoding eagerly")
+            return
+        max_bs = min(config.cuda_graph_max_bs or max_running, max_running)
+        self.runner.capture_cuda_graphs(max_bs)
+        self.cuda_graph_sizes = list(self.runner.graphs.sizes)
 
     @staticmethod
     def _attention_backend(config: EngineConfig, device: torch.device):

@@ -22,6 +22,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            return self._forward_cuda(x, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -34,3 +36,15 @@ class RMSNorm(nn.Module):
             out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
             out = out * self.weight
         return out if residual is None else (out, residual)
+
+    def _forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # One Triton launch for add + norm (the torch path is 4-6 elementwise kernels). The
+        # residual sum is rounded to x's dtype before the norm reads it, as above; the norm
+        # itself stays in float32 until the single final rounding (weight included).
+        from sgl.backend.kernels import dispatch  # lazy: the CPU path never imports triton
+
+        if residual is None:
+            return dispatch.rmsnorm(x, self.weight, self.eps)
+        return dispatch.fused_add_rmsnorm(x, residual, self.weight, self.eps)

@@ -74,7 +74,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", cache.to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x [T, heads, head_dim] by its token's position; returns new tensors."""
+        """Rotate each x [T, heads, head_dim] by its token's position.
+
+        CPU: returns new tensors. CUDA with (q, k): one Triton launch rotates both *in place*
+        (they are views of the fused qkv output, which nothing else reads) and returns them.
+        """
+        if len(xs) == 2 and xs[0].is_cuda:
+            from sgl.backend.kernels import dispatch  # lazy: the CPU path never imports triton
+
+            # [P, 2, half] -> [P, head_dim]: cos | sin, the kernels' cache layout
+            cache = self.cos_sin.view(self.cos_sin.shape[0], -1)
+            return dispatch.rotary_embedding(positions, xs[0], xs[1], cache, inplace=True)
         cos_sin = self.cos_sin[positions]  # [T, 2, head_dim / 2]
         cos = cos_sin[:, 0].unsqueeze(1)  # [T, 1, head_dim / 2]
         sin = cos_sin[:, 1].unsqueeze(1)  # [T, 1, head_dim / 2]
