@@ -18,10 +18,14 @@ Two workloads, each run under configurations of:
                   frontend talks to its runtime)
 
 By default three configurations: on:tokens, on:text, off:tokens (`--configs` picks any).
-Prints a table (programs/s, output tok/s, prompt tokens, cache hit rate) and appends one JSON
+Prints a table (programs/s, output tok/s, prompt tokens, cache hit rate, and "noncanon": how
+many programs ended with a token sequence that differs from tokenizing their text, i.e. where
+resending text loses the model's own tokens) and appends one JSON
 line per run to bench/results/lang_programs.jsonl. Figures come from `engine.stats()` deltas
 over each run: cache hit rate = cached prompt tokens / prompt tokens of the run's requests.
-Each run starts from a flushed cache after one warm-up program.
+Each run starts from a flushed cache after one warm-up program. On a shared machine, use
+`--repeat 2` (the order of the execution modes alternates between repeats) and compare runs
+made close together.
 """
 
 from __future__ import annotations
@@ -117,8 +121,9 @@ def fork_ideas(s, topic, width=4, max_tokens=16):
 # -- running ------------------------------------------------------------------------------
 
 
-def run_workload(name: str, backend: sgl.lang.Backend, args: argparse.Namespace) -> int:
-    """Run one workload to completion; returns the number of failed programs."""
+def run_workload(name: str, backend: sgl.lang.Backend, args: argparse.Namespace
+                 ) -> list[sgl.ProgramState]:
+    """Run one workload to completion (failures stay in state.error())."""
     if name == "few_shot_qa":
         items = [{"question": q, "max_tokens": args.max_tokens} for q in questions(args.questions)]
         states = few_shot_qa.run_batch(items, backend=backend, temperature=0)
@@ -126,7 +131,7 @@ def run_workload(name: str, backend: sgl.lang.Backend, args: argparse.Namespace)
         items = [{"topic": f"{TOPICS[i % len(TOPICS)]} (site {i})", "width": args.fork_width,
                   "max_tokens": args.max_tokens} for i in range(args.fork_programs)]
         states = fork_ideas.run_batch(items, backend=backend, temperature=0)
-    return sum(state.error() is not None for state in states)
+    return states
 
 
 def measure(engine: sgl.Engine, workload: str, execution: Execution, radix: bool,
@@ -136,9 +141,13 @@ def measure(engine: sgl.Engine, workload: str, execution: Execution, radix: bool
     engine.flush_cache()
     before = engine.stats()
     start = time.perf_counter()
-    errors = run_workload(workload, backend, args)
+    states = run_workload(workload, backend, args)
     seconds = time.perf_counter() - start
     after = engine.stats()
+    ok = [s for s in states if s.error() is None]
+    # Programs whose final token sequence differs from tokenizing their text: where the text
+    # path's re-tokenized prompt no longer matches the KV the model produced.
+    noncanonical = sum(s.token_ids() != engine.encode(s.text()) for s in ok)
     programs = args.questions if workload == "few_shot_qa" else args.fork_programs
     prompt = after.prompt_tokens - before.prompt_tokens
     cached = after.cached_tokens - before.cached_tokens
@@ -150,7 +159,8 @@ def measure(engine: sgl.Engine, workload: str, execution: Execution, radix: bool
         "radix_cache": radix,
         "execution": execution,
         "programs": programs,
-        "errors": errors,
+        "errors": len(states) - len(ok),
+        "noncanonical_programs": noncanonical,
         "seconds": round(seconds, 3),
         "programs_per_s": round(programs / seconds, 3),
         "output_tokens": output,
@@ -181,13 +191,14 @@ def run_meta() -> dict[str, Any]:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (f"{'workload':<18} {'radix':<6} {'exec':<7} {'progs/s':>8} {'out tok/s':>10} "
-              f"{'prompt tok':>11} {'cache hit':>10} {'seconds':>8} {'errors':>6}")
+              f"{'prompt tok':>11} {'cache hit':>10} {'seconds':>8} {'errors':>6} {'noncanon':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['workload']:<18} {'on' if r['radix_cache'] else 'off':<6} {r['execution']:<7} "
               f"{r['programs_per_s']:>8.2f} {r['output_tok_per_s']:>10.1f} {r['prompt_tokens']:>11} "
-              f"{r['cache_hit_rate']:>10.1%} {r['seconds']:>8.1f} {r['errors']:>6}")
+              f"{r['cache_hit_rate']:>10.1%} {r['seconds']:>8.1f} {r['errors']:>6} "
+              f"{r['noncanonical_programs']:>8}")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -203,6 +214,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     # prefill everything, and it would double the slowest runs.
     parser.add_argument("--configs", nargs="+", default=["on:tokens", "on:text", "off:tokens"],
                         choices=["on:tokens", "on:text", "off:tokens", "off:text"])
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON lines file to append to")
     parser.add_argument("--no-save", action="store_true", help="print only")
     args = parser.parse_args(argv)
@@ -218,16 +230,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             # Warm-up: the first forwards of a fresh engine are slow (allocations, lazy init).
             few_shot_qa.run(question="What is 1 plus 1?", backend=engine, temperature=0,
                             max_tokens=4)
-            for workload in args.workloads:
-                for execution in [e for r, e in configs if r == radix]:
-                    row = measure(engine, workload, execution, radix == "on", args, meta)
-                    rows.append(row)
+            executions = [e for r, e in configs if r == radix]
+            for repeat in range(args.repeat):
+                for workload in args.workloads:
+                    # Alternate the order on each repeat, so a load change on a shared
+                    # machine does not always favour the same execution mode.
+                    for execution in executions if repeat % 2 == 0 else executions[::-1]:
+                        row = measure(engine, workload, execution, radix == "on", args, meta)
+                        row["repeat"] = repeat
+                        rows.append(row)
                     print(f"  done: {row['workload']} radix={radix} exec={execution} "
                           f"in {row['seconds']:.1f} s", file=sys.stderr, flush=True)
         finally:
             engine.close()
 
-    print_table(rows)
+    print_table(sorted(rows, key=lambda r: (r["workload"], not r["radix_cache"], r["execution"])))
     if not args.no_save:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
