@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--model", "--model-path", dest="model", default=None,
                        help="HF folder or .gguf file; omitted: the embedded default model")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
+    serve.add_argument("--port", type=int, default=30000, help="TCP port")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' (default: $SGL_API_KEY, else none)")
     serve.add_argument("--served-model-name", default=None, help="the name /v1/models reports")
