@@ -269,10 +269,13 @@ class OutputProcessor:
         start = r.logprob.logprob_start_len
         if start >= 0:
             prompt = self._lp_objs(r.prompt_logprobs)
-            if start == 0 and r.prompt_ids:
+            prompt_top = [self._lp_objs(t) for t in r.prompt_top_logprobs]
+            if start == 0 and r.prompt_ids:  # the first token has no logprob: keep lists aligned
                 prompt.insert(0, TokenLogprob(r.prompt_ids[0], math.nan, self._tok_text(r.prompt_ids[0])))
+                if prompt_top:
+                    prompt_top.insert(0, [])
             lps.prompt = prompt
-            lps.prompt_top = [self._lp_objs(t) for t in r.prompt_top_logprobs]
+            lps.prompt_top = prompt_top
         return lps
 
     def _lp_objs(self, pairs) -> list[TokenLogprob]:
@@ -281,7 +284,7 @@ class OutputProcessor:
     def _tok_text(self, tok: int) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.convert_ids_to_tokens(tok)
+        return self.tokenizer.decode([tok])  # the text it adds, not the raw BPE piece
 
     @staticmethod
     def _emit(r: Req, kind: str, payload: Any) -> None:
