@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -89,8 +88,9 @@ def _serve(args: dict[str, Any]) -> int:
         print(f"sgl serve: {exc}", file=sys.stderr)
         return 1
     # The CLI is an application on top of both halves: it reaches the server the way
-    # sgl.Engine reaches the runtime, by a lazy import at run time (no torch at `import sgl`).
-    serve = importlib.import_module("sgl.backend.server").serve
+    # The server is the second seam into the backend (after sgl/engine.py): imported only
+    # when `sgl serve` runs, so `import sgl` stays free of torch and starlette.
+    from sgl.backend.server import serve
     print(f"sgl: serving {server['model'] or 'the default model'} on "
           f"http://{server['host']}:{server['port']}" + (" (API key required)" if api_key else ""),
           file=sys.stderr, flush=True)
