@@ -1,0 +1,647 @@
+"""Issue 5's figures on one GPU, in one run: correctness, throughput against the floor, radix
+cache, the feature ablation, overlap, memory, and transformers' `generate_batch` as the peer.
+
+    python bench/gpu_bench.py [--scale 1.0] [--budget 540] [--only a,b,...] [--smoke]
+
+Sections (in priority order; `--only` picks some): correct (GPU vs CPU greedy, bf16 logprobs
+vs transformers), rates (measured bf16 matmul FLOP/s and copy bandwidth), main (Llama-3.1-8B
+shape: KV capacity, single, fixed, mixed, shared-prefix, apps with every feature on), peer
+(transformers generate_batch on reduced fixed/mixed sets, and ours on the same sets),
+radix_off, ablation (apps: lpm->fcfs, chunked prefill off, overlap off, all off), small
+(SmolLM2-135M shape: GPU idle fraction in decode, overlap on vs off on `mixed`).
+
+Models have random weights of the real shapes (BENCH.md); requests are token ids with EOS
+ignored, greedy. Request counts are scaled down from BENCH.md where the device budget demands
+it; every table row says how many requests it ran. Every figure is printed and written as a
+JSON line (bench/common.py `record`, and $OUT/gpu_bench.jsonl when $OUT is set).
+
+The floor of a workload (BENCH.md): prompt FLOPs that must be computed (the ideal cache:
+a shared prefix counts once) at the measured matmul rate, plus for every decode step the
+weight bytes and the KV bytes read at the measured copy bandwidth. Decode steps are counted
+as a lower bound: ceil(decode tokens / max batch), at least the longest output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.abc
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _ensure_sgl_importable() -> None:
+    """Without an (editable) install, map sgl.backend -> backend/ and sgl.grammars -> grammars/
+    (the setuptools package-dir mapping) with a small meta-path finder."""
+    try:
+        import sgl.backend  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(ROOT))
+    for name in [m for m in sys.modules if m == "sgl" or m.startswith("sgl.")]:
+        del sys.modules[name]
+
+    class _Mapped(importlib.abc.MetaPathFinder):
+        roots = {"sgl.backend": ROOT / "backend", "sgl.grammars": ROOT / "grammars"}
+
+        def find_spec(self, fullname, path, target=None):  # noqa: ANN001
+            folder = self.roots.get(fullname)
+            if folder is None:
+                return None
+            return importlib.util.spec_from_file_location(
+                fullname, folder / "__init__.py", submodule_search_locations=[str(folder)])
+
+    sys.meta_path.insert(0, _Mapped())
+    import sgl.backend  # noqa: F401
+
+
+_ensure_sgl_importable()
+
+import torch  # noqa: E402
+
+import sgl  # noqa: E402
+from common import record as _record  # noqa: E402
+from common import table  # noqa: E402
+
+DEV = "cuda"  # the CPU is only for checking this script's logic (tests set it)
+OUT = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+DEADLINE = [float("inf")]
+ROWS: list[dict[str, Any]] = []
+NOTES: list[str] = []
+
+
+def record(model: str, workload: str, figures: dict[str, Any]) -> None:
+    row = _record("gpu_bench", model, workload, figures)
+    if OUT is not None:
+        OUT.mkdir(parents=True, exist_ok=True)
+        with open(OUT / "gpu_bench.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def note(text: str) -> None:
+    print(text, flush=True)
+    NOTES.append(text)
+
+
+def left() -> float:
+    return DEADLINE[0] - time.monotonic()
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    ids: list[int]
+    out: int
+    shared: int = 0  # leading tokens shared with an earlier request (the ideal cache hit)
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def w_single(vocab: int) -> list[Request]:
+    return [Request(_ids(random.Random(0), 128, vocab), 512)]
+
+
+def w_fixed(n: int, vocab: int, out: int = 256) -> list[Request]:
+    rng = random.Random(0)
+    return [Request(_ids(rng, 1024, vocab), out) for _ in range(n)]
+
+
+def w_mixed(n: int, vocab: int) -> list[Request]:
+    rng = random.Random(0)
+    lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(n)]
+    return [Request(_ids(rng, i, vocab), o) for i, o in lens]
+
+
+def w_shared_prefix(groups: int, vocab: int, per_group: int = 16) -> list[Request]:
+    rng = random.Random(0)
+    reqs = []
+    for _ in range(groups):
+        prefix = _ids(rng, 2048, vocab)
+        for j in range(per_group):
+            reqs.append(Request(prefix + _ids(rng, 128, vocab), 256, shared=2048 if j else 0))
+    return reqs
+
+
+def w_apps(n: int, vocab: int, apps: int = 8) -> list[Request]:
+    rng = random.Random(0)
+    prompts = [_ids(rng, 2000, vocab) for _ in range(apps)]
+    # Requests spread evenly over the apps, interleaved (app 0, 1, ..., 7, 0, 1, ...).
+    return [Request(prompts[i % apps] + _ids(rng, 64, vocab), 128, shared=2000 if i >= apps else 0)
+            for i in range(n)]
+
+
+# -- measured machine rates and the floor --------------------------------------------------
+
+
+@dataclass
+class Rates:
+    matmul_flops: float  # bf16 dense matmul, FLOP/s
+    copy_bw: float  # device copy, bytes moved (read + write) per second
+
+
+def _time_cuda(fn: Callable[[], Any], iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def measure_rates() -> Rates:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t_mm = _time_cuda(lambda: a @ b, 20)
+    src = torch.empty(1 << 31, device="cuda", dtype=torch.uint8)  # 2 GiB
+    dst = torch.empty_like(src)
+    t_cp = _time_cuda(lambda: dst.copy_(src), 10)
+    rates = Rates(2 * n**3 / t_mm, 2 * src.numel() / t_cp)
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return rates
+
+
+@dataclass
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    inter: int
+    tied: bool
+
+    @classmethod
+    def of(cls, mc: Any) -> Shape:
+        return cls(mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                   mc.vocab_size, mc.hf_config.intermediate_size, mc.tie_word_embeddings)
+
+    @property
+    def layer_params(self) -> int:  # matmul weights of the decoder layers
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.layers * (self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.inter)
+
+    @property
+    def weight_bytes(self) -> int:  # bf16 bytes a decode step reads (layers + LM head)
+        return 2 * (self.layer_params + self.vocab * self.hidden)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+
+def floor_seconds(reqs: list[Request], shape: Shape, rates: Rates, max_bs: int) -> float:
+    flops = 0.0
+    kv_bytes = 0.0
+    decode_tokens = 0
+    for r in reqs:
+        p, new = len(r.ids), len(r.ids) - r.shared
+        # matmuls of the computed prompt tokens, the LM head of the sampled row, and causal
+        # attention (QK and PV: 4 * hidden FLOPs per layer per key) over positions shared..p
+        flops += 2 * shape.layer_params * new + 2 * shape.hidden * shape.vocab
+        flops += 4 * shape.layers * shape.heads * shape.head_dim * (p * (p + 1) - r.shared * (r.shared + 1)) / 2
+        decode_tokens += r.out - 1
+        # the k-th decode token reads the KV of p + k tokens
+        kv_bytes += shape.kv_bytes_per_token * ((r.out - 1) * p + (r.out - 1) * r.out / 2)
+    steps = max(math.ceil(decode_tokens / max_bs), max(r.out - 1 for r in reqs))
+    return flops / rates.matmul_flops + (steps * shape.weight_bytes + kv_bytes) / rates.copy_bw
+
+
+# -- running the engine ---------------------------------------------------------------------
+
+
+def make_engine(model: str, **options: Any) -> sgl.Engine:
+    t0 = time.monotonic()
+    e = sgl.Engine(model=model, load_format="dummy", device=DEV, **options)
+    rt = e._rt
+    graphs = rt.runner.graphs
+    print(f"  engine {model} {options}: ready in {time.monotonic() - t0:.1f} s "
+          f"(graphs {len(rt.cuda_graph_sizes)} in {graphs.capture_seconds if graphs else 0:.1f} s, "
+          f"KV pool {rt.kv_pool.allocator.capacity} tokens)", flush=True)
+    return e
+
+
+def close_engine(e: sgl.Engine | None) -> None:
+    if e is None:
+        return
+    e.close()
+    e._rt = None  # drop the runtime: weights, KV pool and graphs go with it
+    del e
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+async def _generate_all(e: sgl.Engine, reqs: list[Request]) -> list[Any]:
+    return await asyncio.gather(*(e.generate(input_ids=r.ids, max_new_tokens=r.out, temperature=0,
+                                             ignore_eos=True) for r in reqs))
+
+
+def run(e: sgl.Engine, reqs: list[Request]) -> dict[str, Any]:
+    e.flush_cache()
+    before = e.stats()
+    t0 = time.perf_counter()
+    # A hang must cost one figure, not the whole (device-time limited) run.
+    outs = asyncio.run(asyncio.wait_for(_generate_all(e, reqs), timeout=max(30.0, left())))
+    wall = time.perf_counter() - t0
+    after = e.stats()
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    in_tokens = sum(len(r.ids) for r in reqs)
+    assert out_tokens == sum(r.out for r in reqs), "EOS is ignored: every request runs to length"
+    prompt = after.prompt_tokens - before.prompt_tokens
+    cached = after.cached_tokens - before.cached_tokens
+    return dict(requests=len(reqs), wall_s=wall, output_tok_s=out_tokens / wall,
+                total_tok_s=(in_tokens + out_tokens) / wall, req_s=len(reqs) / wall,
+                cache_hit=cached / prompt if prompt else 0.0,
+                ideal_hit=sum(r.shared for r in reqs) / in_tokens,
+                steps=after.steps - before.steps)
+
+
+def warmup(e: sgl.Engine, vocab: int) -> None:
+    rng = random.Random(1)
+    reqs = [Request(_ids(rng, n, vocab), 8) for n in (300, 40, 1500, 9)]
+    asyncio.run(_generate_all(e, reqs))
+
+
+def report(model: str, name: str, res: dict[str, Any], floor: float | None = None,
+           **extra: Any) -> dict[str, Any]:
+    row = dict(model=model, workload=name, **res, **extra)
+    if floor is not None:
+        row["floor_s"] = floor
+        row["wall/floor"] = res["wall_s"] / floor
+    ROWS.append(row)
+    record(model, name, row)
+    shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+    print("  " + json.dumps(shown), flush=True)
+    return row
+
+
+# -- sections -------------------------------------------------------------------------------
+
+
+def section_correct(args: argparse.Namespace) -> None:
+    """GPU greedy == CPU greedy (float32, small random model); bf16 logprobs vs transformers."""
+    small = {"num_hidden_layers": 4}
+    cpu = sgl.Engine(model="smollm2-135m", load_format="dummy", device="cpu", dtype="float32",
+                     model_config=small, max_total_tokens=8192)
+    gpu = sgl.Engine(model="smollm2-135m", load_format="dummy", device=DEV, dtype="float32",
+                     model_config=small, max_total_tokens=8192, max_running_requests=32)
+    state = {k: v.to(DEV) for k, v in cpu._rt.runner.model.state_dict().items()}
+    gpu._rt.runner.model.load_state_dict(state)
+    rng = random.Random(3)
+    reqs = [Request(_ids(rng, rng.randint(5, 300), 49152), 8 + 4 * i) for i in range(8)]
+    a = [o.token_ids for o in asyncio.run(_generate_all(cpu, reqs))]
+    b = [o.token_ids for o in asyncio.run(_generate_all(gpu, reqs))]
+    same = sum(x == y for x, y in zip(a, b))
+    tokens_same = sum(p == q for x, y in zip(a, b) for p, q in zip(x, y))
+    fig = dict(requests=len(reqs), identical_requests=same, identical_tokens=tokens_same,
+               tokens=sum(len(x) for x in a), ok=same == len(reqs))
+    note(f"GPU greedy vs CPU greedy (float32, SmolLM2 shape, 4 layers): {fig}")
+    ROWS.append(dict(model="smollm2-135m/4L fp32", workload="gpu==cpu greedy", **fig))
+    record("smollm2-135m-4L-fp32", "greedy-gpu-vs-cpu", fig)
+    cpu.close()
+    close_engine(gpu)
+
+    # bf16 engine vs transformers on the same weights: prompt logprobs (extend path) and the
+    # logprobs of the greedy outputs (CUDA-graph decode path).
+    from transformers import AutoModelForCausalLM
+
+    from sgl.backend.reference import unfused
+
+    e = sgl.Engine(model="smollm2-135m", load_format="dummy", device=DEV, dtype="bfloat16",
+                   max_total_tokens=1 << 16, max_running_requests=32)
+    cfg = e._rt.model_config.hf_config
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(DEV).eval()
+    missing, unexpected = hf.load_state_dict(unfused(e._rt.runner.model.state_dict(), cfg), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.tie_weights()
+    rng = random.Random(4)
+    prompts = [_ids(rng, n, cfg.vocab_size) for n in (17, 200, 640)]
+
+    async def gen() -> list[Any]:
+        return await asyncio.gather(*(e.generate(input_ids=p, max_new_tokens=24, temperature=0,
+                                                 ignore_eos=True, return_logprob=True,
+                                                 logprob_start_len=0) for p in prompts))
+
+    outs = asyncio.run(gen())
+    diffs_p, diffs_o, agree, total = [], [], 0, 0
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            seq = torch.tensor([p + o.token_ids], device=DEV)
+            ref = torch.log_softmax(hf(seq).logits[0].float(), dim=-1)  # [L, V]
+            ref_p = ref[torch.arange(len(p) - 1), seq[0, 1 : len(p)]]
+            ours_p = _prompt_lps(o, len(p))
+            diffs_p.append((ours_p - ref_p).abs())
+            pos = torch.arange(len(p) - 1, len(p) - 1 + len(o.token_ids))
+            ref_o = ref[pos, seq[0, len(p) :]]
+            diffs_o.append((_output_lps(o) - ref_o).abs())
+            agree += int((ref[pos].argmax(-1) == seq[0, len(p) :]).sum())
+            total += len(o.token_ids)
+    dp, do = torch.cat(diffs_p), torch.cat(diffs_o)
+    fig = dict(prompt_lp_max_abs=float(dp.max()), prompt_lp_mean_abs=float(dp.mean()),
+               output_lp_max_abs=float(do.max()), output_lp_mean_abs=float(do.mean()),
+               greedy_top1_agreement=agree / total, tolerance_max_abs=0.1,
+               ok=float(dp.max()) < 0.1 and float(do.max()) < 0.1)
+    note(f"bf16 engine vs transformers logprobs (SmolLM2-135M shape): {fig}")
+    ROWS.append(dict(model="smollm2-135m bf16", workload="logprobs vs transformers", **fig))
+    record("smollm2-135m", "logprobs-vs-transformers", fig)
+    del hf
+    close_engine(e)
+
+
+def _prompt_lps(o: Any, n: int) -> torch.Tensor:
+    lps = o.logprobs.prompt  # one per prompt token after the first
+    vals = [x.logprob for x in lps][-(n - 1):]
+    return torch.tensor(vals, device=DEV, dtype=torch.float32)
+
+
+def _output_lps(o: Any) -> torch.Tensor:
+    return torch.tensor([x.logprob for x in o.logprobs.output], device=DEV, dtype=torch.float32)
+
+
+def section_main(args: argparse.Namespace, rates: Rates, state: dict[str, Any]) -> None:
+    s = args.scale
+    free_before = torch.cuda.mem_get_info()[0]
+    e = make_engine("llama3-8b")
+    try:
+        rt = e._rt
+        shape = Shape.of(rt.model_config)
+        vocab, max_bs = shape.vocab, rt.config.max_running_requests
+        state["shape"], state["max_bs"] = shape, max_bs
+        cap = rt.kv_pool.allocator.capacity
+        mem = dict(free_gib_before_engine=free_before / 2**30,
+                   kv_pool_gib=cap * shape.kv_bytes_per_token / 2**30, kv_pool_tokens=cap,
+                   requests_of_2k_tokens=cap // 2048, max_running_requests=max_bs,
+                   mem_fraction=rt.config.mem_fraction_static or 0.85,
+                   cuda_graph_sizes=len(rt.cuda_graph_sizes))
+        note(f"8B memory: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in mem.items()})}")
+        record("llama3-8b", "memory", mem)
+        warmup(e, vocab)
+        reqs = w_single(vocab)
+        report("llama3-8b", "single", run(e, reqs), floor_seconds(reqs, shape, rates, max_bs),
+               target="output_tok_s >= 220")
+        for name, reqs in (("fixed", w_fixed(max(8, int(512 * s)), vocab)),
+                           ("mixed", w_mixed(max(8, int(256 * s)), vocab))):
+            if left() < 60:
+                note(f"skipped {name}: out of time")
+                continue
+            state[name] = report("llama3-8b", name, run(e, reqs), floor_seconds(reqs, shape, rates, max_bs),
+                                 target="wall/floor <= 1.6")
+        if left() > 60:
+            reqs = w_shared_prefix(max(2, int(64 * s * args.prefix_scale)), vocab)
+            state["shared_on"] = report("llama3-8b", "shared-prefix", run(e, reqs),
+                                        floor_seconds(reqs, shape, rates, max_bs), radix=True)
+        if left() > 60:
+            reqs = w_apps(max(16, int(600 * s * args.apps_scale)), vocab)
+            state["apps_reqs"] = reqs
+            state["apps"] = {"all on": report("llama3-8b", "apps: all on", run(e, reqs),
+                                              floor_seconds(reqs, shape, rates, max_bs))}
+        if "peer" in args.sections:
+            state["peer_ours"] = {}
+            for name, reqs in peer_sets(vocab, args).items():
+                state["peer_ours"][name] = report("llama3-8b", f"{name} (peer set, sgl)", run(e, reqs))
+    finally:
+        close_engine(e)
+
+
+def peer_sets(vocab: int, args: argparse.Namespace) -> dict[str, list[Request]]:
+    n = args.peer_requests
+    mixed = w_mixed(n, vocab)
+    return {"fixed": w_fixed(n, vocab, out=args.peer_out),
+            "mixed": [Request(r.ids, min(r.out, args.peer_out)) for r in mixed]}
+
+
+def section_peer(args: argparse.Namespace, state: dict[str, Any]) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from sgl.backend.model_loader import _dummy_config
+
+    cfg = _dummy_config("llama3-8b", None)
+    t0 = time.monotonic()
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    print(f"  transformers model built in {time.monotonic() - t0:.1f} s", flush=True)
+    for name, reqs in peer_sets(cfg.vocab_size, args).items():
+        if left() < 40:
+            note(f"skipped transformers {name}: out of time")
+            break
+        gen = GenerationConfig(max_new_tokens=max(r.out for r in reqs), do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        # generate_batch takes one max_new_tokens (the longest of the set): throughput counts
+        # every token it produced.
+        t1 = time.perf_counter()
+        outs = hf.generate_batch(inputs=[r.ids for r in reqs], generation_config=gen)
+        wall = time.perf_counter() - t1
+        produced = sum(len(o.generated_tokens) for o in outs.values())
+        res = dict(requests=len(reqs), wall_s=wall, output_tok_s=produced / wall,
+                   output_tokens=produced)
+        ours = state.get("peer_ours", {}).get(name)
+        extra = {}
+        if ours:
+            extra = {"sgl_output_tok_s": ours["output_tok_s"],
+                     "sgl/transformers": ours["output_tok_s"] / res["output_tok_s"]}
+        report("llama3-8b", f"{name} (peer set, transformers generate_batch)", res, **extra)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def section_radix_off(args: argparse.Namespace, rates: Rates, state: dict[str, Any]) -> None:
+    e = make_engine("llama3-8b", disable_radix_cache=True)
+    try:
+        shape, max_bs = state["shape"], state["max_bs"]
+        warmup(e, shape.vocab)
+        if "shared_on" in state:
+            reqs = w_shared_prefix(state["shared_on"]["requests"] // 16, shape.vocab)
+            off = report("llama3-8b", "shared-prefix (radix off)", run(e, reqs), radix=False)
+            on = state["shared_on"]
+            note(f"shared-prefix: cache hit {on['cache_hit']:.3f} of prompt tokens vs ideal "
+                 f"{on['ideal_hit']:.3f} ({on['cache_hit'] / on['ideal_hit']:.1%} of ideal); "
+                 f"radix on/off throughput {on['output_tok_s'] / off['output_tok_s']:.2f}x "
+                 f"(targets: >= 90% of ideal, >= 2x)")
+        if "apps" in state and left() > 40:
+            state["apps"]["radix off"] = report("llama3-8b", "apps: radix off",
+                                                run(e, state["apps_reqs"]))
+    finally:
+        close_engine(e)
+
+
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "lpm -> fcfs": dict(schedule_policy="fcfs"),
+    "chunked prefill off": dict(chunked_prefill_size=-1),
+    "overlap off": dict(disable_overlap_schedule=True),
+    "all off": dict(disable_radix_cache=True, schedule_policy="fcfs", chunked_prefill_size=-1,
+                    disable_overlap_schedule=True),
+}
+
+
+def section_ablation(args: argparse.Namespace, state: dict[str, Any]) -> None:
+    if "apps" not in state:
+        note("ablation skipped: the apps run with every feature on did not happen")
+        return
+    for name, opts in ABLATIONS.items():
+        if left() < 45:
+            note(f"ablation '{name}' skipped: out of time")
+            continue
+        e = make_engine("llama3-8b", **opts)
+        try:
+            warmup(e, state["shape"].vocab)
+            state["apps"][name] = report("llama3-8b", f"apps: {name}", run(e, state["apps_reqs"]))
+        finally:
+            close_engine(e)
+    base = state["apps"].get("all on")
+    rows = [dict(config=k, output_tok_s=v["output_tok_s"], total_tok_s=v["total_tok_s"],
+                 cache_hit=v["cache_hit"], wall_s=v["wall_s"],
+                 vs_all_on=v["output_tok_s"] / base["output_tok_s"])
+            for k, v in state["apps"].items()]
+    print(table(rows, ["config", "output_tok_s", "total_tok_s", "cache_hit", "wall_s", "vs_all_on"]))
+    if "all off" in state["apps"]:
+        note(f"apps ablation ({len(state['apps_reqs'])} requests): all on / all off = "
+             f"{base['output_tok_s'] / state['apps']['all off']['output_tok_s']:.2f}x (model: ~2.8x)")
+
+
+def section_small(args: argparse.Namespace, rates: Rates) -> None:
+    res: dict[str, dict[str, Any]] = {}
+    for overlap in (True, False):
+        if left() < 30:
+            note("small-model overlap run skipped: out of time")
+            break
+        e = make_engine("smollm2-135m", disable_overlap_schedule=not overlap)
+        try:
+            mc = e._rt.model_config
+            shape, max_bs = Shape.of(mc), e._rt.config.max_running_requests
+            warmup(e, mc.vocab_size)
+            reqs = w_mixed(max(16, int(256 * args.scale)), mc.vocab_size)
+            runner = e._rt.runner
+            runner.step_events = []
+            r = run(e, reqs)
+            events = runner.step_events
+            runner.step_events = None
+            idle = idle_fraction(events)
+            name = f"mixed, overlap {'on' if overlap else 'off'}"
+            res[name] = report("smollm2-135m", name, r, floor_seconds(reqs, shape, rates, max_bs), **idle)
+        finally:
+            close_engine(e)
+    if len(res) == 2:
+        on, off = res["mixed, overlap on"], res["mixed, overlap off"]
+        note(f"SmolLM2-135M mixed: overlap on/off = {on['output_tok_s'] / off['output_tok_s']:.2f}x "
+             f"(target >= 1.2x); GPU idle in steady decode with overlap on "
+             f"{on['decode_idle_frac']:.1%} (target < 10%), off {off['decode_idle_frac']:.1%}")
+
+
+def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
+    """GPU idle share between steps, from CUDA events around each step: over the whole run,
+    and over runs of consecutive DECODE steps (steady decode)."""
+    torch.cuda.synchronize()
+    if len(events) < 3:
+        return {}
+    t0 = events[0][0]
+    spans = [(t0.elapsed_time(s), t0.elapsed_time(e), mode.name, bs) for s, e, mode, bs in events]
+    busy = sum(e - s for s, e, _, _ in spans)
+    total = spans[-1][1] - spans[0][0]
+    gaps = dec_busy = 0.0
+    for (s0, e0, m0, _), (s1, e1, m1, _) in zip(spans, spans[1:]):
+        if m0 == "DECODE" and m1 == "DECODE":
+            gaps += max(0.0, s1 - e0)
+            dec_busy += e1 - s1
+    decode_steps = sum(1 for x in spans if x[2] == "DECODE")
+    step_ms = sorted(e - s for s, e, m, _ in spans if m == "DECODE")
+    return dict(idle_frac=1 - busy / total if total else 0.0,
+                decode_idle_frac=gaps / (gaps + dec_busy) if dec_busy else 0.0,
+                decode_steps=decode_steps,
+                decode_step_ms_median=step_ms[len(step_ms) // 2] if step_ms else 0.0)
+
+
+# -- main -----------------------------------------------------------------------------------
+
+SECTIONS = ["correct", "rates", "main", "peer", "radix_off", "ablation", "small"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=float, default=0.5, help="request counts x this (fixed, mixed, ...)")
+    ap.add_argument("--prefix-scale", type=float, default=0.25, help="shared-prefix groups: 64 x scale x this")
+    ap.add_argument("--apps-scale", type=float, default=0.4, help="apps requests: 600 x scale x this")
+    ap.add_argument("--peer-requests", type=int, default=16)
+    ap.add_argument("--peer-out", type=int, default=128)
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds; later sections skip past it")
+    ap.add_argument("--only", default=",".join(SECTIONS))
+    ap.add_argument("--smoke", action="store_true", help="tiny counts: check that every section runs")
+    args = ap.parse_args()
+    args.sections = args.only.split(",")
+    if args.smoke:
+        args.scale, args.prefix_scale, args.apps_scale = 0.03, 1.0, 1.0
+        args.peer_requests, args.peer_out = 2, 8
+    DEADLINE[0] = time.monotonic() + args.budget
+    print(f"gpu_bench on {torch.cuda.get_device_name(0)}, torch {torch.__version__}, args {vars(args)}",
+          flush=True)
+    state: dict[str, Any] = {}
+    rates = Rates(790e12, 4.27e12)  # BENCH.md's figures until measured
+    status = 0
+    for name in SECTIONS:
+        if name not in args.sections:
+            continue
+        if left() < 20:
+            note(f"section {name} skipped: out of time")
+            continue
+        t0 = time.monotonic()
+        print(f"\n== {name} ==", flush=True)
+        try:
+            if name == "correct":
+                section_correct(args)
+            elif name == "rates":
+                rates = measure_rates()
+                note(f"measured: bf16 matmul {rates.matmul_flops / 1e12:.0f} TFLOP/s, "
+                     f"copy {rates.copy_bw / 1e12:.2f} TB/s")
+                record("-", "rates", dict(matmul_tflops=rates.matmul_flops / 1e12,
+                                          copy_tb_s=rates.copy_bw / 1e12))
+            elif name == "main":
+                section_main(args, rates, state)
+            elif name == "peer":
+                section_peer(args, state)
+            elif name == "radix_off":
+                section_radix_off(args, rates, state)
+            elif name == "ablation":
+                section_ablation(args, state)
+            elif name == "small":
+                section_small(args, rates)
+        except Exception:
+            status = 1
+            traceback.print_exc()
+            note(f"section {name} FAILED (traceback above)")
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(f"  ({name}: {time.monotonic() - t0:.1f} s)", flush=True)
+    print("\n== all figures ==")
+    cols = ["model", "workload", "requests", "output_tok_s", "total_tok_s", "wall_s", "floor_s",
+            "wall/floor", "cache_hit", "ideal_hit", "sgl/transformers", "decode_idle_frac"]
+    print(table([r for r in ROWS if "output_tok_s" in r], cols))
+    print("\n".join(["", "== notes =="] + NOTES))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
