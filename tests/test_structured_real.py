@@ -557,6 +557,9 @@ def test_jumped_tokens_are_the_tokenizers_own(runs, engine) -> None:
     for jump, (jumped, sampled, odd) in totals.items():
         print(f"jump_forward={'on ' if jump else 'off'}: {jumped} jumped tokens (all the tokenizer's own), "
               f"{sampled} sampled, of which {odd} split differently from the tokenizer")
+    jumps = [j for run in runs.values() for j in run.jumps]
+    print(f"{len(jumps)} jumps, {sum(rollback > 0 for _, rollback, _ in jumps)} of them rolled back "
+          f"sampled tokens to re-merge the left boundary")
     assert totals[True][0] > 100, "jump-forward placed almost no tokens: is it on?"
 
 
