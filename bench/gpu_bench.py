@@ -470,6 +470,7 @@ def section_peer(args: argparse.Namespace, state: dict[str, Any]) -> None:
 
 
 def section_radix_off(args: argparse.Namespace, rates: Rates, state: dict[str, Any]) -> None:
+    ensure_8b_state(args, state)
     e = make_engine("llama3-8b", disable_radix_cache=True)
     try:
         shape, max_bs = state["shape"], state["max_bs"]
@@ -498,11 +499,24 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
+def ensure_8b_state(args: argparse.Namespace, state: dict[str, Any]) -> None:
+    """Shape and request lists without the main section (a rerun of later sections only)."""
+    if "shape" not in state:
+        from sgl.backend.model_loader import load_model
+
+        _, mc = load_model("llama3-8b", device=torch.device("meta"), dtype=torch.bfloat16)
+        state["shape"], state["max_bs"] = Shape.of(mc), 256
+    if "apps_reqs" not in state:
+        state["apps_reqs"] = w_apps(max(16, int(600 * args.scale * args.apps_scale)), state["shape"].vocab)
+
+
 def section_ablation(args: argparse.Namespace, state: dict[str, Any]) -> None:
-    if "apps" not in state:
-        note("ablation skipped: the apps run with every feature on did not happen")
-        return
-    for name, opts in ABLATIONS.items():
+    ensure_8b_state(args, state)
+    configs = dict(ABLATIONS)
+    if "apps" not in state:  # a rerun without the main section: measure "all on" here
+        state["apps"] = {}
+        configs = {"all on": {}, **configs}
+    for name, opts in configs.items():
         if left() < 45:
             note(f"ablation '{name}' skipped: out of time")
             continue
@@ -513,6 +527,8 @@ def section_ablation(args: argparse.Namespace, state: dict[str, Any]) -> None:
         finally:
             close_engine(e)
     base = state["apps"].get("all on")
+    if base is None:
+        return
     rows = [dict(config=k, output_tok_s=v["output_tok_s"], total_tok_s=v["total_tok_s"],
                  cache_hit=v["cache_hit"], wall_s=v["wall_s"],
                  vs_all_on=v["output_tok_s"] / base["output_tok_s"])
