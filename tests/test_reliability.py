@@ -29,7 +29,7 @@ import sgl
 from sgl.backend.req import Req, ReqStatus
 from sgl.outputs import StreamChunk
 
-from test_engine_core import TINY, assert_clean, make_engine
+from test_engine_core import assert_clean, make_engine
 
 pytestmark = pytest.mark.anyio
 
