@@ -98,7 +98,8 @@ class Scheduler:
 
         budget = self.cfg.chunked_prefill_size
         step_tokens = len(decoding)
-        reserve = self._decode_reserve(self.running)
+        # (a pass over every running request: only worth it when someone waits for admission)
+        reserve = self._decode_reserve(self.running) if self.waiting else 0
         # Prompts being prefilled whose KV is not in the tree yet: a waiting request sharing a
         # long prefix with one of them waits for it (lpm), instead of computing it twice.
         admitted_prompts = [r.prompt_ids for r in self.running if r.cached_len < len(r.prompt_ids) - 1]
