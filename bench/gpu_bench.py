@@ -551,12 +551,11 @@ def section_small(args: argparse.Namespace, rates: Rates) -> None:
             shape, max_bs = Shape.of(mc), e._rt.config.max_running_requests
             warmup(e, mc.vocab_size)
             reqs = w_mixed(max(16, int(256 * args.scale)), mc.vocab_size)
-            runner = e._rt.runner
-            runner.step_events = []
+            e._rt.runner.step_events = []
+            cpu = cpu_split(e)
             r = run(e, reqs)
-            events = runner.step_events
-            runner.step_events = None
-            idle = idle_fraction(events)
+            events, e._rt.runner.step_events = e._rt.runner.step_events, None
+            idle = {**idle_fraction(events), **{k: v / r["steps"] * 1e3 for k, v in cpu.items()}}
             name = f"mixed, overlap {'on' if overlap else 'off'}"
             res[name] = report("smollm2-135m", name, r, floor_seconds(reqs, shape, rates, max_bs), **idle)
         finally:
@@ -566,6 +565,62 @@ def section_small(args: argparse.Namespace, rates: Rates) -> None:
         note(f"SmolLM2-135M mixed: overlap on/off = {on['output_tok_s'] / off['output_tok_s']:.2f}x "
              f"(target >= 1.2x); GPU idle in steady decode with overlap on "
              f"{on['decode_idle_frac']:.1%} (target < 10%), off {off['decode_idle_frac']:.1%}")
+
+
+def cpu_split(e: sgl.Engine) -> dict[str, float]:
+    """Accumulated CPU seconds of each part of a step (reported as ms per step)."""
+    rt = e._rt
+    acc: dict[str, float] = {}
+
+    def timed(obj: Any, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    timed(rt.scheduler, "schedule", "cpu_schedule_ms")
+    timed(rt.runner, "_prepare", "cpu_prepare_ms")
+    timed(rt.runner, "_execute", "cpu_launch_ms")
+    timed(rt.core, "sampling_builder", "cpu_sampling_info_ms")
+    timed(rt.processor, "process", "cpu_process_incl_wait_ms")
+    return acc
+
+
+def section_diag(args: argparse.Namespace, rates: Rates) -> None:
+    """Where a single-stream 8B decode step goes: graph replay alone, and cuBLAS GEMVs."""
+    e = make_engine("llama3-8b", max_running_requests=8)
+    try:
+        g = e._rt.runner.graphs
+        vocab = e._rt.model_config.vocab_size
+        warmup(e, vocab)
+        e._rt.runner.step_events = []
+        cpu = cpu_split(e)
+        r = run(e, w_single(vocab))
+        events, e._rt.runner.step_events = e._rt.runner.step_events, None
+        extra = {**idle_fraction(events), **{k: v / r["steps"] * 1e3 for k, v in cpu.items()}}
+        for bs in (1, 8):
+            extra[f"graph_replay_ms_bs{bs}"] = _time_cuda(g.graphs[bs].replay, 50) * 1e3
+        report("llama3-8b", "single (instrumented)", r, **extra)
+        x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+        gemv = {}
+        for name, n, k in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                           ("down", 4096, 14336), ("lm_head", vocab, 4096)):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            xi = x if k == 4096 else torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            t = _time_cuda(lambda: torch.nn.functional.linear(xi, w), 50)
+            gemv[f"{name}_us"] = t * 1e6
+            gemv[f"{name}_TB_s"] = n * k * 2 / t / 1e12
+            del w
+        note(f"cuBLAS GEMV at batch 1 (bf16): {json.dumps({k: round(v, 2) for k, v in gemv.items()})}")
+        record("llama3-8b", "gemv-bs1", gemv)
+    finally:
+        close_engine(e)
 
 
 def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
@@ -588,12 +643,14 @@ def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
     return dict(idle_frac=1 - busy / total if total else 0.0,
                 decode_idle_frac=gaps / (gaps + dec_busy) if dec_busy else 0.0,
                 decode_steps=decode_steps,
-                decode_step_ms_median=step_ms[len(step_ms) // 2] if step_ms else 0.0)
+                decode_step_ms_median=step_ms[len(step_ms) // 2] if step_ms else 0.0,
+                decode_step_ms_mean=sum(step_ms) / len(step_ms) if step_ms else 0.0,
+                wall_per_step_ms=total / len(spans))
 
 
 # -- main -----------------------------------------------------------------------------------
 
-SECTIONS = ["correct", "rates", "main", "peer", "radix_off", "ablation", "small"]
+SECTIONS = ["correct", "rates", "main", "peer", "radix_off", "ablation", "small", "diag"]
 
 
 def main() -> int:
@@ -642,6 +699,8 @@ def main() -> int:
                 section_radix_off(args, rates, state)
             elif name == "ablation":
                 section_ablation(args, state)
+            elif name == "diag":
+                section_diag(args, rates)
             elif name == "small":
                 section_small(args, rates)
         except Exception:
