@@ -8,7 +8,7 @@ Why a thread and not an asyncio task: the model step is long CPU or GPU work; to
 the GIL inside its kernels, so a thread keeps the caller's event loop responsive, while a task
 would block it for a whole step (docs/benchmarks.md has the event-loop latency measured).
 
-The overlap loop (`disable_overlap_schedule=False`)::
+The overlap loop (`disable_overlap_schedule=False`; the default on CUDA)::
 
     iteration k:  schedule(k) -> launch(k) -> process(k-1)     # CPU work of k-1 hides behind k
 

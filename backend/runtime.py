@@ -34,7 +34,10 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return config.replace(device=device, dtype=dtype)
+    no_overlap = config.disable_overlap_schedule
+    if no_overlap is None:
+        no_overlap = not device.startswith("cuda")
+    return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap)
 
 
 def _available_bytes(device: torch.device) -> int:

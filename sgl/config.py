@@ -32,7 +32,7 @@ _KINDS: dict[str, type] = {
     "schedule_conservativeness": float, "attention_backend": str, "disable_cuda_graph": bool,
     "cuda_graph_max_bs": int, "request_timeout": float, "debug_integrity": bool, "log_level": str,
 }
-_OPTIONAL = frozenset({"context_length", "max_total_tokens", "mem_fraction_static",
+_OPTIONAL = frozenset({"disable_overlap_schedule", "context_length", "max_total_tokens", "mem_fraction_static",
                        "chunked_prefill_size", "max_prefill_tokens", "max_running_requests",
                        "cuda_graph_max_bs", "request_timeout"})
 _DEVICES_PREFIX = ("auto", "cpu", "cuda")
@@ -61,7 +61,9 @@ class EngineConfig:
     max_running_requests: int | None = None
     schedule_policy: SchedulePolicy = "lpm"
     disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
+    # None: the overlap loop on CUDA, the plain loop on the CPU, where the model step and the
+    # scheduler compete for the same cores and overlap measured slower (docs/benchmarks.md).
+    disable_overlap_schedule: bool | None = None
     disable_jump_forward: bool = False
     schedule_conservativeness: float = 1.0  # reserve factor for future decode tokens
 

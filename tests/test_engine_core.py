@@ -23,7 +23,9 @@ pytestmark = pytest.mark.anyio
 
 
 def make_engine(**options) -> sgl.Engine:
-    opts = dict(model_config=TINY, load_format="dummy", device="cpu", max_total_tokens=4096)
+    # The overlap loop is on unless a test turns it off (on the CPU it is off by default).
+    opts = dict(model_config=TINY, load_format="dummy", device="cpu", max_total_tokens=4096,
+                disable_overlap_schedule=False)
     opts.update(options)
     return sgl.Engine(**opts)
 

@@ -87,7 +87,7 @@ def distractors(n: int = 16) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(disable_radix_cache=True), dict(disable_overlap_schedule=True)],
+    [dict(disable_overlap_schedule=False), dict(disable_radix_cache=True), dict(disable_overlap_schedule=True)],
     ids=["radix+overlap", "no-radix", "no-overlap"],
 )
 async def test_greedy_matches_transformers(prompts, reference, options) -> None:
