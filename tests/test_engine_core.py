@@ -177,7 +177,9 @@ async def test_prompt_logprobs_match_a_single_prefill() -> None:
         for x, y in zip(a.logprobs.prompt[20:], b.logprobs.prompt):
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
         assert [t.token_id for t in a.logprobs.prompt] == p
-        assert len(a.logprobs.prompt_top) == 39 and len(a.logprobs.prompt_top[0]) == 3
+        # aligned with prompt: the first token has no logprob and no alternatives
+        assert len(a.logprobs.prompt_top) == 40 and a.logprobs.prompt_top[0] == []
+        assert all(len(t) == 3 for t in a.logprobs.prompt_top[1:])
         assert len(a.logprobs.output) == 1
         assert_clean(engine)
     finally:
