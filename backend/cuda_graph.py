@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
+from sgl.backend.model_runner import aligned
 
 logger = logging.getLogger("sgl.engine")
 
@@ -133,6 +134,7 @@ class DecodeGraphs:
         """packed: the step's device copy of `PackedInputs` laid out for `bs` rows.
         Returns logits [batch_size, vocab] (a view of the graph's output: valid until the
         next replay, which stream order guarantees comes after this step's sampling)."""
-        self.inputs[:, :bs].copy_(packed[: 5 * bs].view(5, bs))
+        stride = aligned(bs)  # each packed field starts 16-byte aligned
+        self.inputs[:, :bs].copy_(packed[: 5 * stride].view(5, stride)[:, :bs])
         self.graphs[bs].replay()
         return self.outputs[bs][:batch_size]

@@ -61,10 +61,21 @@ class StepOutput:
 
 # Order of the fields inside the packed host tensor. The first five are the per-token /
 # per-request inputs a decode CUDA graph reads, so for a (padded) decode batch of size bs
-# `packed[:5 * bs].view(5, bs)` is exactly the graph's static input block.
+# `packed[:5 * aligned(bs)].view(5, aligned(bs))[:, :bs]` is the graph's static input block.
 PACKED_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
                  "extend_prefix_lens", "extend_seq_lens", "extend_start", "logits_indices",
                  "future_indices", "prompt_targets", "table_index", "table_value")
+
+
+# Every field starts on a 16-byte boundary (2 int64s). Triton specializes kernels on whether
+# each pointer argument is 16-byte aligned: unaligned views would make the alignment of e.g.
+# `positions` depend on the parity of the token count, and compile a new kernel variant
+# (~1 s, in the middle of serving) the first time each combination appears.
+ALIGN = 2
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 class PackedInputs:
@@ -74,7 +85,12 @@ class PackedInputs:
     def __init__(self, parts: Sequence[np.ndarray | list[int]], pin: bool) -> None:
         arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
         self.lengths = [a.size for a in arrays]
-        host = torch.from_numpy(np.concatenate(arrays)) if arrays else torch.empty(0, dtype=torch.int64)
+        padded = []
+        for a in arrays:
+            padded.append(a)
+            if a.size % ALIGN:
+                padded.append(np.zeros(ALIGN - a.size % ALIGN, dtype=np.int64))
+        host = torch.from_numpy(np.concatenate(padded)) if padded else torch.empty(0, dtype=torch.int64)
         if pin:
             pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
             pinned.copy_(host)
@@ -85,7 +101,7 @@ class PackedInputs:
         out, start = {}, 0
         for name, n in zip(PACKED_FIELDS, self.lengths):
             out[name] = t[start : start + n]
-            start += n
+            start += aligned(n)
         return out
 
 
