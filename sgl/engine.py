@@ -417,10 +417,12 @@ class Engine:
         if prep.constraint is None or out.finish_reason == "abort":
             return
         try:
-            out.parsed = prep.constraint.parse(out.text, finish_reason=out.finish_reason)
+            out.parsed_value = prep.constraint.parse(out.text, finish_reason=out.finish_reason)
         except ParseError as exc:
+            # Not raised here: with a batch or n > 1 that would lose the other outputs. Reading
+            # `out.parsed` raises it.
             exc.output = out  # type: ignore[attr-defined]
-            raise
+            out.parse_error = exc
 
 
 def _check_timeout(timeout: Any) -> None:

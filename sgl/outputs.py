@@ -63,8 +63,20 @@ class GenerateOutput:
     logprobs: Logprobs | None = None
     matched_stop: int | str | None = None  # the stop string or token id that ended it
     error: str | None = None  # why it was aborted, when finish_reason == "abort"
-    parsed: Any = None  # validated value when a schema/dtype was given
     request_id: str = ""
+    # Set by the engine when a constraint was given; read through `parsed`.
+    parsed_value: Any = field(default=None, repr=False)
+    parse_error: Exception | None = field(default=None, repr=False)
+
+    @property
+    def parsed(self) -> Any:
+        """The typed value for `schema=`/`dtype=`/`choices=` (a JSON value for a plain
+        json_schema, the text for a regex). Raises `sgl.ParseError` naming the cause when the
+        text does not validate, e.g. when max_new_tokens cut it (finish_reason "length"); the
+        output itself (text, token_ids) is always there."""
+        if self.parse_error is not None:
+            raise self.parse_error
+        return self.parsed_value
 
     def __str__(self) -> str:  # print(output) shows the text
         return self.text

@@ -447,6 +447,13 @@ def test_every_output_is_accepted_by_a_fresh_matcher(runs, checker) -> None:
 # -- jump-forward: agreement and token boundaries -----------------------------------------------
 
 
+def _parsed_or_none(run: Run) -> Any:
+    """The run's typed value; None when it failed or did not validate (counted as differing)."""
+    if run.output is None or run.error is not None or run.output.parse_error is not None:
+        return None
+    return run.output.parsed
+
+
 def _fields(value: Any) -> dict[str, Any]:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else {}
 
@@ -462,8 +469,8 @@ def test_extraction_agrees_with_and_without_jump_forward(runs) -> None:
     agree = total = correct_on = correct_off = 0
     for case in EXTRACTION_CASES:
         on, off = runs[(case.name, True)], runs[(case.name, False)]
-        fields_on = _fields(on.output.parsed) if on.output and on.error is None else {}
-        fields_off = _fields(off.output.parsed) if off.output and off.error is None else {}
+        fields_on = _fields(_parsed_or_none(on))
+        fields_off = _fields(_parsed_or_none(off))
         for key, truth in case.truth.items():
             value_on, value_off = fields_on.get(key), fields_off.get(key)
             total += 1
@@ -583,17 +590,20 @@ def test_jump_forward_saves_decode_steps(runs) -> None:
 @pytest.mark.parametrize("jump", JUMP_MODES, ids=["jump_on", "jump_off"])
 def test_truncated_schema_output_raises_parse_error(engine, jump: bool) -> None:
     async def go() -> None:
+        # generate() returns the truncated output; reading .parsed raises, naming the cause.
+        out = await engine.generate(EXTRACTION_CASES[0].prompt, schema=Person, max_new_tokens=6,
+                                    temperature=0, jump_forward=jump)
+        assert out.finish_reason == "length" and len(out.token_ids) <= 6 and out.text
         with pytest.raises(sgl.ParseError, match="truncated") as info:
-            await engine.generate(EXTRACTION_CASES[0].prompt, schema=Person, max_new_tokens=6,
-                                  temperature=0, jump_forward=jump)
+            out.parsed
         message = str(info.value)
         assert "max_new_tokens" in message and "finish_reason='length'" in message
-        out = info.value.output
-        assert out.finish_reason == "length" and len(out.token_ids) <= 6 and out.parsed is None
+        assert info.value.output is out
         # A regex without a parser reports truncation the same way.
+        cut = await engine.generate(_q("Count to twenty."), regex=r"[0-9 ]{40}", max_new_tokens=3,
+                                    temperature=0, jump_forward=jump)
         with pytest.raises(sgl.ParseError, match="truncated"):
-            await engine.generate(_q("Count to twenty."), regex=r"[0-9 ]{40}", max_new_tokens=3,
-                                  temperature=0, jump_forward=jump)
+            cut.parsed
 
     asyncio.run(go())
 

@@ -8,11 +8,8 @@ addressed by *slot* = (prompt index) * n + (sample index), the order both APIs r
 Two engine behaviours shape this module:
 - `engine.stream` validates on its first step: the caller primes the iterator before it sends
   HTTP headers, so a bad request still gets a 4xx (see `prime`).
-- With a constraint, the engine parses the final text and raises `ParseError` (carrying the
-  output) when it does not validate, e.g. JSON cut off by max_tokens. A server must return that
-  text with finish_reason "length", and with n > 1 one failed parse must not lose the siblings,
-  so constrained n > 1 jobs run as n single-sample streams with seeds seed, seed+1, ... (the
-  seeds the engine itself would give them).
+- With a constraint, a text that does not validate (e.g. JSON cut off by max_tokens) is still
+  an ordinary output with its finish_reason; only reading `output.parsed` would raise.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-from sgl.errors import ParseError
 from sgl.outputs import GenerateOutput, StreamChunk
 from sgl.sampling import LogprobOptions
 
@@ -32,7 +28,6 @@ from sgl.backend.server.metrics import Metrics
 __all__ = ["Job", "Driver", "ClientGone", "run_or_abort"]
 
 T = TypeVar("T")
-_CONSTRAINTS = ("regex", "json_schema", "ebnf")
 
 
 class ClientGone(Exception):
@@ -69,13 +64,7 @@ class Driver:
         parts: list[tuple[int, Job]] = []
         base = 0
         for job in jobs:
-            if job.n > 1 and any(job.params.get(k) is not None for k in _CONSTRAINTS):
-                seed = job.params.get("seed")
-                for i in range(job.n):
-                    single = {**job.params, "n": 1, "seed": None if seed is None else seed + i}
-                    parts.append((base + i, Job(job.prompt, single, job.logprob, job.timeout)))
-            else:
-                parts.append((base, job))
+            parts.append((base, job))
             base += job.n
         streams = [self._one(slot, job, start) for slot, job in parts]
         return streams[0] if len(streams) == 1 else _merge(streams)
@@ -100,16 +89,8 @@ class Driver:
                     chunk = await agen.__anext__()
                 except StopAsyncIteration:
                     return
-                except ParseError as exc:  # see the module docstring: keep the raw output
-                    out = getattr(exc, "output", None)
-                    if out is None:
-                        raise
-                    t = timing.setdefault(out.index, _Timing(start))
-                    chunk = StreamChunk(out.text[t.emitted:], [], out.index, out.finish_reason, out)
                 self._observe(timing.setdefault(chunk.index, _Timing(start)), chunk)
                 yield base + chunk.index, chunk
-                if chunk.output is not None and job.n == 1:
-                    return  # a ParseError ended the engine's stream; nothing more will come
         finally:
             await agen.aclose()
 

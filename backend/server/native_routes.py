@@ -147,9 +147,8 @@ def native_output(out: GenerateOutput, opts: _Options, texts: TokenTexts, latenc
         prompt = _rows(lp.prompt, opts, texts) if lp else []
         meta["input_token_logprobs"] = prompt
         meta["output_token_logprobs"] = _rows(lp.output, opts, texts) if lp else []
-        in_top: list[Any] = [_rows(r, opts, texts) for r in lp.prompt_top] if lp else []
-        if in_top and len(in_top) < len(prompt):  # the first prompt token has no distribution
-            in_top = [None] * (len(prompt) - len(in_top)) + in_top
+        # the first prompt token has no distribution: the engine gives [], SGLang says null
+        in_top: list[Any] = [_rows(r, opts, texts) if r else None for r in lp.prompt_top] if lp else []
         meta["input_top_logprobs"] = in_top
         meta["output_top_logprobs"] = [_rows(r, opts, texts) for r in lp.output_top] if lp else []
         values = [v for v, _, _ in prompt if v is not None]

@@ -84,8 +84,7 @@ def _output_logprobs(req: OpenAIRequest, out: GenerateOutput, texts: TokenTexts,
     entries, tops = list(lp.output), list(lp.output_top)
     start = len(prompt_text) if req.echo else 0
     if req.echo:  # prompt tokens first; the first one has no logprob and no distribution
-        prompt_tops: list[Any] = list(lp.prompt_top)
-        prompt_tops = [None] * (len(lp.prompt) - len(prompt_tops)) + prompt_tops
+        prompt_tops: list[Any] = [t or None for t in lp.prompt_top] or [None] * len(lp.prompt)
         entries, tops, start = list(lp.prompt) + entries, prompt_tops + tops, 0
     return _completion_logprobs(entries, tops, req.top_logprobs, texts, start)
 
