@@ -193,7 +193,7 @@ class OutputProcessor:
             if r.detokenizer is not None:
                 r.detokenizer.rollback(plan.rollback)
         r.output_ids.extend(plan.append_ids)
-        self.jump_forward_tokens += len(plan.append_ids)
+        self.jump_forward_tokens += len(plan.append_ids) - plan.rollback  # net tokens gained
         delta = self._push_text(r, plan.append_ids)
         if r.finished:
             return

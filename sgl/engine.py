@@ -395,6 +395,9 @@ class Engine:
         deadline = time.monotonic() + timeout if timeout is not None else None
         jump = prep.params.jump_forward
         jump = (not self.config.disable_jump_forward) if jump is None else jump
+        # Forced tokens are not sampled, so they have no logprobs: a request that asks for
+        # logprobs decodes every token (its token_ids and logprobs then line up).
+        jump = jump and not lp.return_logprob
         reqs, futs = [], []
         for i in range(prep.params.n):
             params = prep.params

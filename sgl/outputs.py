@@ -84,7 +84,12 @@ class GenerateOutput:
 
 @dataclass
 class StreamChunk:
-    """An increment of a streamed generation. Concatenating `text` gives the final text."""
+    """An increment of a streamed generation. Concatenating `text` gives the final text.
+
+    `token_ids` are the tokens this chunk added. With jump-forward, a jump may re-tokenize the
+    last few tokens at its boundary (the text does not change), so concatenated `token_ids`
+    can differ from the final `output.token_ids`, which are authoritative.
+    """
 
     text: str
     token_ids: list[int]
