@@ -21,6 +21,7 @@ from sgl.backend.kernels import (
     activation,
     attention_decode,
     attention_extend,
+    gemv as _gemv,
     kv_store as _kv_store,
     rmsnorm as _rmsnorm,
     rotary,
@@ -135,9 +136,27 @@ def apply_token_bitmask(
     fn(logits, bitmask, indices)
 
 
+def linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N]
+    """y = x @ W^T (+ b). Our Triton GEMV for single-row decode (16-bit weights), where
+    cuBLAS streams the weights below the copy bandwidth; F.linear (cuBLAS, or the CPU's)
+    everywhere else. At 2-4 rows the GEMV measured slower than cuBLAS on the H200
+    (bench/gemv_bench.py), so it serves one row only. The row count is static inside a CUDA
+    graph, so the choice is fixed at capture."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (rows == 1 and weight.dtype in (torch.float16, torch.bfloat16)
+            and x.dtype == weight.dtype and _triton(x)):
+        return _gemv.gemv_triton(x, weight, bias)
+    return _gemv.gemv_reference(x, weight, bias)
+
+
 __all__ = [
     "Impl",
     "kernel_impl",
+    "linear",
     "rmsnorm",
     "fused_add_rmsnorm",
     "rotary_embedding",
