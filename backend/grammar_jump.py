@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from sgl._seq import common_prefix_len
+
 if TYPE_CHECKING:
     import xgrammar as xgr
 
@@ -192,18 +194,9 @@ def _retokenize_boundary(
     retokenized = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
     if _decode(tokenizer, retokenized) != text:
         return None  # the tokenizer normalises this text: we cannot reason about boundaries
-    return tail, boundary_text, retokenized, _common_prefix(tail, retokenized)
+    return tail, boundary_text, retokenized, common_prefix_len(tail, retokenized)
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
     # No clean-up: it rewrites spaces before punctuation, which would break the text algebra.
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

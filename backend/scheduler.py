@@ -26,6 +26,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from sgl._seq import common_prefix_len
 from sgl.backend.req import Req, ReqStatus, ScheduleBatch, ScheduledReq
 
 # Lpm: a waiting request whose prompt shares this many more tokens with a request admitted in
@@ -200,7 +201,7 @@ class Scheduler:
             cached = min(cached, max(r.logprob.logprob_start_len - 1, 0))
         cached -= cached % self.cfg.page_size
         if self.cfg.policy == "lpm" and admitted_prompts and not self.tree.disabled:
-            shared = max(_common_prefix_len(tokens, p) for p in admitted_prompts)
+            shared = max(common_prefix_len(tokens, p) for p in admitted_prompts)
             if shared >= cached + IN_BATCH_PREFIX_DEFER:
                 return False
         n = min(len(tokens) - cached, budget, self.cfg.max_prefill_tokens - step_tokens)
@@ -344,19 +345,3 @@ class Scheduler:
     def owned_slots(self) -> list[torch.Tensor]:
         """Slots owned by running requests (not by the tree), for the integrity check."""
         return [self.req_slots(r)[r.cached_len :] for r in self.running]
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # binary search on slice equality: C-speed compares
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

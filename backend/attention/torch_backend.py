@@ -35,6 +35,13 @@ class _DecodeRows:
     key_mask: torch.Tensor  # [B, 1, 1, max_len] bool: True where the key is real
     batch: int
     max_len: int
+    # A lone request whose slots are consecutive (a single stream usually is) reads its keys
+    # as a view of the pool from this slot: no gather, no mask.
+    contiguous_from: int | None = None
+    # Gather targets [B * max_len, kv_heads, head_dim] for K and V, shared by all layers of the
+    # step: fresh multi-MB tensors per layer would cost page faults on every call.
+    k_out: torch.Tensor | None = None
+    v_out: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,7 +103,19 @@ class TorchAttentionBackend(AttentionBackend):
         key_mask = torch.arange(max_len, device=slots.device)[None, :] < lens[:, None]
         # Padding keys read slot 0 (reserved, never allocated): any finite value, masked out.
         slots = slots.masked_fill(~key_mask, 0)
-        return _DecodeRows(None, slots.view(-1), key_mask[:, None, None, :], len(reqs), max_len)
+        contiguous_from = None
+        if len(reqs) == 1 and slots.device.type == "cpu":  # reading it on a GPU would sync
+            row = slots[0]
+            if max_len == 1 or bool((row[1:] - row[:-1] == 1).all()):
+                contiguous_from = int(row[0])
+        k_out = v_out = None
+        if contiguous_from is None:
+            like = fb.kv_pool.k_buffer[0]  # [num_slots, kv_heads, head_dim]
+            shape = (len(reqs) * max_len, *like.shape[1:])
+            k_out = torch.empty(shape, dtype=like.dtype, device=like.device)
+            v_out = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return _DecodeRows(None, slots.view(-1), key_mask[:, None, None, :], len(reqs), max_len,
+                           contiguous_from, k_out, v_out)
 
     def forward(
         self,
@@ -135,11 +154,20 @@ class TorchAttentionBackend(AttentionBackend):
         batch, heads, head_dim = q.shape
         kv_heads = k_buffer.shape[1]
         shape = (batch, meta.max_len, kv_heads, head_dim)
-        k = k_buffer.index_select(0, meta.slots).view(shape).transpose(1, 2)  # [B, kvh, L, d]
-        v = v_buffer.index_select(0, meta.slots).view(shape).transpose(1, 2)  # [B, kvh, L, d]
+        mask: torch.Tensor | None = meta.key_mask
+        if meta.contiguous_from is not None:
+            first, last = meta.contiguous_from, meta.contiguous_from + meta.max_len
+            k = k_buffer[first:last].view(shape).transpose(1, 2)  # [1, kvh, L, d], a view
+            v = v_buffer[first:last].view(shape).transpose(1, 2)
+            mask = None  # every key is real
+        else:
+            torch.index_select(k_buffer, 0, meta.slots, out=meta.k_out)
+            torch.index_select(v_buffer, 0, meta.slots, out=meta.v_out)
+            k = meta.k_out.view(shape).transpose(1, 2)  # [B, kvh, L, d]
+            v = meta.v_out.view(shape).transpose(1, 2)  # [B, kvh, L, d]
         # [B, kv_heads, G, head_dim]: the G query heads of a KV head become G queries of it
         qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(k.dtype)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.key_mask, scale=scale)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return out.reshape(batch, heads, head_dim).to(q.dtype)  # [B, heads, head_dim]
 
     @staticmethod

@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
+from sgl._seq import common_prefix_len
 from sgl.errors import BackendCapabilityError
 from sgl.lang.chat import ChatTemplate, get_chat_template
 from sgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, normalized_logprob
@@ -127,7 +128,7 @@ class Backend(ABC):
             )
         base = list(prompt.token_ids)
         full = [merge_text(tok, base, prompt.text, c, start=prompt.prefix_len) for c in choices]
-        starts = [_common_prefix(base, ids) for ids in full]
+        starts = [common_prefix_len(base, ids) for ids in full]
         # Position 0 never has a logprob; keep the first choice token scoreable when possible.
         start = max(min(starts), 0)
         conditional = self.score(full, start)
@@ -153,11 +154,3 @@ class Backend(ABC):
 
     async def aclose(self) -> None:
         """Release resources the backend owns (not the engine it wraps)."""
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -21,6 +21,7 @@ import json
 import re
 from typing import Any, AsyncIterator, Sequence
 
+from sgl._seq import common_prefix_len
 from sgl.errors import BackendCapabilityError, EngineError, InvalidConfigError, RequestTimeoutError
 from sgl.lang.backend import Backend, Completion, CompletionChunk, Prompt, TokenLogprobTuple
 from sgl.lang.chat import ChatTemplate, get_chat_template
@@ -224,7 +225,7 @@ class OpenAI(Backend):
         rows = await self._echo_logprobs(texts)
         base = [t[2] for t in rows[0]] if prompt.text else []
         full = rows[1:] if prompt.text else rows
-        starts = [_common_prefix(base, [t[2] for t in row]) for row in full]
+        starts = [common_prefix_len(base, [t[2] for t in row]) for row in full]
         inputs = [row[s:] for row, s in zip(full, starts)]
         uncond = None
         if method.requires_unconditional_logprobs:
@@ -254,12 +255,3 @@ def _completion_rows(logprobs: Any) -> list[TokenLogprobTuple]:
     values = logprobs.token_logprobs or []
     return [(float("nan") if v is None else float(v), None, tok)  # type: ignore[misc]
             for tok, v in zip(logprobs.tokens or [], values)]
-
-
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

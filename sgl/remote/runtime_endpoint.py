@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, AsyncIterator, Sequence
 
+from sgl._seq import common_prefix_len
 from sgl.errors import EngineError
 from sgl.lang.backend import Backend, Completion, CompletionChunk, Prompt, TokenLogprobTuple
 from sgl.lang.chat import ChatTemplate, get_chat_template
@@ -39,14 +40,6 @@ def sampling_payload(params: SamplingParams) -> dict[str, Any]:
         out["sampling_seed"] = out.pop("seed")  # SGLang's name; sgl serve takes both
     return out
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _row(entries: Any) -> list[TokenLogprobTuple]:
@@ -189,7 +182,7 @@ class RuntimeEndpoint(Backend):
         rows = await self._text_logprobs(texts)
         base = [t[1] for t in rows[0]] if prompt.text else []
         full_rows = rows[1:] if prompt.text else rows
-        starts = [_common_prefix(base, [t[1] for t in row]) for row in full_rows]
+        starts = [common_prefix_len(base, [t[1] for t in row]) for row in full_rows]
         inputs = [row[s:] for row, s in zip(full_rows, starts)]
         uncond = None
         if method.requires_unconditional_logprobs:
