@@ -62,7 +62,8 @@ class EngineConfig:
     schedule_policy: SchedulePolicy = "lpm"
     disable_radix_cache: bool = False
     # None: the overlap loop on CUDA, the plain loop on the CPU, where the model step and the
-    # scheduler compete for the same cores and overlap measured slower (docs/benchmarks.md).
+    # scheduler compete for the same cores: overlap measured equal when quiet, slower under load
+    # (docs/benchmarks.md).
     disable_overlap_schedule: bool | None = None
     disable_jump_forward: bool = False
     schedule_conservativeness: float = 1.0  # reserve factor for future decode tokens
