@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import queue
 import threading
 import time
@@ -23,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
+from sgl._requests import check_timeout, is_ids, is_messages, make_sink, split_prompts
 from sgl.config import EngineConfig
 from sgl.errors import (
     ContextLengthError,
@@ -172,8 +172,8 @@ class Engine:
             return self.stream(prompt, sampling_params, input_ids=input_ids, return_logprob=return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                                timeout=timeout, **kwargs)
-        _check_timeout(timeout)
-        prompts, single = self._split_prompts(prompt, input_ids)
+        check_timeout(timeout)
+        prompts, single = split_prompts(prompt, input_ids)
         lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
         prepared = [self._prepare(p, sampling_params, kwargs, lp) for p in prompts]
         loop = asyncio.get_running_loop()
@@ -220,10 +220,10 @@ class Engine:
         """Stream one prompt: chunks whose `text` concatenates to the final text. With n > 1
         chunks of the samples interleave (`chunk.index`); the last chunk of each carries
         `finish_reason` and the full `output`."""
-        prompts, single = self._split_prompts(prompt, input_ids)
+        prompts, single = split_prompts(prompt, input_ids)
         if not single or len(prompts) != 1:
             raise InvalidRequestError("stream() takes one prompt; call it once per prompt", field="prompt")
-        _check_timeout(timeout)
+        check_timeout(timeout)
         lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
         prep = self._prepare(prompts[0], sampling_params, kwargs, lp)
         loop = asyncio.get_running_loop()
@@ -288,36 +288,15 @@ class Engine:
                                       field="prompt")
         return self._rt.tokenizer
 
-    @staticmethod
-    def _split_prompts(prompt: Any, input_ids: Any) -> tuple[list[Any], bool]:
-        if prompt is not None and input_ids is not None:
-            raise InvalidRequestError("give either prompt or input_ids, not both", field="input_ids")
-        if input_ids is not None:
-            prompt = input_ids
-        if prompt is None:
-            raise InvalidRequestError("a prompt (text, token ids or chat messages) is required", field="prompt")
-        if isinstance(prompt, str) or _is_ids(prompt) or _is_messages(prompt):
-            return [prompt], True
-        field = "input_ids" if input_ids is not None else "prompt"
-        if isinstance(prompt, Sequence) and len(prompt) == 0:
-            raise InvalidRequestError("the prompt is empty (an empty list)", field=field)
-        if isinstance(prompt, Sequence) and any(isinstance(t, (int, float)) for t in prompt):
-            i, bad = next((i, t) for i, t in enumerate(prompt) if isinstance(t, bool) or not isinstance(t, int))
-            raise InvalidRequestError(f"token ids must be integers; got {bad!r} at position {i}", field=field)
-        if isinstance(prompt, Sequence) and len(prompt) > 0:
-            return list(prompt), False
-        raise InvalidRequestError(f"cannot read a prompt from {type(prompt).__name__}: pass text, token "
-                                  "ids, chat messages, or a non-empty list of them", field="prompt")
-
     def _tokenize(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", field="prompt")
             return self.encode(prompt)
-        if _is_messages(prompt):
+        if is_messages(prompt):
             text = self.apply_chat_template(prompt)
             return self.encode(text, add_special_tokens=False)
-        if _is_ids(prompt):
+        if is_ids(prompt):
             ids = [int(t) for t in prompt]
             if not ids:
                 raise InvalidRequestError("the prompt is empty", field="input_ids")
@@ -391,7 +370,7 @@ class Engine:
 
         rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         timeout = timeout if timeout is not None else self.config.request_timeout
-        _check_timeout(timeout)
+        check_timeout(timeout)
         deadline = time.monotonic() + timeout if timeout is not None else None
         jump = prep.params.jump_forward
         jump = (not self.config.disable_jump_forward) if jump is None else jump
@@ -410,7 +389,7 @@ class Engine:
                 state = self._rt.grammar.new_state(self._rt.grammar.compile(prep.constraint.kind, prep.constraint.spec))
             reqs.append(Req(rid=rid, prompt_ids=list(prep.ids), params=params, logprob=lp,
                             stream=stream_queue is not None, deadline=deadline,
-                            sink=_make_sink(loop, fut, stream_queue), constraint=state,
+                            sink=make_sink(loop, fut, stream_queue), constraint=state,
                             jump_forward=jump and state is not None, sample_index=i))
         self._rt.core.submit(reqs)
         return rid, futs
@@ -426,48 +405,3 @@ class Engine:
             # `out.parsed` raises it.
             exc.output = out  # type: ignore[attr-defined]
             out.parse_error = exc
-
-
-def _check_timeout(timeout: Any) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout <= 0:
-        raise InvalidRequestError(f"timeout={timeout!r}: must be a positive number of seconds (or None)",
-                                  field="timeout")
-
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _is_messages(x: Any) -> bool:
-    return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
-        isinstance(m, Mapping) and "role" in m for m in x)
-
-
-def _make_sink(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, q: asyncio.Queue | None):
-    """A callback for the engine thread that hands events to the caller's event loop."""
-
-    def deliver(kind: str, payload: Any) -> None:
-        if kind == "chunk":
-            if q is not None:
-                q.put_nowait(("chunk", payload))
-            return
-        if kind == "error":
-            if q is not None:
-                q.put_nowait(("error", payload))
-            if not fut.done():
-                fut.set_exception(payload)
-                fut.exception()  # mark retrieved: a stream may never await this future
-            return
-        if not fut.done():
-            fut.set_result(payload)
-
-    def sink(kind: str, payload: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(deliver, kind, payload)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
-
-    return sink
