@@ -38,7 +38,7 @@ class _DecodeRows:
     # A lone request whose slots are consecutive (a single stream usually is) reads its keys
     # as a view of the pool from this slot: no gather, no mask.
     contiguous_from: int | None = None
-    # Gather targets [B * max_len, kv_heads, head_dim] for K and V, shared by all layers of the
+    # Gather targets [kv_heads, B * max_len, head_dim] for K and V, shared by all layers of the
     # step: fresh multi-MB tensors per layer would cost page faults on every call.
     k_out: torch.Tensor | None = None
     v_out: torch.Tensor | None = None
@@ -111,7 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_out = v_out = None
         if contiguous_from is None:
             like = fb.kv_pool.k_buffer[0]  # [num_slots, kv_heads, head_dim]
-            shape = (len(reqs) * max_len, *like.shape[1:])
+            shape = (like.shape[1], len(reqs) * max_len, like.shape[2])  # head-major
             k_out = torch.empty(shape, dtype=like.dtype, device=like.device)
             v_out = torch.empty(shape, dtype=like.dtype, device=like.device)
         return _DecodeRows(None, slots.view(-1), key_mask[:, None, None, :], len(reqs), max_len,
@@ -161,10 +161,15 @@ class TorchAttentionBackend(AttentionBackend):
             v = v_buffer[first:last].view(shape).transpose(1, 2)
             mask = None  # every key is real
         else:
-            torch.index_select(k_buffer, 0, meta.slots, out=meta.k_out)
-            torch.index_select(v_buffer, 0, meta.slots, out=meta.v_out)
-            k = meta.k_out.view(shape).transpose(1, 2)  # [B, kvh, L, d]
-            v = meta.v_out.view(shape).transpose(1, 2)  # [B, kvh, L, d]
+            # Gathered head by head into [kvh, B * L, d], so that each (request, head) matrix
+            # [L, d] is contiguous for SDPA (a slot-major gather would leave its rows strided
+            # by kvh * d, and SDPA would copy it again).
+            for h in range(kv_heads):
+                torch.index_select(k_buffer[:, h], 0, meta.slots, out=meta.k_out[h])
+                torch.index_select(v_buffer[:, h], 0, meta.slots, out=meta.v_out[h])
+            head_major = (kv_heads, batch, meta.max_len, head_dim)
+            k = meta.k_out.view(head_major).transpose(0, 1)  # [B, kvh, L, d]
+            v = meta.v_out.view(head_major).transpose(0, 1)  # [B, kvh, L, d]
         # [B, kv_heads, G, head_dim]: the G query heads of a KV head become G queries of it
         qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(k.dtype)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
