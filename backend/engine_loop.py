@@ -139,6 +139,8 @@ class EngineCore:
         try:
             return self.runner.launch(batch, self.sampling_builder(batch))
         except Exception as exc:  # preparing the step failed: fail only this batch
+            # Its req_to_token writes never ran; some belong to requests outside this batch.
+            self.scheduler.requeue_table_writes(batch.table_writes)
             return _Failed(exc)
 
     def _idle(self) -> None:

@@ -332,8 +332,6 @@ class ModelRunner:
 
     def _execute(self, step: PreparedStep) -> _PendingResult:
         with torch.inference_mode():
-            if self.step_hook is not None:
-                self.step_hook(step)
             if not self.is_cuda:
                 self._set_cpu_threads(step.num_tokens)
             dev = self.device
@@ -345,8 +343,12 @@ class ModelRunner:
             v = step.packed.views(flat)
             table = self.req_pool.req_to_token
             if v["table_index"].numel():
-                # int64 -> int32 on the device; index_copy_ takes no host scalar (no sync)
+                # int64 -> int32 on the device; index_copy_ takes no host scalar (no sync).
+                # Applied before anything that may fail: the writes include rows of requests
+                # outside this step (radix swaps), which must land even if the step fails.
                 table.view(-1).index_copy_(0, v["table_index"], v["table_value"].to(table.dtype))
+            if self.step_hook is not None:
+                self.step_hook(step)
             if step.graph_bs is not None:
                 assert self.graphs is not None
                 logits = self.graphs.replay(flat, step.graph_bs, step.batch_size)  # [B, vocab]

@@ -333,6 +333,10 @@ class Scheduler:
             self.allocator.free(self.req_slots(r)[new_kv:])
             r.kv_len = new_kv
 
+    def requeue_table_writes(self, writes: list) -> None:
+        """Table writes of a batch that never ran go out with the next batch, in order."""
+        self._pending_table_writes[:0] = writes
+
     def _write_row(self, r: Req, start: int, slots: torch.Tensor) -> None:
         n = slots.shape[0]  # (len() and torch setitem cost ~10 us: this runs per request per step)
         if n == 0:

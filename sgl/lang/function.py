@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import os
+import threading
 from typing import Any, Callable, Sequence
 
 from sgl.errors import InvalidRequestError, ProgramError
@@ -112,6 +113,7 @@ class SglFunction:
     def _run_sync_body(self, state: ProgramState, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Run a sync body in this (non-loop) thread, then wait for its queued work."""
         ex = state.stream_executor
+        ex.body_thread_id = threading.get_ident()
         call_args, call_kwargs = self._call_args(args, kwargs)
         try:
             state.ret_value = self.func(state, *call_args, **call_kwargs)

@@ -67,6 +67,7 @@ class StreamExecutor:
         self.scope_starts: dict[str, int] = {}
         self.error_: BaseException | None = None
         self.finished = False  # the program body returned and its last op ran
+        self.body_thread_id: int | None = None  # thread running a sync body (see state.sync)
         self.inherited = inherited  # False for a fork child until it copied its parent
 
         self._queue: collections.deque[Any] = collections.deque()

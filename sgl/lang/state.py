@@ -18,6 +18,7 @@ wait without blocking the loop that produces the value.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from sgl.lang import ir
@@ -138,9 +139,15 @@ class ProgramState:
         return run_blocking(ex.get_meta_info(name), ex.loop, timeout)
 
     def sync(self) -> None:
-        """Wait until everything appended so far has run."""
+        """Wait until everything appended so far has run. Called from outside a streaming
+        program (`run(stream=True)` returns while the body still runs in its own thread), it
+        waits for the body to finish too: otherwise what the body has yet to append is missed."""
         ex = self.stream_executor
-        self._blocking(ex.wait_idle, lambda: ex.idle, lambda: None, "await s.wait()")
+        if ex.stream and threading.get_ident() != ex.body_thread_id:
+            done = lambda: ex.idle and (ex.finished or ex.error_ is not None)  # noqa: E731
+        else:
+            done = lambda: ex.idle  # noqa: E731
+        self._blocking(lambda: ex.until(done), done, lambda: None, "await s.wait()")
 
     def text(self) -> str:
         self.sync()
