@@ -73,10 +73,7 @@ class OutputProcessor:
         if r.finished:
             return
         r.error = reason
-        if exc is not None:
-            self._finish(r, "abort", error=exc)
-        else:
-            self._finish(r, "abort")
+        self._finish(r, "abort", error=exc)
 
     # -- step results ------------------------------------------------------------------------
 

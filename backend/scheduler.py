@@ -85,8 +85,11 @@ class Scheduler:
     # -- the decision ------------------------------------------------------------------------
 
     def schedule(self) -> ScheduleBatch | None:
-        decoding = [r for r in self.running if r.extend_len == 1 and r.kv_len >= len(r.prompt_ids)]
-        prefilling = [r for r in self.running if not (r.extend_len == 1 and r.kv_len >= len(r.prompt_ids))]
+        decoding: list[Req] = []
+        prefilling: list[Req] = []
+        for r in self.running:
+            decodes = r.extend_len == 1 and r.kv_len >= len(r.prompt_ids)
+            (decoding if decodes else prefilling).append(r)
         decoding = self._make_room_for_decode(decoding)
         items: list[ScheduledReq] = []
         locs: list[torch.Tensor] = []
