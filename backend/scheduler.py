@@ -111,6 +111,10 @@ class Scheduler:
         for r in prefilling:  # chunked prefills in progress continue first
             if budget <= 0:
                 break
+            if r.extend_len == 0:
+                # Fully computed, nothing to sample (max_new_tokens=0): it finishes when the
+                # step in flight is processed; it must not stop the prefills after it.
+                continue
             n = min(r.extend_len, budget, self.cfg.max_prefill_tokens - step_tokens)
             if n <= 0:
                 break
