@@ -72,7 +72,6 @@ PACKED_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", 
 # `positions` depend on the parity of the token count, and compile a new kernel variant
 # (~1 s, in the middle of serving) the first time each combination appears.
 ALIGN = 2
-SMALL_STEP_TOKENS = 2  # CPU steps of at most this many tokens run on one thread (see below)
 
 
 def aligned(n: int) -> int:
@@ -183,8 +182,6 @@ class ModelRunner:
         self.grammar = grammar  # a GrammarBackend (set on first constrained request) or None
         self.futures = FutureRing(2 * max_batch + 2)
         self.future_tokens = torch.zeros(self.futures.size, dtype=torch.int64, device=device)
-        self._cpu_threads = torch.get_num_threads()
-        self._threads_now = self._cpu_threads
         self._worker = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sgl-device")
             if overlap and device.type == "cpu"
@@ -332,8 +329,6 @@ class ModelRunner:
 
     def _execute(self, step: PreparedStep) -> _PendingResult:
         with torch.inference_mode():
-            if not self.is_cuda:
-                self._set_cpu_threads(step.num_tokens)
             dev = self.device
             timing = self.step_events is not None and self.is_cuda
             if timing:
@@ -363,18 +358,6 @@ class ModelRunner:
                 end_ev.record()
                 self.step_events.append((start_ev, end_ev, step.mode, step.batch_size))
             return pending
-
-    def _set_cpu_threads(self, num_tokens: int) -> None:
-        """One intra-op thread for tiny steps, all of them otherwise.
-
-        A decode step of one or two requests is bound by reading the weights, which one core
-        does about as fast as two, while every small op pays OpenMP's fork/join: on 2 cores one
-        thread decodes a single stream ~10% faster, and a 32-request batch ~30% slower.
-        """
-        want = 1 if num_tokens <= SMALL_STEP_TOKENS else self._cpu_threads
-        if want != self._threads_now:
-            torch.set_num_threads(want)
-            self._threads_now = want
 
     def _forward_eager(self, step: PreparedStep, v: dict[str, torch.Tensor],
                        table: torch.Tensor) -> torch.Tensor | None:

@@ -67,6 +67,8 @@ class Parts:
 class Runtime:
     def __init__(self, config: EngineConfig) -> None:
         from sgl.backend.engine_loop import EngineCore
+        from sgl.backend.kernels import dispatch
+        from sgl.backend.layers.linear import pack_for_cpu
         from sgl.backend.kv_pool import KVPool, ReqToTokenPool, check_kv_integrity
         from sgl.backend.model_loader import PRESETS, load_model, resolve_model_path
         from sgl.backend.model_runner import ModelRunner
@@ -87,6 +89,8 @@ class Runtime:
         model, mcfg = load_model(config.model, device=device, dtype=dtype,
                                  load_format=config.load_format, model_config=config.model_config,
                                  seed=config.random_seed)
+        if dispatch.pack_cpu_linears(device, dtype):
+            pack_for_cpu(model, model.lm_head)
         dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
             config.model in PRESETS or (config.model is None and config.model_config)))
         tokenizer = None

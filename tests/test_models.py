@@ -15,6 +15,8 @@ from test_attention_torch import FakePool, Step, make_forward_batch
 
 from sgl.backend.attention.torch_backend import TorchAttentionBackend
 from sgl.backend.forward_batch import ForwardMode
+from sgl.backend.kernels import onednn_linear
+from sgl.backend.layers.linear import pack_for_cpu
 from sgl.backend.models.registry import get_model_class, resolve_architecture
 
 VOCAB = 96
@@ -43,14 +45,22 @@ def _hf_configs() -> dict[str, Any]:
 
 
 CONFIG_NAMES = ["llama", "llama-tied-llama3-rope", "qwen2", "qwen3"]
+# Each config twice: plain weights (F.linear, the reference) and weights packed for oneDNN
+# (the CPU engine's default, layers/linear.py:pack_for_cpu).
+PACKED = onednn_linear.available(torch.device("cpu"), torch.float32)
+VARIANTS = [(name, False) for name in CONFIG_NAMES] + [(name, True) for name in CONFIG_NAMES]
 
 
-@pytest.fixture(scope="module", params=CONFIG_NAMES)
+@pytest.fixture(scope="module", params=VARIANTS,
+                ids=[f"{name}-{'packed' if packed else 'plain'}" for name, packed in VARIANTS])
 def models(request: pytest.FixtureRequest) -> tuple[Any, torch.nn.Module]:
     """(transformers model, our model) sharing random weights, norms and biases included."""
     import transformers
 
-    cfg = _hf_configs()[request.param]
+    name, packed = request.param
+    if packed and not PACKED:
+        pytest.skip("this torch build has no oneDNN linear")
+    cfg = _hf_configs()[name]
     cfg._attn_implementation = "eager"  # an independent reference path
     torch.manual_seed(0)
     hf_model = getattr(transformers, resolve_architecture(cfg))(cfg).eval()
@@ -65,6 +75,9 @@ def models(request: pytest.FixtureRequest) -> tuple[Any, torch.nn.Module]:
     ours = get_model_class(resolve_architecture(cfg))(cfg, device=torch.device("cpu"),
                                                       dtype=torch.float32)
     ours.load_weights(hf_model.state_dict().items())
+    if packed:
+        pack_for_cpu(ours, ours.lm_head)
+        assert ours.model.layers[0].mlp.down_proj.weight.is_mkldnn
     return hf_model, ours
 
 
@@ -141,6 +154,8 @@ def test_load_weights_rejects_missing_and_unknown_tensors(
     models: tuple[Any, torch.nn.Module],
 ) -> None:
     hf_model, ours = models
+    if ours.model.layers[0].mlp.down_proj.weight.is_mkldnn:
+        pytest.skip("weights load into plain tensors; packing comes after loading")
     state = dict(hf_model.state_dict())
     with pytest.raises(KeyError, match="lacks"):
         ours.load_weights((k, v) for k, v in state.items() if "layers.1.mlp.up_proj" not in k)

@@ -183,14 +183,16 @@ class TorchAttentionBackend(AttentionBackend):
         req: _ExtendRequest,
         scale: float,
     ) -> torch.Tensor:  # [n, heads, head_dim]
-        k = k_buffer.index_select(0, req.slots).transpose(0, 1)  # [kv_heads, L, head_dim]
-        v = v_buffer.index_select(0, req.slots).transpose(0, 1)  # [kv_heads, L, head_dim]
-        qh = q.transpose(0, 1).to(k.dtype)  # [heads, n, head_dim]
-        gqa = q.shape[1] != k.shape[0]
+        # Batched 4-D inputs: with 3-D ones SDPA takes its unfused math path on the CPU
+        # (scores materialized, several times slower).
+        k = k_buffer.index_select(0, req.slots).transpose(0, 1)[None]  # [1, kv_heads, L, head_dim]
+        v = v_buffer.index_select(0, req.slots).transpose(0, 1)[None]  # [1, kv_heads, L, head_dim]
+        qh = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, n, head_dim]
+        gqa = q.shape[1] != k.shape[1]
         if req.causal_mask is None:
             out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                                  enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(qh, k, v, attn_mask=req.causal_mask,
                                                  scale=scale, enable_gqa=gqa)
-        return out.transpose(0, 1).to(q.dtype)  # [n, heads, head_dim]
+        return out[0].transpose(0, 1).to(q.dtype)  # [n, heads, head_dim]

@@ -2,7 +2,8 @@
 
 `SGL_KERNELS` (read here and nowhere else) overrides the choice:
 
-    auto       (default) Triton when the tensor is on CUDA and triton is installed
+    auto       (default) Triton when the tensor is on CUDA and triton is installed; on the
+               CPU, linear layers with weights packed for oneDNN (`onednn_linear`)
     reference  always the pure-torch reference (debugging, bisecting a numerical difference)
     triton     always Triton; on the CPU that needs TRITON_INTERPRET=1 set before the kernel
                modules are imported (Triton's interpreter; slow, for tests only)
@@ -23,6 +24,7 @@ from sgl.backend.kernels import (
     attention_extend,
     gemv as _gemv,
     kv_store as _kv_store,
+    onednn_linear,
     rmsnorm as _rmsnorm,
     rotary,
     token_bitmask,
@@ -32,18 +34,29 @@ from sgl.backend.kernels.triton_compat import HAS_TRITON
 Impl = Literal["triton", "reference"]
 
 
+def _mode() -> str:
+    mode = os.environ.get("SGL_KERNELS", "auto").strip().lower()
+    if mode not in ("auto", "reference", "triton"):
+        raise ValueError(f"SGL_KERNELS must be auto, reference or triton, got {mode!r}")
+    return mode
+
+
 def kernel_impl(device: torch.device) -> Impl:
     """Which implementation serves tensors on `device` (see the module docstring)."""
-    mode = os.environ.get("SGL_KERNELS", "auto").strip().lower()
+    mode = _mode()
     if mode == "reference":
         return "reference"
     if mode == "triton":
         if not HAS_TRITON:
             raise RuntimeError("SGL_KERNELS=triton but the `triton` package is not installed")
         return "triton"
-    if mode != "auto":
-        raise ValueError(f"SGL_KERNELS must be auto, reference or triton, got {mode!r}")
     return "triton" if device.type == "cuda" and HAS_TRITON else "reference"
+
+
+def pack_cpu_linears(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` gets its linear weights packed for oneDNN at load time
+    (the CPU's linear kernel, in `auto` mode; `F.linear` on the plain weight is its reference)."""
+    return _mode() == "auto" and onednn_linear.available(device, dtype)
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -157,6 +170,7 @@ __all__ = [
     "Impl",
     "kernel_impl",
     "linear",
+    "pack_cpu_linears",
     "rmsnorm",
     "fused_add_rmsnorm",
     "rotary_embedding",

@@ -2,6 +2,10 @@
 
 Model construction must be cheap (an 8B dummy model is built directly on the GPU and then
 filled in place), so no layer here runs an initializer: the loader writes every value.
+
+`pack_for_cpu(model)` is a transform applied after loading, on the CPU: every Linear's weight
+is replaced by its oneDNN-packed copy (same shape, no extra memory) and the LM head gets a
+packed copy of its table (kernels/onednn_linear.py says why).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl.backend.kernels import onednn_linear
 from sgl.backend.kernels.dispatch import linear
 
 
@@ -31,6 +36,8 @@ class Linear(nn.Module):
         self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_mkldnn:  # packed by pack_for_cpu
+            return onednn_linear.packed_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)  # one-row decode: our GEMV on CUDA
 
 
@@ -72,6 +79,24 @@ class Embedding(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = empty_param(vocab_size, dim, device=device, dtype=dtype)
+        # The table packed for oneDNN when this embedding is an LM head on the CPU (a copy:
+        # the lookup needs the plain table).
+        self.packed_projection: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]
+        """Scores of every table row against each hidden state: the LM head."""
+        if self.packed_projection is not None:
+            return onednn_linear.packed_linear(hidden, self.packed_projection)
+        return linear(hidden, self.weight)
+
+
+def pack_for_cpu(model: nn.Module, head: Embedding | None) -> None:
+    """Pack every Linear's weight, and `head`'s table, for oneDNN (after the weights load)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and not module.weight.is_mkldnn:
+            module.weight = nn.Parameter(onednn_linear.pack(module.weight), requires_grad=False)
+    if head is not None:
+        head.packed_projection = onednn_linear.pack(head.weight)

@@ -16,7 +16,7 @@ from torch import nn
 
 from sgl.backend.forward_batch import ForwardBatch
 from sgl.backend.layers.activation import silu_and_mul
-from sgl.backend.layers.linear import Embedding, Linear, MergedLinear, linear
+from sgl.backend.layers.linear import Embedding, Linear, MergedLinear
 from sgl.backend.layers.norm import RMSNorm
 from sgl.backend.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, hidden] -> [N, vocab] float32 (samplers and logprobs want full precision)
-        return linear(hidden, self.lm_head.weight).float()
+        return self.lm_head.project(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,103 @@
+"""The CPU linear kernel (oneDNN on packed weights) against its reference, F.linear, and the
+transform that packs a model (layers/linear.py:pack_for_cpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl.backend.kernels import dispatch, onednn_linear
+from sgl.backend.layers.linear import Embedding, Linear, MergedLinear, pack_for_cpu
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not onednn_linear.available(CPU, torch.float32),
+                                reason="this torch build has no oneDNN linear")
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 32, 257])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_reference(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 72, generator=gen)  # sizes off every block multiple
+    b = torch.randn(200, generator=gen) if bias else None
+    x = torch.randn(rows, 72, generator=gen)
+    got = onednn_linear.packed_linear(x, onednn_linear.pack(w), b)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_takes_leading_dims_and_strided_input() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=gen)
+    packed = onednn_linear.pack(w)
+    x3 = torch.randn(2, 5, 40, generator=gen)
+    torch.testing.assert_close(onednn_linear.packed_linear(x3, packed), F.linear(x3, w),
+                               atol=1e-5, rtol=1e-5)
+    xt = torch.randn(40, 6, generator=gen).t()  # [6, 40], not contiguous
+    torch.testing.assert_close(onednn_linear.packed_linear(xt, packed), F.linear(xt, w),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_linear.available(CPU, torch.bfloat16), reason="no bf16 oneDNN")
+def test_packed_linear_bfloat16() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=gen).bfloat16()
+    x = torch.randn(7, 96, generator=gen).bfloat16()
+    got = onednn_linear.packed_linear(x, onednn_linear.pack(w))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), atol=0.1, rtol=0.02)
+
+
+def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> None:
+    kw = {"device": CPU, "dtype": torch.float32}
+    model = torch.nn.ModuleDict({
+        "qkv": MergedLinear(16, {"q": 8, "k": 4, "v": 4}, bias=True, **kw),
+        "out": Linear(16, 16, bias=False, **kw),
+        "embed": Embedding(50, 16, **kw),
+    })
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(3, 16, generator=gen)
+    ids = torch.tensor([0, 7, 49])
+    before = {"qkv": model["qkv"](x), "out": model["out"](x), "head": model["embed"].project(x),
+              "lookup": model["embed"](ids)}
+    num_params = sum(p.numel() for p in model.parameters())
+
+    pack_for_cpu(model, model["embed"])
+
+    assert model["qkv"].weight.is_mkldnn and model["out"].weight.is_mkldnn
+    assert model["qkv"].weight.shape == (16, 16) and model["qkv"].bias is not None
+    assert sum(p.numel() for p in model.parameters()) == num_params  # replaced, not added
+    assert not model["embed"].weight.is_mkldnn  # the lookup still needs the plain table
+    assert model["embed"].packed_projection is not None
+    after = {"qkv": model["qkv"](x), "out": model["out"](x), "head": model["embed"].project(x),
+             "lookup": model["embed"](ids)}
+    for name, want in before.items():
+        torch.testing.assert_close(after[name], want, atol=1e-5, rtol=1e-5, msg=name)
+    pack_for_cpu(model, None)  # packing twice leaves packed weights alone
+    torch.testing.assert_close(model["out"](x), before["out"], atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_packs_on_cpu_in_auto_mode_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGL_KERNELS", raising=False)
+    assert dispatch.pack_cpu_linears(CPU, torch.float32)
+    assert not dispatch.pack_cpu_linears(torch.device("cuda"), torch.bfloat16)
+    assert not dispatch.pack_cpu_linears(CPU, torch.float16)
+    monkeypatch.setenv("SGL_KERNELS", "reference")
+    assert not dispatch.pack_cpu_linears(CPU, torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["auto", "reference"])
+def test_engine_packs_its_cpu_model_unless_reference(mode: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_engine_core import make_engine
+
+    monkeypatch.setenv("SGL_KERNELS", mode)
+    with make_engine() as engine:
+        model = engine._rt.runner.model
+        out = engine.generate_sync(input_ids=[1, 2, 3], max_new_tokens=4, temperature=0)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn == (mode == "auto")
+    assert (model.lm_head.packed_projection is not None) == (mode == "auto")
+    assert len(out.token_ids) == 4
