@@ -7,9 +7,9 @@ Reference: `F.linear(x, weight, bias)` (`gemv.gemv_reference`), which torch serv
 with MKL's sgemm on the plain [N, K] layout. sgemm repacks the weight into its blocked layout
 on every call; at decode sizes (a few to a few dozen rows) that repacking costs more than the
 multiply-adds. oneDNN's matmul takes the weight already in its own layout (the reorder
-`torch.compile` applies when it freezes a CPU model), measured on SmolLM2-135M's shapes
-(2-core AVX-512, 30 layers + head, float32): 1 row 18 -> 10 ms, 4 rows 39 -> 11 ms, 32 rows
-74 -> 45 ms, 512 rows 580 -> 495 ms (bench/cpu_linear.py).
+`torch.compile` applies when it freezes a CPU model). All projections of one SmolLM2-135M
+forward pass (30 layers + head, float32, 2-core AVX-512; bench/cpu_linear.py): 1 row 44 -> 21
+ms, 4 rows 62 -> 17 ms, 32 rows 108 -> 50 ms, 512 rows 828 -> 670 ms.
 
 Results equal the reference up to float32 summation order (the kernels block K differently).
 Packing copies the weight: callers drop the plain tensor afterwards.
