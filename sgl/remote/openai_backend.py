@@ -21,12 +21,12 @@ import json
 import re
 from typing import Any, AsyncIterator, Sequence
 
-from sgl._seq import common_prefix_len
 from sgl.errors import BackendCapabilityError, EngineError, InvalidConfigError, RequestTimeoutError
 from sgl.lang.backend import Backend, Completion, CompletionChunk, Prompt, TokenLogprobTuple
 from sgl.lang.chat import ChatTemplate, get_chat_template
-from sgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, normalized_logprob
+from sgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 from sgl.remote.http import PerLoop, remote_error
+from sgl.remote.select import select_by_text
 from sgl.sampling import LogprobOptions, SamplingParams
 
 __all__ = ["OpenAI"]
@@ -221,18 +221,10 @@ class OpenAI(Backend):
                 f"select() needs prompt logprobs, which chat model {self.model!r} does not return "
                 "over the OpenAI API; use a completion model (is_chat_model=False), "
                 "sgl.RuntimeEndpoint, or gen(regex='(A|B)') to constrain the answer")
-        texts = ([prompt.text] if prompt.text else []) + [prompt.text + c for c in choices]
-        rows = await self._echo_logprobs(texts)
-        base = [t[2] for t in rows[0]] if prompt.text else []
-        full = rows[1:] if prompt.text else rows
-        starts = [common_prefix_len(base, [t[2] for t in row]) for row in full]
-        inputs = [row[s:] for row, s in zip(full, starts)]
-        uncond = None
-        if method.requires_unconditional_logprobs:
-            uncond = await self._echo_logprobs(["".join(t[2] or "" for t in row) for row in inputs])
-        return method(choices=list(choices), normalized_prompt_logprobs=[normalized_logprob(r) for r in inputs],
-                      input_token_logprobs=inputs, output_token_logprobs=[[] for _ in choices],
-                      unconditional_token_logprobs=uncond)
+        # Only token texts come back, so choice tokens are compared, and rescored alone, as text.
+        return await select_by_text(
+            prompt.text, choices, method, self._echo_logprobs,
+            lambda rows: self._echo_logprobs(["".join(t[2] or "" for t in row) for row in rows]), token_key=2)
 
     async def _echo_logprobs(self, texts: list[str]) -> list[list[TokenLogprobTuple]]:
         """Prompt token logprobs of each text (echo=True, logprobs=0): one generated token is

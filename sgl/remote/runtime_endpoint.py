@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 from typing import Any, AsyncIterator, Sequence
 
-from sgl._seq import common_prefix_len
 from sgl.errors import EngineError
 from sgl.lang.backend import Backend, Completion, CompletionChunk, Prompt, TokenLogprobTuple
 from sgl.lang.chat import ChatTemplate, get_chat_template
-from sgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, normalized_logprob
+from sgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 from sgl.remote.http import PerLoop, raise_for_status, sse_events
+from sgl.remote.select import select_by_text
 from sgl.remote.templates import template_from_model_info
 from sgl.sampling import LogprobOptions, SamplingParams
 
@@ -178,22 +178,9 @@ class RuntimeEndpoint(Backend):
         if self.tokenizer is not None and prompt.token_ids is not None:
             return await super().select(prompt, choices, temperature, method)
         # Text mode: the server's tokenization of prompt and prompt+choice, in one request.
-        texts = ([prompt.text] if prompt.text else []) + [prompt.text + c for c in choices]
-        rows = await self._text_logprobs(texts)
-        base = [t[1] for t in rows[0]] if prompt.text else []
-        full_rows = rows[1:] if prompt.text else rows
-        starts = [common_prefix_len(base, [t[1] for t in row]) for row in full_rows]
-        inputs = [row[s:] for row, s in zip(full_rows, starts)]
-        uncond = None
-        if method.requires_unconditional_logprobs:
-            uncond = await self.score([[t[1] for t in row] for row in inputs], 0)
-        return method(
-            choices=list(choices),
-            normalized_prompt_logprobs=[normalized_logprob(row) for row in inputs],
-            input_token_logprobs=inputs,
-            output_token_logprobs=[[] for _ in choices],
-            unconditional_token_logprobs=uncond,
-        )
+        return await select_by_text(
+            prompt.text, choices, method, self._text_logprobs,
+            lambda rows: self.score([[t[1] for t in row] for row in rows], 0), token_key=1)
 
     async def cache_prefix(self, prompt: Prompt) -> None:
         if prompt.text or prompt.token_ids:
