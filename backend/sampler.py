@@ -17,8 +17,8 @@ One step for a batch of B requests (every tensor on the model's device, no host 
   draws the same tokens alone or at any position of any batch. For that no row's draw depends
   on other rows: filters are per-row probability thresholds (ties at the boundary all stay)
   and the draw walks probabilities in vocabulary order, whatever sort other rows needed.
-- Penalties: frequency and presence count generated tokens only (OpenAI semantics, as
-  SGLang); repetition covers the prompt and the generated tokens (HF / vLLM semantics).
+- Penalties (their semantics and the per-row counts behind them) live in `penalties.py`;
+  this module only builds each batch's `PenaltyBatch` and applies it in the order above.
 
 Engine use, per step: `info = sampler.build_for(batch)` on the scheduler thread, then in device
 order `out = sampler.sample(logits, info)` and `sampler.observe(info, out.next_token_ids)`.
@@ -35,69 +35,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from sgl.backend.penalties import PenaltyBatch, PenaltyPool, PenaltyStart
 from sgl.sampling import SamplingParams
 
 __all__ = [
-    "PenaltyPool", "PenaltyBatch", "SamplingBatchInfo", "SampleOutput", "Sampler", "sample",
-    "process_logits", "filtered_probs", "apply_penalties", "apply_token_bitmask",
-    "apply_token_bitmask_torch", "seeded_uniform", "gather_logprobs",
+    "SamplingBatchInfo", "SampleOutput", "Sampler", "sample", "process_logits", "filtered_probs",
+    "apply_token_bitmask", "apply_token_bitmask_torch", "seeded_uniform", "gather_logprobs",
 ]  # fmt: skip
 
 _MASK32 = 0xFFFFFFFF
 # On the CPU a top-p row first reads this many top candidates and sorts the whole vocabulary
 # only when its nucleus is wider: a full sort of 32 x 49k costs ~15 elementwise passes.
 _CPU_TOP_P_CANDIDATES = 1024
-
-
-class PenaltyPool:
-    """Generated-token counts per request row, kept on the device between steps.
-
-    Rows are the engine's request-pool indices (the row of `req_to_token`), so the batch may
-    change every step without reshuffling: a step gathers the rows of its penalised requests,
-    and after sampling one scatter-add records the new tokens. Memory: rows x V x 5 bytes
-    (int32 counts + bool prompt mask), allocated when the first penalised request starts.
-
-    Contract: `start(row, ...)` when a penalised request takes a row (or its outputs changed
-    other than by sampling); `add(rows, ids)` after every sampled token. `Sampler` does both.
-    """
-
-    def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
-        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, torch.device(device)
-        self.counts: Tensor | None = None  # [rows, V] int32: generated-token counts
-        self.prompt_seen: Tensor | None = None  # [rows, V] bool: token occurs in the prompt
-
-    @staticmethod
-    def needs(p: SamplingParams) -> bool:
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-    def start(self, row: int, params: SamplingParams, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()) -> None:
-        if self.counts is None:
-            if not self.needs(params):
-                return  # nothing penalised yet; a penalised request zeroes its row when it starts
-            shape = (self.num_rows, self.vocab_size)
-            self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        assert self.prompt_seen is not None
-        self.counts[row], self.prompt_seen[row] = 0, False
-        if params.repetition_penalty != 1.0 and len(prompt_ids):
-            ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).clamp_(0, self.vocab_size - 1)
-            self.prompt_seen[row, ids.to(self.device)] = True
-        if len(output_ids):
-            ids = torch.as_tensor(list(output_ids), dtype=torch.int64).to(self.device)
-            self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-
-    def add(self, rows: Tensor, token_ids: Tensor) -> None:
-        """rows [N] int64, token_ids [N] int64, on the pool's device; no host sync."""
-        if self.counts is not None:
-            ones = torch.ones_like(token_ids, dtype=torch.int32)
-            self.counts.index_put_((rows, token_ids), ones, accumulate=True)
-
-
-class PenaltyBatch(NamedTuple):  # the penalised rows of one batch
-    pool: PenaltyPool
-    idx: Tensor  # [P] int64: batch rows with a penalty
-    rows: Tensor  # [P] int64: their PenaltyPool rows
-    values: Tensor  # [3, P] float32: repetition, frequency, presence
 
 
 @dataclass
@@ -129,7 +78,7 @@ class SamplingBatchInfo:
     steps: Tensor | None = None  # [B] int64: seeded rows' counter (tokens sampled so far)
     min_tokens_mask: Tensor | None = None  # [M] int64: flat indices b * V + token to ban
     # PenaltyPool.start calls to make in device order, before this step's penalties.
-    penalty_starts: tuple[tuple[int, SamplingParams, Sequence[int], Sequence[int]], ...] = ()
+    penalty_starts: tuple[PenaltyStart, ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -272,23 +221,6 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
         apply_token_bitmask_torch(logits, bitmask)
 
 
-def apply_penalties(
-    logits: Tensor, counts: Tensor, prompt_seen: Tensor | None,
-    repetition: Tensor, frequency: Tensor, presence: Tensor,
-) -> Tensor:  # fmt: skip
-    """logits [P, V], counts [P, V] (generated tokens), prompt_seen [P, V] bool, penalties [P].
-
-    Repetition (CTRL / HF): a seen token's positive logit is divided by the penalty and a
-    negative one multiplied, so a penalty > 1 always makes it less likely. Then OpenAI's
-    `logit -= frequency * count + presence * (count > 0)` over generated tokens."""
-    c = counts.to(logits.dtype)  # [P, V]
-    generated = counts > 0  # [P, V]
-    seen = generated if prompt_seen is None else generated | prompt_seen
-    rep = repetition.unsqueeze(1)  # [P, 1]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - frequency.unsqueeze(1) * c - presence.unsqueeze(1) * generated.to(logits.dtype)
-
-
 def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None) -> Tensor:
     """Mask and penalise logits [B, V] in place (the model's buffer), before temperature."""
     if vocab_mask is not None:
@@ -296,13 +228,8 @@ def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor |
     if info.min_tokens_mask is not None:
         # index_fill_ takes its value as a kernel argument; index_put_ would copy it (a sync).
         logits.view(-1).index_fill_(0, info.min_tokens_mask, float("-inf"))
-    pen = info.penalties
-    if pen is not None:
-        for start in info.penalty_starts:
-            pen.pool.start(*start)
-        counts, seen = pen.pool.counts, pen.pool.prompt_seen
-        assert counts is not None and seen is not None, "PenaltyPool.start was not called"
-        logits[pen.idx] = apply_penalties(logits[pen.idx], counts[pen.rows], seen[pen.rows], *pen.values)
+    if info.penalties is not None:
+        info.penalties.apply(logits, info.penalty_starts)
     return logits
 
 

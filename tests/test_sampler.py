@@ -9,11 +9,10 @@ from typing import Any, Sequence
 import pytest
 import torch
 
+from sgl.backend.penalties import PenaltyPool
 from sgl.backend.sampler import (
-    PenaltyPool,
     Sampler,
     SamplingBatchInfo,
-    apply_penalties,
     apply_token_bitmask,
     apply_token_bitmask_torch,
     filtered_probs,
@@ -197,16 +196,7 @@ def test_seeded_samples_of_one_prompt_differ_and_the_generator_is_reproducible()
     assert torch.equal(x.next_token_ids, y.next_token_ids)
 
 
-# -- penalties, min_new_tokens, masks --------------------------------------------------------------
-
-
-def test_apply_penalties_matches_the_definition() -> None:
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
-    counts = torch.tensor([[0, 2, 1, 0, 0]], dtype=torch.int32)
-    prompt = torch.tensor([[False, False, False, True, False]])
-    out = apply_penalties(logits.clone(), counts, prompt, torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]))
-    expected = [2.0, -1.0 * 2 - 0.5 * 2 - 0.25, 0.5 / 2 - 0.5 - 0.25, 3.0 / 2, -2.0]
-    assert torch.allclose(out[0], torch.tensor(expected))
+# -- penalties in a batch, min_new_tokens, masks -------------------------------------------------
 
 
 def test_penalty_pool_counts_generated_tokens_and_penalises_them() -> None:
