@@ -1,14 +1,9 @@
 """Every kernel against its pure-torch reference, parametrized over implementations.
 
-Without CUDA the Triton kernels run under Triton's interpreter. Triton decides "interpreted or
-compiled" when a function is decorated with `@triton.jit`, which for its own standard library
-(`tl.sum`, `tl.max`, `tl.cdiv`, ...) happens when `triton` is first imported. So:
-
-- if triton is not imported yet, this module sets TRITON_INTERPRET=1 and imports it: the
-  Triton tests run here, in process;
-- if another test module imported triton first (compiled mode, useless without a GPU), the
-  in-process Triton tests skip and `test_triton_kernels_in_subprocess` reruns this file in a
-  fresh interpreter with TRITON_INTERPRET=1 set from the start.
+Without CUDA the Triton kernels run under Triton's interpreter, set up by tests/triton_interp.py
+(imported first, before triton): in process when this module is the first to import triton;
+otherwise the in-process Triton tests skip and `test_triton_kernels_in_subprocess` reruns this
+file with TRITON_INTERPRET=1 from the start.
 
 `expected` values come from the reference evaluated on fp32 copies of the inputs; each
 implementation, given the test dtype, must land within that dtype's tolerance. The references
@@ -17,23 +12,23 @@ themselves are checked against independent formulas (SDPA, F.rms_norm, HF rotate
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imported
+    DEVICE,
+    NO_TRITON,
+    rerun_interpreted,
+    skip_unless_rerun_needed,
+    triton_runs_here,
+)
 
-CUDA = torch.cuda.is_available()
-if not CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are decorated
-
-from sgl.backend.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from sgl.backend.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from sgl.backend.kernels import (  # noqa: E402
+from sgl.backend.attention.triton_backend import TritonAttentionBackend
+from sgl.backend.forward_batch import ForwardBatch, ForwardMode
+from sgl.backend.kernels import (
     activation,
     attention_decode,
     attention_extend,
@@ -45,23 +40,8 @@ from sgl.backend.kernels import (  # noqa: E402
     triton_compat,
 )
 
-
-def _triton_runs_here() -> bool:
-    if not triton_compat.HAS_TRITON:
-        return False
-    if CUDA:
-        return True
-    # Interpreted kernels need an interpreted standard library and interpreted kernels of ours.
-    return triton_compat.is_interpreted(triton_compat.tl.max) and triton_compat.is_interpreted(
-        attention_decode._decode_stage1
-    )
-
-
-TRITON_HERE = _triton_runs_here()
-_SUBPROCESS_MARK = "SGL_KERNEL_TESTS_CHILD"
-NO_TRITON = "triton missing, or imported uninterpreted (see the subprocess test)"
+TRITON_HERE = triton_runs_here(attention_decode._decode_stage1)
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 IMPLS = ["reference", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -428,15 +408,7 @@ def test_gpu_attention_realistic(batch: int, context: int) -> None:
           torch.bfloat16)
 
 
-@pytest.mark.skipif(TRITON_HERE or not triton_compat.HAS_TRITON or CUDA
-                    or os.environ.get(_SUBPROCESS_MARK) == "1",
-                    reason="the Triton tests already ran in this process")
+@skip_unless_rerun_needed(TRITON_HERE)
 def test_triton_kernels_in_subprocess() -> None:
     """Triton was imported before this module could ask for its interpreter: rerun here."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", _SUBPROCESS_MARK: "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider",
-         "-k", "triton or backend or dispatch"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rerun_interpreted(__file__, "-k", "triton or backend or dispatch")

@@ -1,44 +1,29 @@
 """The decode GEMV (backend/kernels/gemv.py) against its reference, F.linear.
 
 Same arrangement as tests/test_kernels.py: without CUDA the Triton kernel runs under Triton's
-interpreter, set up here when this module is the first to import triton; otherwise the
-in-process Triton tests skip and `test_gemv_in_subprocess` reruns this file with
-TRITON_INTERPRET=1 from the start. Shapes are small and deliberately not multiples of the
-blocks, so every masked path runs.
+interpreter (tests/triton_interp.py), in process when this module is the first to import
+triton; otherwise the in-process Triton tests skip and `test_gemv_in_subprocess` reruns this
+file with TRITON_INTERPRET=1 from the start. Shapes are small and deliberately not multiples
+of the blocks, so every masked path runs.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imported
+    DEVICE,
+    NO_TRITON,
+    rerun_interpreted,
+    skip_unless_rerun_needed,
+    triton_runs_here,
+)
 
-CUDA = torch.cuda.is_available()
-if not CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are decorated
+from sgl.backend.kernels import dispatch, gemv
 
-from sgl.backend.kernels import dispatch, gemv, triton_compat  # noqa: E402
-
-
-def _triton_runs_here() -> bool:
-    if not triton_compat.HAS_TRITON:
-        return False
-    if CUDA:
-        return True
-    return triton_compat.is_interpreted(triton_compat.tl.sum) and triton_compat.is_interpreted(
-        gemv._gemv_kernel
-    )
-
-
-TRITON_HERE = _triton_runs_here()
-_SUBPROCESS_MARK = "SGL_GEMV_TESTS_CHILD"
-NO_TRITON = "triton missing, or imported uninterpreted (see the subprocess test)"
+TRITON_HERE = triton_runs_here(gemv._gemv_kernel)
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=5e-3, rtol=5e-3)}
 
@@ -141,14 +126,7 @@ def test_gpu_gemv_in_cuda_graph() -> None:
     torch.testing.assert_close(out.float(), _expected(x2, w, b), **TOL[torch.bfloat16])
 
 
-@pytest.mark.skipif(TRITON_HERE or not triton_compat.HAS_TRITON or CUDA
-                    or os.environ.get(_SUBPROCESS_MARK) == "1",
-                    reason="the Triton tests already ran in this process")
+@skip_unless_rerun_needed(TRITON_HERE)
 def test_gemv_in_subprocess() -> None:
     """Triton was imported before this module could ask for its interpreter: rerun here."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", _SUBPROCESS_MARK: "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rerun_interpreted(__file__)
