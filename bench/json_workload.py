@@ -2,9 +2,10 @@
 
     python bench/json_workload.py [--requests 64] [--concurrency 64] [--repeat 1]
 
-64 short extraction prompts over 3 Pydantic schemas (fixed seed), generated greedily until the
-grammar ends (JSON indented by 2 spaces, the engine's default layout). Four runs on one engine,
-the radix cache flushed before each so every run prefills the same prompts:
+64 short extraction prompts over 3 Pydantic schemas (tests/extraction_schemas.py; fixed seed),
+generated greedily until the grammar ends (JSON indented by 2 spaces, the engine's default
+layout). Four runs on one engine, the radix cache flushed before each so every run prefills the
+same prompts:
 
 1. `jump off`: masked decoding only.
 2. `jump on`: masked decoding + jump-forward (the default).
@@ -36,12 +37,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the schemas the tests share
 from common import record, table  # noqa: E402
+from extraction_schemas import Meeting, Person, Product  # noqa: E402
 
 import sgl  # noqa: E402
 
@@ -49,24 +52,6 @@ MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized, float32)"
 
 
 # -- the workload -------------------------------------------------------------------------------
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=40)
-    age: int = Field(ge=0, le=130)
-    city: str = Field(max_length=30)
-
-
-class Product(BaseModel):
-    product: str = Field(max_length=40)
-    price: float = Field(ge=0)
-    in_stock: bool
-
-
-class Meeting(BaseModel):
-    person: str = Field(max_length=40)
-    day: Literal["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-    hour: int = Field(ge=0, le=23)
 
 
 FIRST = ["John", "Maria", "Li", "Tom", "Aisha", "Pedro", "Yuki", "Olga", "Sam", "Fatima", "Erik", "Nina"]

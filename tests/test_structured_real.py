@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import pytest
+from extraction_schemas import Meeting, Person, Product
 from pydantic import BaseModel, Field
 
 import sgl
@@ -256,24 +257,7 @@ GRAMMAR_CASES = [
 
 
 # -- the extraction set: short free text with known fields --------------------------------------
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=40)
-    age: int = Field(ge=0, le=130)
-    city: str = Field(max_length=30)
-
-
-class Product(BaseModel):
-    product: str = Field(max_length=40)
-    price: float = Field(ge=0)
-    in_stock: bool
-
-
-class Meeting(BaseModel):
-    person: str = Field(max_length=40)
-    day: Literal["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-    hour: int = Field(ge=0, le=23)
+# The schemas are the benchmark's (tests/extraction_schemas.py, shared with bench/json_workload.py).
 
 
 EXTRACTION = [
