@@ -9,7 +9,8 @@ This module is pure Python: it must not import torch or xgrammar, so `import sgl
 light. Pydantic is imported lazily, only when `schema=` is used. Whether a spec *compiles* is
 decided engine-side (`GrammarBackend.compile`), synchronously in `generate` before anything is
 queued; here we only normalise, detect conflicting options and warn about JSON Schema keywords
-the engine accepts but cannot enforce.
+the engine accepts but cannot enforce. What is done to a schema document itself (Pydantic type
+-> schema, canonical text, the unenforced keywords) lives in `sgl._json_schema`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
+from sgl._json_schema import canonical_json, type_json_schema, type_name, unenforceable_keywords
 from sgl.errors import InvalidConstraintError, ParseError
 
 __all__ = [
@@ -176,69 +178,13 @@ def load_grammar(name: str) -> tuple[ConstraintKind, str]:
             if entry.is_file():
                 text = entry.read_text(encoding="utf-8")
                 if kind == "json_schema":
-                    return "json_schema", _canonical_json(json.loads(text))
+                    return "json_schema", canonical_json(json.loads(text))
                 return kind, text  # type: ignore[return-value]
     raise InvalidConstraintError(
         f"grammar={name!r} is neither EBNF text (it has no '::=' rule) nor the name of a "
         f"bundled grammar; bundled grammars: {grammar_names()}",
         field="grammar",
     )
-
-
-# -- JSON Schema keywords xgrammar accepts but does not enforce --------------------------------
-# Found by compiling a schema with each keyword and checking that a violating document is still
-# accepted (xgrammar 0.2.9). Everything else it either enforces or rejects at compile time.
-_IGNORED = "is ignored"
-_UNENFORCED = {
-    "uniqueItems": "duplicates are not prevented", "if": _IGNORED, "then": _IGNORED,
-    "else": _IGNORED, "not": _IGNORED, "dependentRequired": _IGNORED,
-    "dependentSchemas": _IGNORED, "dependencies": _IGNORED, "contains": _IGNORED,
-    "minContains": _IGNORED, "maxContains": _IGNORED, "contentEncoding": _IGNORED,
-    "contentMediaType": _IGNORED, "contentSchema": _IGNORED,
-}
-_ENFORCED_FORMATS = frozenset(
-    "email date time date-time duration uri uri-reference uri-template uuid ipv4 ipv6 "
-    "hostname json-pointer relative-json-pointer".split()
-)
-# Keywords whose values are maps of name -> subschema, or lists of subschemas.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_SINGLE = (
-    "items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
-    "propertyNames", "contains", "not", "if", "then", "else", "additionalItems",
-)
-
-
-def unenforceable_keywords(schema: Any, path: str = "#") -> list[tuple[str, str, str]]:
-    """(keyword, JSON pointer, why) for every keyword that decoding would not enforce."""
-    found: list[tuple[str, str, str]] = []
-    if not isinstance(schema, Mapping):
-        return found
-    for key, why in _UNENFORCED.items():
-        if key in schema:
-            found.append((key, f"{path}/{key}", why))
-    fmt = schema.get("format")
-    if isinstance(fmt, str) and fmt not in _ENFORCED_FORMATS:
-        found.append(("format", f"{path}/format", f"format {fmt!r} is not checked"))
-    multiple = schema.get("multipleOf")
-    if multiple is not None and (schema.get("type") != "integer" or not isinstance(multiple, int)):
-        found.append(("multipleOf", f"{path}/multipleOf", "only integer multipleOf is enforced"))
-    all_of = schema.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
-        found.append(("allOf", f"{path}/allOf", "only one branch of allOf is enforced"))
-    for key in _SCHEMA_MAPS:
-        sub = schema.get(key)
-        if isinstance(sub, Mapping):
-            for name, child in sub.items():
-                found += unenforceable_keywords(child, f"{path}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            for i, child in enumerate(sub):
-                found += unenforceable_keywords(child, f"{path}/{key}/{i}")
-    for key in _SCHEMA_SINGLE:
-        found += unenforceable_keywords(schema.get(key), f"{path}/{key}")
-    return found
 
 
 def _warn_unenforceable(schema: Any, source: str) -> None:
@@ -249,32 +195,6 @@ def _warn_unenforceable(schema: Any, source: str) -> None:
             UnenforceableSchemaWarning,
             stacklevel=4,
         )
-
-
-def _canonical_json(schema: Any) -> str:
-    """One text per schema, for cache keys: keyword order is sorted, but the order inside
-    `properties` is kept (it is the order the model writes the keys in, which matters: e.g.
-    reasoning before answer) and data (enum, const, default, examples) is kept verbatim."""
-    return json.dumps(_canonical_schema(schema), separators=(",", ":"), ensure_ascii=False)
-
-
-def _canonical_schema(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_canonical_schema(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out: dict[str, Any] = {}
-    for key in sorted(schema):
-        value = schema[key]
-        if key == "properties" and isinstance(value, Mapping):
-            out[key] = {name: _canonical_schema(sub) for name, sub in value.items()}
-        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
-            out[key] = {name: _canonical_schema(value[name]) for name in sorted(value)}
-        elif key in _SCHEMA_LISTS or key in _SCHEMA_SINGLE:
-            out[key] = _canonical_schema(value)
-        else:
-            out[key] = value  # data or a scalar keyword: verbatim
-    return out
 
 
 # -- build_constraint ---------------------------------------------------------------------------
@@ -330,32 +250,14 @@ def _from_json_schema(value: Any) -> ConstraintSpec:
             field="json_schema",
         )
     _warn_unenforceable(parsed, "json_schema")
-    return ConstraintSpec("json_schema", _canonical_json(parsed), source="json_schema")
+    return ConstraintSpec("json_schema", canonical_json(parsed), source="json_schema")
 
 
 def _from_schema(tp: Any) -> ConstraintSpec:
-    try:
-        import pydantic
-    except ImportError as exc:  # pragma: no cover - pydantic is a dependency
-        raise InvalidConstraintError("schema= needs pydantic installed", field="schema") from exc
-    name = getattr(tp, "__name__", None) or repr(tp)
-    try:
-        if isinstance(tp, type) and issubclass(tp, pydantic.BaseModel):
-            as_json = tp.model_json_schema()
-            parser: Callable[[str], Any] = tp.model_validate_json
-        else:
-            adapter = pydantic.TypeAdapter(tp)
-            as_json = adapter.json_schema()
-            parser = adapter.validate_json
-    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as exc:
-        raise InvalidConstraintError(
-            f"schema={name}: cannot build a JSON schema for it ({exc}); pass a Pydantic model "
-            f"or a type pydantic.TypeAdapter accepts",
-            field="schema",
-        ) from exc
-    source = f"schema {name}"
+    as_json, parser = type_json_schema(tp)
+    source = f"schema {type_name(tp)}"
     _warn_unenforceable(as_json, source)
-    return ConstraintSpec("json_schema", _canonical_json(as_json), source=source, parser=parser)
+    return ConstraintSpec("json_schema", canonical_json(as_json), source=source, parser=parser)
 
 
 def _from_grammar(grammar: Any) -> ConstraintSpec:

@@ -1,0 +1,131 @@
+"""JSON Schema documents as the constraint front end needs them (`sgl.constraints`).
+
+Three things a schema goes through before it becomes a `ConstraintSpec`: a Pydantic model or
+type is turned into a schema and a parser; every schema is checked for keywords the engine
+accepts but cannot enforce; and it is written as one canonical text, the grammar cache key.
+They live apart from the spec because they only read and write schema documents: no options,
+no spec, no grammar files.
+
+Pure Python like `sgl.constraints`: pydantic is imported only when a type is converted.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping
+
+from sgl.errors import InvalidConstraintError
+
+__all__ = ["canonical_json", "type_name", "type_json_schema", "unenforceable_keywords"]
+
+# -- JSON Schema keywords xgrammar accepts but does not enforce --------------------------------
+# Found by compiling a schema with each keyword and checking that a violating document is still
+# accepted (xgrammar 0.2.9). Everything else it either enforces or rejects at compile time.
+_IGNORED = "is ignored"
+_UNENFORCED = {
+    "uniqueItems": "duplicates are not prevented", "if": _IGNORED, "then": _IGNORED,
+    "else": _IGNORED, "not": _IGNORED, "dependentRequired": _IGNORED,
+    "dependentSchemas": _IGNORED, "dependencies": _IGNORED, "contains": _IGNORED,
+    "minContains": _IGNORED, "maxContains": _IGNORED, "contentEncoding": _IGNORED,
+    "contentMediaType": _IGNORED, "contentSchema": _IGNORED,
+}
+_ENFORCED_FORMATS = frozenset(
+    "email date time date-time duration uri uri-reference uri-template uuid ipv4 ipv6 "
+    "hostname json-pointer relative-json-pointer".split()
+)
+# Keywords whose values are maps of name -> subschema, or lists of subschemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_SINGLE = (
+    "items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+    "propertyNames", "contains", "not", "if", "then", "else", "additionalItems",
+)
+
+
+def unenforceable_keywords(schema: Any, path: str = "#") -> list[tuple[str, str, str]]:
+    """(keyword, JSON pointer, why) for every keyword that decoding would not enforce."""
+    found: list[tuple[str, str, str]] = []
+    if not isinstance(schema, Mapping):
+        return found
+    for key, why in _UNENFORCED.items():
+        if key in schema:
+            found.append((key, f"{path}/{key}", why))
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in _ENFORCED_FORMATS:
+        found.append(("format", f"{path}/format", f"format {fmt!r} is not checked"))
+    multiple = schema.get("multipleOf")
+    if multiple is not None and (schema.get("type") != "integer" or not isinstance(multiple, int)):
+        found.append(("multipleOf", f"{path}/multipleOf", "only integer multipleOf is enforced"))
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        found.append(("allOf", f"{path}/allOf", "only one branch of allOf is enforced"))
+    for key in _SCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, Mapping):
+            for name, child in sub.items():
+                found += unenforceable_keywords(child, f"{path}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, child in enumerate(sub):
+                found += unenforceable_keywords(child, f"{path}/{key}/{i}")
+    for key in _SCHEMA_SINGLE:
+        found += unenforceable_keywords(schema.get(key), f"{path}/{key}")
+    return found
+
+
+# -- canonical text -----------------------------------------------------------------------------
+
+
+def canonical_json(schema: Any) -> str:
+    """One text per schema, for cache keys: keyword order is sorted, but the order inside
+    `properties` is kept (it is the order the model writes the keys in, which matters: e.g.
+    reasoning before answer) and data (enum, const, default, examples) is kept verbatim."""
+    return json.dumps(_canonical_schema(schema), separators=(",", ":"), ensure_ascii=False)
+
+
+def _canonical_schema(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_canonical_schema(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key == "properties" and isinstance(value, Mapping):
+            out[key] = {name: _canonical_schema(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {name: _canonical_schema(value[name]) for name in sorted(value)}
+        elif key in _SCHEMA_LISTS or key in _SCHEMA_SINGLE:
+            out[key] = _canonical_schema(value)
+        else:
+            out[key] = value  # data or a scalar keyword: verbatim
+    return out
+
+
+# -- Python types -------------------------------------------------------------------------------
+
+
+def type_name(tp: Any) -> str:
+    """How messages name a `schema=` type."""
+    return getattr(tp, "__name__", None) or repr(tp)
+
+
+def type_json_schema(tp: Any) -> tuple[dict[str, Any], Callable[[str], Any]]:
+    """The JSON schema of a Pydantic model or of any type `pydantic.TypeAdapter` accepts, and
+    the parser that validates generated JSON text into that type."""
+    try:
+        import pydantic
+    except ImportError as exc:  # pragma: no cover - pydantic is a dependency
+        raise InvalidConstraintError("schema= needs pydantic installed", field="schema") from exc
+    try:
+        if isinstance(tp, type) and issubclass(tp, pydantic.BaseModel):
+            return tp.model_json_schema(), tp.model_validate_json
+        adapter = pydantic.TypeAdapter(tp)
+        return adapter.json_schema(), adapter.validate_json
+    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as exc:
+        raise InvalidConstraintError(
+            f"schema={type_name(tp)}: cannot build a JSON schema for it ({exc}); pass a Pydantic "
+            f"model or a type pydantic.TypeAdapter accepts",
+            field="schema",
+        ) from exc
