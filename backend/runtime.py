@@ -134,7 +134,7 @@ class Runtime:
                               dtype, device, page_size=config.page_size)
         self.req_pool = ReqToTokenPool(max_running, context_length + config.page_size, device)
         self.tree = RadixCache(self.kv_pool.allocator, config.page_size, disable=config.disable_radix_cache)
-        attn = self._attention_backend(config, device)
+        attn = self._attention_backend(config, device, self.kv_pool.num_slots)
         overlap = not config.disable_overlap_schedule
         self.sampler = Sampler(vocab_size=mcfg.vocab_size, max_rows=max_running + 1, device=device,
                                seed=config.random_seed, eos_token_ids=mcfg.eos_token_ids)
@@ -171,7 +171,7 @@ class Runtime:
         self.cuda_graph_sizes = list(self.runner.graphs.sizes)
 
     @staticmethod
-    def _attention_backend(config: EngineConfig, device: torch.device):
+    def _attention_backend(config: EngineConfig, device: torch.device, pool_slots: int):
         name = config.attention_backend
         if name == "auto":
             name = "triton" if device.type == "cuda" else "torch"
@@ -181,7 +181,8 @@ class Runtime:
             return TritonAttentionBackend()
         from sgl.backend.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        # On the CPU, decode keys persist between steps in a stage as large as the pool at most.
+        return TorchAttentionBackend(stage_positions=pool_slots if device.type == "cpu" else 0)
 
     # -- services for the facade -------------------------------------------------------------
 

@@ -15,6 +15,10 @@ Per step, `prepare` splits the requests in two groups and builds their gather in
   0 .. prefix + i).
 
 Softmax and accumulation run in float32 inside SDPA for every input dtype.
+
+With `stage_positions > 0` (the CPU engine) the single-token rows read their keys from a
+`DecodeStage`, which keeps the padded block from one step to the next and copies in only what
+changed (decode_stage.py); without it (the reference, and on GPUs) the block is gathered anew.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl.backend.attention.base import AttentionBackend
+from sgl.backend.attention.decode_stage import DecodeStage, StagePlan
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -42,6 +47,7 @@ class _DecodeRows:
     # step: fresh multi-MB tensors per layer would cost page faults on every call.
     k_out: torch.Tensor | None = None
     v_out: torch.Tensor | None = None
+    stage: StagePlan | None = None  # read the keys from the DecodeStage instead of gathering
 
 
 @dataclass
@@ -59,6 +65,10 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, stage_positions: int = 0) -> None:
+        # stage_positions: the DecodeStage's budget in token positions (0: no stage)
+        self.stage = DecodeStage(stage_positions) if stage_positions > 0 else None
+
     def prepare(self, fb: ForwardBatch) -> None:
         if fb.mode is ForwardMode.DECODE:
             all_rows = list(range(fb.batch_size))
@@ -86,12 +96,13 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = key_pos[None, :] <= query_pos[:, None]  # [num_new, seq_len]
             extends.append(_ExtendRequest(starts[b], num_new, row, mask))
         decode = self._decode_rows(fb, single, False) if single else None
+        if decode is None and self.stage is not None:
+            self.stage.reset()  # no request of the stage is in this step
         if decode is not None:
             decode.rows = torch.tensor([starts[b] for b in single], device=fb.seq_lens.device)
         fb.attn_metadata = TorchAttentionMetadata(decode, extends)
 
-    @staticmethod
-    def _decode_rows(fb: ForwardBatch, reqs: list[int], every: bool) -> _DecodeRows:
+    def _decode_rows(self, fb: ForwardBatch, reqs: list[int], every: bool) -> _DecodeRows:
         lens_cpu = [fb.seq_lens_cpu[b] for b in reqs]
         max_len = max(lens_cpu)
         if every:
@@ -108,14 +119,22 @@ class TorchAttentionBackend(AttentionBackend):
             row = slots[0]
             if max_len == 1 or bool((row[1:] - row[:-1] == 1).all()):
                 contiguous_from = int(row[0])
+        like = fb.kv_pool.k_buffer[0]  # [num_slots, kv_heads, head_dim]
+        stage = None
+        if self.stage is not None:
+            if contiguous_from is None:
+                pool_rows = [int(r) for r in pool_idx.tolist()]  # host tensors: no sync
+                stage = self.stage.plan(pool_rows, lens_cpu, slots, [1] * len(reqs), like,
+                                        len(fb.kv_pool.k_buffer))
+            else:
+                self.stage.reset()  # the lone request reads a view; it leaves the stage
         k_out = v_out = None
-        if contiguous_from is None:
-            like = fb.kv_pool.k_buffer[0]  # [num_slots, kv_heads, head_dim]
+        if contiguous_from is None and stage is None:
             shape = (like.shape[1], len(reqs) * max_len, like.shape[2])  # head-major
             k_out = torch.empty(shape, dtype=like.dtype, device=like.device)
             v_out = torch.empty(shape, dtype=like.dtype, device=like.device)
         return _DecodeRows(None, slots.view(-1), key_mask[:, None, None, :], len(reqs), max_len,
-                           contiguous_from, k_out, v_out)
+                           contiguous_from, k_out, v_out, stage)
 
     def forward(
         self,
@@ -132,27 +151,35 @@ class TorchAttentionBackend(AttentionBackend):
         v_buffer[fb.out_cache_loc] = v.to(v_buffer.dtype)
         meta: TorchAttentionMetadata = fb.attn_metadata
         if meta.decode is not None and not meta.extends and meta.decode.rows is None:
-            return self._attend_decode(q, k_buffer, v_buffer, meta.decode, scale)
+            return self._attend_decode(q, k_buffer, v_buffer, meta.decode, layer_id, scale)
         out = torch.empty_like(q)
         if meta.decode is not None:
             rows = meta.decode.rows
-            out[rows] = self._attend_decode(q[rows], k_buffer, v_buffer, meta.decode, scale)
+            out[rows] = self._attend_decode(q[rows], k_buffer, v_buffer, meta.decode, layer_id,
+                                            scale)
         for req in meta.extends:
             end = req.start + req.num_new
             out[req.start : end] = self._attend_extend(q[req.start : end], k_buffer, v_buffer,
                                                        req, scale)
         return out
 
-    @staticmethod
     def _attend_decode(
+        self,
         q: torch.Tensor,  # [B, heads, head_dim]
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
         meta: _DecodeRows,
+        layer_id: int,
         scale: float,
     ) -> torch.Tensor:  # [B, heads, head_dim]
         batch, heads, head_dim = q.shape
         kv_heads = k_buffer.shape[1]
+        # [B, kv_heads, G, head_dim]: the G query heads of a KV head become G queries of it
+        qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(k_buffer.dtype)
+        if meta.stage is not None:
+            assert self.stage is not None
+            out = self.stage.attend(layer_id, qg, k_buffer, v_buffer, meta.stage, scale)
+            return out.reshape(batch, heads, head_dim).to(q.dtype)
         shape = (batch, meta.max_len, kv_heads, head_dim)
         mask: torch.Tensor | None = meta.key_mask
         if meta.contiguous_from is not None:
@@ -170,8 +197,6 @@ class TorchAttentionBackend(AttentionBackend):
             head_major = (kv_heads, batch, meta.max_len, head_dim)
             k = meta.k_out.view(head_major).transpose(0, 1)  # [B, kvh, L, d]
             v = meta.v_out.view(head_major).transpose(0, 1)  # [B, kvh, L, d]
-        # [B, kv_heads, G, head_dim]: the G query heads of a KV head become G queries of it
-        qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(k.dtype)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return out.reshape(batch, heads, head_dim).to(q.dtype)  # [B, heads, head_dim]
 
