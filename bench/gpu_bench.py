@@ -76,6 +76,7 @@ import torch  # noqa: E402
 
 import sgl  # noqa: E402
 from common import record as _record  # noqa: E402
+from sgl.backend.layers.linear import unpacked_state_dict  # noqa: E402
 from common import table  # noqa: E402
 
 DEV = "cuda"  # the CPU is only for checking this script's logic (tests set it)
@@ -311,7 +312,7 @@ def section_correct(args: argparse.Namespace) -> None:
                      model_config=small, max_total_tokens=8192)
     gpu = sgl.Engine(model="smollm2-135m", load_format="dummy", device=DEV, dtype="float32",
                      model_config=small, max_total_tokens=8192, max_running_requests=32)
-    state = {k: v.to(DEV) for k, v in cpu._rt.runner.model.state_dict().items()}
+    state = {k: v.to(DEV) for k, v in unpacked_state_dict(cpu._rt.runner.model).items()}
     gpu._rt.runner.model.load_state_dict(state)
     rng = random.Random(3)
     reqs = [Request(_ids(rng, rng.randint(5, 300), 49152), 8 + 4 * i) for i in range(8)]

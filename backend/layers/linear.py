@@ -100,3 +100,8 @@ def pack_for_cpu(model: nn.Module, head: Embedding | None) -> None:
             module.weight = nn.Parameter(onednn_linear.pack(module.weight), requires_grad=False)
     if head is not None:
         head.packed_projection = onednn_linear.pack(head.weight)
+
+
+def unpacked_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with packed weights in their plain layout (to copy a CPU model)."""
+    return {name: t.to_dense() if t.is_mkldnn else t for name, t in model.state_dict().items()}
