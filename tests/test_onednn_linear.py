@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from sgl.backend.kernels import dispatch, onednn_linear
-from sgl.backend.layers.linear import Embedding, Linear, MergedLinear, pack_for_cpu
+from sgl.backend.layers.linear import (
+    Embedding,
+    Linear,
+    MergedLinear,
+    pack_for_cpu,
+    unpacked_state_dict,
+)
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not onednn_linear.available(CPU, torch.float32),
@@ -64,6 +70,7 @@ def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> N
     before = {"qkv": model["qkv"](x), "out": model["out"](x), "head": model["embed"].project(x),
               "lookup": model["embed"](ids)}
     num_params = sum(p.numel() for p in model.parameters())
+    plain_state = {k: v.clone() for k, v in model.state_dict().items()}
 
     pack_for_cpu(model, model["embed"])
 
@@ -76,6 +83,11 @@ def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> N
              "lookup": model["embed"](ids)}
     for name, want in before.items():
         torch.testing.assert_close(after[name], want, atol=1e-5, rtol=1e-5, msg=name)
+    unpacked = unpacked_state_dict(model)  # what copying the model elsewhere reads
+    assert unpacked.keys() == plain_state.keys()
+    for name, value in plain_state.items():
+        assert not unpacked[name].is_mkldnn
+        torch.testing.assert_close(unpacked[name], value, atol=0, rtol=0, msg=name)
     pack_for_cpu(model, None)  # packing twice leaves packed weights alone
     torch.testing.assert_close(model["out"](x), before["out"], atol=1e-5, rtol=1e-5)
 
