@@ -7,7 +7,7 @@ replays them all with one launch.
 Shapes must not change between capture and replay, so one graph is captured per *padded*
 batch size (`graph_batch_sizes`); a batch of B requests replays the smallest graph >= B.
 
-Static inputs (one int64 block, `inputs[5, max_bs]`, rows in `model_runner.PACKED_FIELDS`
+Static inputs (one int64 block, `inputs[5, max_bs]`, rows in `step_io.PACKED_FIELDS`
 order) are the only thing a replay changes::
 
     inputs[0, :bs]  input ids (may hold -k future placeholders: resolved inside the graph)
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
-from sgl.backend.model_runner import aligned
+from sgl.backend.step_io import aligned
 
 logger = logging.getLogger("sgl.engine")
 
