@@ -124,8 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
         if self.stage is not None:
             if contiguous_from is None:
                 pool_rows = [int(r) for r in pool_idx.tolist()]  # host tensors: no sync
-                stage = self.stage.plan(pool_rows, lens_cpu, slots, [1] * len(reqs), like,
-                                        len(fb.kv_pool.k_buffer))
+                stage = self.stage.plan(pool_rows, lens_cpu, slots, like, len(fb.kv_pool.k_buffer))
             else:
                 self.stage.reset()  # the lone request reads a view; it leaves the stage
         k_out = v_out = None
