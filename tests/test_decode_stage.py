@@ -24,8 +24,10 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 6, 2, 16, 2
 class Pair:
     """A staged and a plain backend stepping over the same pool and requests."""
 
-    def __init__(self, stage_positions: int = 4096, num_slots: int = 4096) -> None:
-        self.pool = FakePool(LAYERS, num_slots, KV_HEADS, HEAD_DIM, max_context=1024)
+    def __init__(self, stage_positions: int = 4096, num_slots: int = 4096,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.pool = FakePool(LAYERS, num_slots, KV_HEADS, HEAD_DIM, dtype=dtype, max_context=1024)
+        self.dtype = dtype
         self.staged = TorchAttentionBackend(stage_positions=stage_positions)
         self.plain = TorchAttentionBackend()
         self.lens: dict[int, int] = {}  # pool row -> tokens cached
@@ -40,11 +42,13 @@ class Pair:
         ref = dataclasses.replace(fb, attn_backend=self.plain)
         self.plain.prepare(ref)
         for layer in range(layers):
-            q, k, v = (torch.randn(fb.num_tokens, h, HEAD_DIM, generator=self.gen)
+            q, k, v = (torch.randn(fb.num_tokens, h, HEAD_DIM, generator=self.gen).to(self.dtype)
                        for h in (HEADS, KV_HEADS, KV_HEADS))
             got = self.staged.forward(q, k, v, layer, 0.25, fb)
             want = self.plain.forward(q, k, v, layer, 0.25, ref)
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+            assert got.dtype == self.dtype
+            tol = 1e-5 if self.dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
         for row, n in new_tokens.items():
             self.lens[row] = self.lens.get(row, 0) + n
 
@@ -76,6 +80,15 @@ def test_batch_life_joins_leaves_mixed_steps_and_growth() -> None:
     # Padding keys are masked, yet a NaN there still turns SDPA's output into NaN: the stage's
     # never-written positions must hold finite values (it once allocated with torch.empty).
     assert all(bool(t.isfinite().all()) for t in stage.k + stage.v)
+
+
+def test_bfloat16_pool() -> None:
+    pair = Pair(dtype=torch.bfloat16)
+    pair.step({1: 9, 2: 20, 3: 1})
+    pair.decode([1, 2, 3], times=3)
+    pair.leave(1)
+    pair.decode([3, 2], times=2)
+    assert pair.staged.stage is not None and pair.staged.stage.k[0].dtype == torch.bfloat16
 
 
 def test_rewritten_table_slot_is_copied_again() -> None:
