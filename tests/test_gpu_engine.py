@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import sgl
-from sgl.backend.layers.linear import unpacked_state_dict
 
 pytestmark = pytest.mark.gpu
 
@@ -41,6 +40,10 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 def copy_weights(src: sgl.Engine, dst: sgl.Engine) -> None:
     """Dummy weights come from each device's own RNG: give both engines the same values
     (a CPU engine's linear weights are packed for oneDNN: unpacked_state_dict)."""
+    # Imported here: importing sgl.backend at collection time would import triton compiled
+    # before tests/triton_interp.py can ask for its interpreter (see that module).
+    from sgl.backend.layers.linear import unpacked_state_dict
+
     state = {k: v.to(dst._rt.device)
              for k, v in unpacked_state_dict(src._rt.runner.model).items()}
     dst._rt.runner.model.load_state_dict(state)
