@@ -26,10 +26,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from sgl.backend.req import Req, ReqStatus, ScheduleBatch
+from sgl.backend.req import Req, ScheduleBatch
 from sgl.errors import EngineClosedError, EngineError
 
 logger = logging.getLogger("sgl.engine")
+
+# After this long with nothing to run, the runner frees its between-step caches (on the CPU the
+# decode stage, up to the pool's size); an idle gap shorter than this keeps them.
+IDLE_RELEASE_S = 2.0
 
 
 class EngineCore:
@@ -50,6 +54,8 @@ class EngineCore:
         self._accepting = True
         self.fatal_error: BaseException | None = None
         self.num_steps = 0
+        self.idle_release_s = IDLE_RELEASE_S
+        self._idle_since: float | None = None  # when the loop last ran out of work
         self._thread = threading.Thread(target=self._main, name="sgl-engine", daemon=True)
         self._thread.start()
 
@@ -144,15 +150,27 @@ class EngineCore:
             return _Failed(exc)
 
     def _idle(self) -> None:
+        if self._idle_since is None:
+            self._idle_since = time.monotonic()
         if self.integrity_check is not None and not self.scheduler.running:
             self.integrity_check()
+
+    def _still_idle(self) -> None:
+        """Called when a blocking wait for work timed out."""
+        if (self._idle_since is not None
+                and time.monotonic() - self._idle_since >= self.idle_release_s):
+            self.runner.release_idle_memory()
+            self._idle_since = None  # once per idle spell
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply pending submissions and aborts. Returns False when the loop must stop."""
         try:
             msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
+            if block:
+                self._still_idle()
             return self._check_deadlines()
+        self._idle_since = None
         while True:
             kind, payload = msg
             if kind == "stop":

@@ -63,6 +63,10 @@ class ModelRunner:
         # Benchmarks: (start event, end event, mode, batch size) per step when a list.
         self.step_events: list[tuple[Any, Any, ForwardMode, int]] | None = None
 
+    def release_idle_memory(self) -> None:
+        """The engine has been idle a while: free caches that only speed up running batches."""
+        self.attn_backend.release_memory()
+
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)

@@ -155,3 +155,31 @@ def test_random_schedules(seed: int) -> None:
             order = torch.randperm(len(new), generator=rng).tolist()
             items = list(new.items())
             pair.step(dict(items[i] for i in order))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_engine_frees_the_stage_when_idle_and_rebuilds_it(overlap: bool) -> None:
+    import time
+
+    from test_engine_core import assert_clean, make_engine, prompts
+
+    engine = make_engine(disable_overlap_schedule=not overlap)
+    try:
+        core, stage = engine._rt.core, engine._rt.runner.attn_backend.stage
+        core.idle_release_s = 0.3
+        sizes: list[int] = []
+        engine._rt.runner.step_hook = lambda step: sizes.append(len(stage.k))
+        first = [o.token_ids for o in engine.generate_sync(
+            input_ids=prompts(6), max_new_tokens=12, temperature=0)]
+        assert max(sizes) == engine._rt.model_config.num_layers  # the batch ran staged
+        deadline = time.monotonic() + 10
+        while stage.k and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not stage.k and stage.capacity == 0  # released while idle
+        engine.flush_cache()
+        again = [o.token_ids for o in engine.generate_sync(
+            input_ids=prompts(6), max_new_tokens=12, temperature=0)]
+        assert again == first
+        assert_clean(engine)
+    finally:
+        engine.close()

@@ -37,3 +37,6 @@ class AttentionBackend(ABC):
         fb: ForwardBatch,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Store k/v for layer `layer_id` in the pool, then return the attention output."""
+
+    def release_memory(self) -> None:
+        """Free what the backend caches between steps and can rebuild (the engine is idle)."""

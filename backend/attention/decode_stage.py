@@ -62,6 +62,12 @@ class DecodeStage:
     def reset(self) -> None:
         self.row_of.clear()
 
+    def release(self) -> None:
+        """Give the stage's memory back (the next decode step allocates and fills it again)."""
+        self.k, self.v = [], []
+        self.slots = torch.empty(0, 0, dtype=torch.int64)
+        self.row_of.clear()
+
     def plan(self, pool_rows: list[int], lens: list[int], table: torch.Tensor,
              like: torch.Tensor, num_layers: int) -> StagePlan | None:
         """Place the batch's requests in rows and list the positions to copy in.

@@ -69,6 +69,10 @@ class TorchAttentionBackend(AttentionBackend):
         # stage_positions: the DecodeStage's budget in token positions (0: no stage)
         self.stage = DecodeStage(stage_positions) if stage_positions > 0 else None
 
+    def release_memory(self) -> None:
+        if self.stage is not None:
+            self.stage.release()
+
     def prepare(self, fb: ForwardBatch) -> None:
         if fb.mode is ForwardMode.DECODE:
             all_rows = list(range(fb.batch_size))
