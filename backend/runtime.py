@@ -90,7 +90,7 @@ class Runtime:
                                  load_format=config.load_format, model_config=config.model_config,
                                  seed=config.random_seed)
         if dispatch.pack_cpu_linears(device, dtype):
-            pack_for_cpu(model, model.lm_head)
+            pack_for_cpu(model, model.lm_head, tied=model.tie_word_embeddings)
         dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
             config.model in PRESETS or (config.model is None and config.model_config)))
         tokenizer = None

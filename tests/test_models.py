@@ -76,7 +76,8 @@ def models(request: pytest.FixtureRequest) -> tuple[Any, torch.nn.Module]:
                                                       dtype=torch.float32)
     ours.load_weights(hf_model.state_dict().items())
     if packed:
-        pack_for_cpu(ours, ours.lm_head)
+        pack_for_cpu(ours, ours.lm_head, tied=ours.tie_word_embeddings)
+        assert ours.lm_head.weight.is_mkldnn != ours.tie_word_embeddings
         assert ours.model.layers[0].mlp.down_proj.weight.is_mkldnn
     return hf_model, ours
 

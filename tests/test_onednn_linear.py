@@ -72,7 +72,7 @@ def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> N
     num_params = sum(p.numel() for p in model.parameters())
     plain_state = {k: v.clone() for k, v in model.state_dict().items()}
 
-    pack_for_cpu(model, model["embed"])
+    pack_for_cpu(model, model["embed"], tied=True)
 
     assert model["qkv"].weight.is_mkldnn and model["out"].weight.is_mkldnn
     assert model["qkv"].weight.shape == (16, 16) and model["qkv"].bias is not None
@@ -90,6 +90,17 @@ def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> N
         torch.testing.assert_close(unpacked[name], value, atol=0, rtol=0, msg=name)
     pack_for_cpu(model, None)  # packing twice leaves packed weights alone
     torch.testing.assert_close(model["out"](x), before["out"], atol=1e-5, rtol=1e-5)
+
+
+def test_untied_head_is_packed_in_place() -> None:
+    head = Embedding(50, 16, device=CPU, dtype=torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(50, 16, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(4, 16)
+    want = head.project(x)
+    pack_for_cpu(torch.nn.Module(), head, tied=False)
+    assert head.weight.is_mkldnn and head.packed_projection is None  # no second copy
+    torch.testing.assert_close(head.project(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_dispatch_packs_on_cpu_in_auto_mode_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,5 +122,6 @@ def test_engine_packs_its_cpu_model_unless_reference(mode: str,
         model = engine._rt.runner.model
         out = engine.generate_sync(input_ids=[1, 2, 3], max_new_tokens=4, temperature=0)
     assert model.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn == (mode == "auto")
-    assert (model.lm_head.packed_projection is not None) == (mode == "auto")
+    head = model.lm_head  # untied in this model: packed in place
+    assert (head.weight.is_mkldnn or head.packed_projection is not None) == (mode == "auto")
     assert len(out.token_ids) == 4

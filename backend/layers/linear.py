@@ -3,9 +3,10 @@
 Model construction must be cheap (an 8B dummy model is built directly on the GPU and then
 filled in place), so no layer here runs an initializer: the loader writes every value.
 
-`pack_for_cpu(model)` is a transform applied after loading, on the CPU: every Linear's weight
-is replaced by its oneDNN-packed copy (same shape, no extra memory) and the LM head gets a
-packed copy of its table (kernels/onednn_linear.py says why).
+`pack_for_cpu(model, head)` is a transform applied after loading, on the CPU: every Linear's
+weight is replaced by its oneDNN-packed copy (same shape, no extra memory), and so is the LM
+head's table, or a packed copy of it when it is also the input embedding (kernels/onednn_linear.py
+says why).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class Embedding(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = empty_param(vocab_size, dim, device=device, dtype=dtype)
-        # The table packed for oneDNN when this embedding is an LM head on the CPU (a copy:
-        # the lookup needs the plain table).
+        # On the CPU (pack_for_cpu), the table packed for oneDNN when this embedding is both
+        # the input embedding and the LM head: a copy, since the lookup needs the plain table.
         self.packed_projection: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -88,18 +89,28 @@ class Embedding(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]
         """Scores of every table row against each hidden state: the LM head."""
+        if self.weight.is_mkldnn:  # an LM head only, packed in place
+            return onednn_linear.packed_linear(hidden, self.weight)
         if self.packed_projection is not None:
             return onednn_linear.packed_linear(hidden, self.packed_projection)
         return linear(hidden, self.weight)
 
 
-def pack_for_cpu(model: nn.Module, head: Embedding | None) -> None:
-    """Pack every Linear's weight, and `head`'s table, for oneDNN (after the weights load)."""
+def pack_for_cpu(model: nn.Module, head: Embedding | None, *, tied: bool = False) -> None:
+    """Pack every Linear's weight, and the LM head's table, for oneDNN (after the weights load).
+
+    `tied`: `head` is also the input embedding, whose lookup needs the plain table, so the
+    head gets a packed copy; an untied head is packed in place like a Linear.
+    """
     for module in model.modules():
         if isinstance(module, Linear) and not module.weight.is_mkldnn:
             module.weight = nn.Parameter(onednn_linear.pack(module.weight), requires_grad=False)
-    if head is not None:
+    if head is None or head.weight.is_mkldnn:
+        return
+    if tied:
         head.packed_projection = onednn_linear.pack(head.weight)
+    else:
+        head.weight = nn.Parameter(onednn_linear.pack(head.weight), requires_grad=False)
 
 
 def unpacked_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
