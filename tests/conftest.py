@@ -10,6 +10,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="session")
+def default_tokenizer():  # noqa: ANN201 - a transformers tokenizer
+    """The default model's tokenizer (SmolLM2, read from its GGUF; no weights are loaded).
+
+    Found the way `sgl.Engine()` finds the model: installed, cached, or fetched on first use.
+    Never skipped: without it the tokenizer-level tests would silently not run."""
+    from sgl.backend.model_loader import resolve_model_path
+    from sgl.backend.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path(None))
+
+
 def _has_cuda() -> bool:
     try:
         import torch

