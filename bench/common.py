@@ -7,14 +7,45 @@ with the date, machine, commit, model, workload and figures, so runs compare ove
 from __future__ import annotations
 
 import datetime
+import importlib.abc
+import importlib.util
 import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def ensure_sgl_importable() -> None:
+    """Without an (editable) install, e.g. on the GPU machine, map sgl.backend -> backend/ and
+    sgl.grammars -> grammars/ (the setuptools package-dir mapping) with a meta-path finder."""
+    try:
+        import sgl.backend  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(ROOT))
+    for name in [m for m in sys.modules if m == "sgl" or m.startswith("sgl.")]:
+        del sys.modules[name]
+
+    class _Mapped(importlib.abc.MetaPathFinder):
+        roots = {"sgl.backend": ROOT / "backend", "sgl.grammars": ROOT / "grammars"}
+
+        def find_spec(self, fullname, path, target=None):  # noqa: ANN001
+            folder = self.roots.get(fullname)
+            if folder is None:
+                return None
+            return importlib.util.spec_from_file_location(
+                fullname, folder / "__init__.py", submodule_search_locations=[str(folder)])
+
+    sys.meta_path.insert(0, _Mapped())
+    import sgl.backend  # noqa: F401
 
 
 def machine() -> str:

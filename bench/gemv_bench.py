@@ -17,33 +17,21 @@ import itertools
 import json
 import os
 import sys
-import types
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 
 
-def _import_gemv() -> types.ModuleType:
-    try:
-        import sgl.backend.kernels  # noqa: F401
-    except ImportError:
-        for name, path in (("sgl", ROOT / "sgl"), ("sgl.backend", ROOT / "backend")):
-            module = types.ModuleType(name)  # bare packages: skip sgl/__init__'s imports
-            module.__path__ = [str(path)]
-            sys.modules[name] = module
-    from sgl.backend.kernels import gemv
+from common import ensure_sgl_importable  # noqa: E402
 
-    return gemv
-
-
-gemv = _import_gemv()
+ensure_sgl_importable()
+from sgl.backend.kernels import gemv  # noqa: E402
 
 
 def graph_us(calls: list[Callable[[], Any]], reps: int = 10) -> float:

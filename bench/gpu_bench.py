@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib.abc
-import importlib.util
 import json
 import math
 import os
@@ -39,38 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ensure_sgl_importable  # noqa: E402
 
-
-def _ensure_sgl_importable() -> None:
-    """Without an (editable) install, map sgl.backend -> backend/ and sgl.grammars -> grammars/
-    (the setuptools package-dir mapping) with a small meta-path finder."""
-    try:
-        import sgl.backend  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    sys.path.insert(0, str(ROOT))
-    for name in [m for m in sys.modules if m == "sgl" or m.startswith("sgl.")]:
-        del sys.modules[name]
-
-    class _Mapped(importlib.abc.MetaPathFinder):
-        roots = {"sgl.backend": ROOT / "backend", "sgl.grammars": ROOT / "grammars"}
-
-        def find_spec(self, fullname, path, target=None):  # noqa: ANN001
-            folder = self.roots.get(fullname)
-            if folder is None:
-                return None
-            return importlib.util.spec_from_file_location(
-                fullname, folder / "__init__.py", submodule_search_locations=[str(folder)])
-
-    sys.meta_path.insert(0, _Mapped())
-    import sgl.backend  # noqa: F401
-
-
-_ensure_sgl_importable()
+ensure_sgl_importable()
 
 import torch  # noqa: E402
 

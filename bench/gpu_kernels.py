@@ -35,26 +35,18 @@ DTYPE = torch.bfloat16
 DEV = torch.device("cuda")
 
 
-def _import_kernels() -> types.SimpleNamespace:
-    """Import sgl.backend.kernels; without an installed sgl, map backend/ to sgl.backend."""
-    try:
-        import sgl.backend.kernels  # noqa: F401
-    except ImportError:
-        for name, path in (("sgl", ROOT / "sgl"), ("sgl.backend", ROOT / "backend")):
-            module = types.ModuleType(name)  # bare packages: skip sgl/__init__'s imports
-            module.__path__ = [str(path)]
-            sys.modules[name] = module
-        sys.modules["sgl"].backend = sys.modules["sgl.backend"]  # type: ignore[attr-defined]
-    from sgl.backend.kernels import (
-        activation, attention_decode, attention_extend, kv_store, rmsnorm, rotary, token_bitmask,
-    )
-    return types.SimpleNamespace(
-        activation=activation, decode=attention_decode, extend=attention_extend,
-        kv_store=kv_store, rmsnorm=rmsnorm, rotary=rotary, bitmask=token_bitmask,
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ensure_sgl_importable  # noqa: E402
 
+ensure_sgl_importable()
+from sgl.backend.kernels import (  # noqa: E402
+    activation, attention_decode, attention_extend, kv_store, rmsnorm, rotary, token_bitmask,
+)
 
-K = _import_kernels()
+K = types.SimpleNamespace(
+    activation=activation, decode=attention_decode, extend=attention_extend,
+    kv_store=kv_store, rmsnorm=rmsnorm, rotary=rotary, bitmask=token_bitmask,
+)
 ROWS: list[dict[str, Any]] = []
 
 
