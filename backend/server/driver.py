@@ -18,12 +18,17 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from starlette.responses import Response
 
 from sgl.outputs import GenerateOutput, StreamChunk
 from sgl.sampling import LogprobOptions
 
 from sgl.backend.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from sgl.backend.server.protocol import ApiError
 
 __all__ = ["Job", "Driver", "ClientGone", "run_or_abort"]
 
@@ -162,3 +167,15 @@ async def run_or_abort(receive: Callable[[], Awaitable[dict[str, Any]]], work: A
     finally:
         watcher.cancel()
         task.cancel()
+
+
+def failed_before_start(exc: Exception, metrics: Metrics, route: str,
+                        to_error: Callable[[Exception], ApiError]) -> Response:
+    """Answer, and count, a request that failed before its first byte was sent: 499 when the
+    client went away, else `to_error(exc)` as JSON (4xx counted invalid, 5xx an error)."""
+    if isinstance(exc, ClientGone):
+        metrics.count_request(route, "disconnected")
+        return Response(status_code=499)
+    err = to_error(exc)
+    metrics.count_request(route, "invalid" if err.status < 500 else "error")
+    return err.response()

@@ -23,7 +23,7 @@ from sgl.outputs import GenerateOutput, TokenLogprob
 from sgl.sampling import LogprobOptions, SamplingParams
 
 from sgl.backend.server.context import ServerContext, context_of
-from sgl.backend.server.driver import ClientGone, Job, run_or_abort
+from sgl.backend.server.driver import Job, failed_before_start, run_or_abort
 from sgl.backend.server.protocol import (SSE_DONE, ApiError, Fields, TokenTexts, error_from_exception,
                                          finite, json_response, read_json, sse)
 
@@ -169,17 +169,16 @@ async def generate(request: Request) -> Response:
         return await _stream(request, ctx, jobs, opts_of, start)
     try:
         outs = await run_or_abort(request.receive, ctx.driver.run(jobs))
-    except ClientGone:
-        ctx.metrics.count_request("generate", "disconnected")
-        return Response(status_code=499)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
-        err = error_from_exception(exc, "sampling_params")
-        ctx.metrics.count_request("generate", "invalid" if err.status < 500 else "error")
-        return err.response()
+    except Exception as exc:  # noqa: BLE001 - a disconnect, or any failure as a JSON error
+        return failed_before_start(exc, ctx.metrics, "generate", _generate_error)
     ctx.metrics.count_request("generate", "ok")
     latency = time.monotonic() - start
     results = [native_output(o, opts_of[i], ctx.texts, latency) for i, o in enumerate(outs)]
     return json_response(results[0] if single and len(results) == 1 else results)
+
+
+def _generate_error(exc: Exception) -> ApiError:
+    return error_from_exception(exc, "sampling_params")  # fields live under sampling_params
 
 
 async def _stream(request: Request, ctx: ServerContext, jobs: list[Job], opts_of: list[_Options],
@@ -187,13 +186,8 @@ async def _stream(request: Request, ctx: ServerContext, jobs: list[Job], opts_of
     events = ctx.driver.stream(jobs, start)
     try:  # prime: validation errors surface here, before the 200 status line is sent
         first = await run_or_abort(request.receive, events.__anext__())
-    except ClientGone:
-        ctx.metrics.count_request("generate", "disconnected")
-        return Response(status_code=499)
     except Exception as exc:  # noqa: BLE001
-        err = error_from_exception(exc, "sampling_params")
-        ctx.metrics.count_request("generate", "invalid" if err.status < 500 else "error")
-        return err.response()
+        return failed_before_start(exc, ctx.metrics, "generate", _generate_error)
 
     async def body() -> AsyncIterator[bytes]:
         text: dict[int, str] = {}

@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from sgl.outputs import GenerateOutput, StreamChunk, TokenLogprob
 
 from sgl.backend.server.context import ServerContext, context_of
-from sgl.backend.server.driver import ClientGone, run_or_abort
+from sgl.backend.server.driver import failed_before_start, run_or_abort
 from sgl.backend.server.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from sgl.backend.server.protocol import (SSE_DONE, ApiError, TokenTexts, error_from_exception, finite,
                                          json_response, read_json, sse)
@@ -130,13 +130,8 @@ async def _handle(request: Request, chat: bool) -> Response:
         return await _stream(request, ctx, reqs, rid, route, start)
     try:
         outs = await run_or_abort(request.receive, ctx.driver.run([r.job for r in reqs]))
-    except ClientGone:
-        ctx.metrics.count_request(route, "disconnected")
-        return Response(status_code=499)
-    except Exception as exc:  # noqa: BLE001
-        err = _error(exc, chat)
-        ctx.metrics.count_request(route, "invalid" if err.status < 500 else "error")
-        return err.response()
+    except Exception as exc:  # noqa: BLE001 - a disconnect, or any failure as a JSON error
+        return failed_before_start(exc, ctx.metrics, route, lambda e: _error(e, chat))
     ctx.metrics.count_request(route, "ok")
     n = reqs[0].job.n
     choices = []
@@ -163,13 +158,8 @@ async def _stream(request: Request, ctx: ServerContext, reqs: list[OpenAIRequest
     events = ctx.driver.stream([r.job for r in reqs], start)
     try:  # prime: a bad request is still answered with a 4xx, not a broken stream
         first = await run_or_abort(request.receive, events.__anext__())
-    except ClientGone:
-        ctx.metrics.count_request(route, "disconnected")
-        return Response(status_code=499)
     except Exception as exc:  # noqa: BLE001
-        err = _error(exc, chat)
-        ctx.metrics.count_request(route, "invalid" if err.status < 500 else "error")
-        return err.response()
+        return failed_before_start(exc, ctx.metrics, route, lambda e: _error(e, chat))
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
