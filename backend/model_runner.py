@@ -58,6 +58,9 @@ class ModelRunner:
             else None
         )
         self.graphs = None  # a cuda_graph.DecodeGraphs once captured (capture_cuda_graphs)
+        # Debug mode: after applying a step's table writes, compare the device rows the step
+        # reads with the host mirror (a device sync per step).
+        self.verify_table = False
         # Fault injection for tests: called with the PreparedStep inside _execute.
         self.step_hook: Callable[[PreparedStep], None] | None = None
         # Benchmarks: (start event, end event, mode, batch size) per step when a list.
@@ -155,6 +158,11 @@ class ModelRunner:
         else:
             graph_seq_lens = seq_lens
         table_index, table_value = self._table_writes(batch.table_writes)
+        table_check = None
+        if self.verify_table:  # what the device rows must hold once this step's writes land
+            host = self.req_pool.table
+            table_check = [(it.req.req_pool_idx, host[it.req.req_pool_idx, : it.prefix_len + it.extend_len].clone())
+                           for it in batch.items]
         packed = PackedInputs(
             [ids, positions, out_cache_loc, pool_idx, graph_seq_lens, prefix_lens, extend_lens,
              extend_start, sample_rows + prompt_rows, future_idx, prompt_targets, table_index,
@@ -179,6 +187,7 @@ class ModelRunner:
             prompt_top_logprobs_num=prompt_top_n,
             want_logprobs=want_lp,
             vocab_mask=vocab_mask,
+            table_check=table_check,
         )
 
     def _table_writes(self, writes: list[tuple[int, int, Any]]) -> tuple[np.ndarray, np.ndarray]:
@@ -194,10 +203,12 @@ class ModelRunner:
         slots = [s for _, _, s in writes]
         values = np.asarray(torch.cat(slots) if len(slots) > 1 else slots[0], dtype=np.int64)
         if int(lens.max()) == 1:
-            return bases, values
-        # flat[j] = base of its write + its offset inside that write
-        offsets = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-        return np.repeat(bases, lens) + offsets, values
+            index = bases
+        else:
+            # flat[j] = base of its write + its offset inside that write
+            offsets = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+            index = np.repeat(bases, lens) + offsets
+        return last_write_wins(index, values)
 
     # -- execute (device order) --------------------------------------------------------------
 
@@ -216,6 +227,8 @@ class ModelRunner:
                 # Applied before anything that may fail: the writes include rows of requests
                 # outside this step (radix swaps), which must land even if the step fails.
                 table.view(-1).index_copy_(0, v["table_index"], v["table_value"].to(table.dtype))
+            if step.table_check is not None:
+                check_table_rows(table, step.table_check)
             if self.step_hook is not None:
                 self.step_hook(step)
             if step.graph_bs is not None:
@@ -306,3 +319,35 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return PendingResult(event, **host)
+
+
+def last_write_wins(index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keep only the last write to each `req_to_token` position, in list order.
+
+    One batch can carry two writes to the same position: after a request's prefill,
+    `cache_prompt` queues a rewrite of its row's prefix onto the tree's slots; if the request
+    finishes before another step runs, the row is freed and the next request that gets it
+    queues its own slots for the same columns, in the same batch. The host mirror applies
+    writes in order (the last wins), but `index_copy_` on CUDA keeps an arbitrary one of
+    duplicate indices, so the device row could point at the previous owner's slots: wrong
+    keys, run to run nondeterministic, and only where the radix cache rewrote a row.
+    """
+    if index.size < 2:
+        return index, values
+    # np.unique on the reversed index: `first` is each position's last write in list order.
+    unique, first = np.unique(index[::-1], return_index=True)
+    if unique.size == index.size:
+        return index, values
+    keep = np.sort(index.size - 1 - first)
+    return index[keep], values[keep]
+
+
+def check_table_rows(table: torch.Tensor, expected: list[tuple[int, torch.Tensor]]) -> None:
+    """Debug mode: the device `req_to_token` rows a step reads equal the host mirror's."""
+    for row, want in expected:
+        got = table[row, : want.shape[0]].to("cpu", torch.int64)
+        if not torch.equal(got, want):
+            col = int((got != want).nonzero()[0])
+            raise AssertionError(
+                f"req_to_token row {row} column {col} holds slot {int(got[col])} on the device "
+                f"but {int(want[col])} on the host: a table write was lost or reordered")

@@ -141,6 +141,7 @@ class Runtime:
         self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler,
                                   device=device, max_batch=max_running, vocab_size=mcfg.vocab_size,
                                   overlap=overlap)
+        self.runner.verify_table = config.debug_integrity
         self.cuda_graph_sizes: list[int] = []
         if device.type == "cuda" and not config.disable_cuda_graph:
             self._capture_cuda_graphs(config, attn, max_running)

@@ -107,6 +107,8 @@ class PreparedStep:
     prompt_top_logprobs_num: int
     want_logprobs: bool
     vocab_mask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 grammar bitmask (CPU)
+    # debug mode: (row, host slots of its first seq_len columns) for each request of the step
+    table_check: list[tuple[int, torch.Tensor]] | None = None
 
 
 class StepHandle:

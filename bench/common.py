@@ -70,10 +70,15 @@ def machine() -> str:
 
 
 def commit() -> str:
+    """The commit the run measured, "-dirty" when the tree had changes. Where the tree is a
+    copy without git (the GPU machine), the caller passes it as SGL_BENCH_COMMIT."""
+    if os.environ.get("SGL_BENCH_COMMIT"):
+        return os.environ["SGL_BENCH_COMMIT"]
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,  # noqa: E731
+                                    cwd=Path(__file__).parent).stdout.strip()
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
+        sha = git("rev-parse", "--short", "HEAD")
+        return (sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"
     except OSError:
         return "unknown"
 
