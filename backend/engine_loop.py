@@ -99,6 +99,8 @@ class EngineCore:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self.runner.close()
+        if not self._thread.is_alive():  # no step can run any more
+            self.runner.free_memory()
 
     @property
     def alive(self) -> bool:

@@ -75,6 +75,23 @@ class ModelRunner:
             self._worker.shutdown(wait=True)
             self._worker = None
 
+    def free_memory(self) -> None:
+        """The engine is closed and no step runs: give the weights, the KV pool and the CUDA
+        graphs back, so that a process building engine after engine does not keep them all."""
+        self.graphs = None
+        self.attn_backend.release_memory()
+        self.kv_pool.k_buffer.clear()
+        self.kv_pool.v_buffer.clear()
+        for module in self.model.modules():  # (to_empty cannot take oneDNN-packed weights)
+            for name in list(module._parameters):
+                module.register_parameter(name, None)
+            for name in list(module._buffers):
+                module.register_buffer(name, None)
+            if hasattr(module, "packed_projection"):
+                module.packed_projection = None
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
     def capture_cuda_graphs(self, max_bs: int) -> None:
         """Capture decode graphs for padded batch sizes up to `max_bs` (CUDA + Triton only)."""
         from sgl.backend.cuda_graph import DecodeGraphs

@@ -260,3 +260,15 @@ def test_sync_wrapper() -> None:
         assert chunks[-1].output.token_ids == out.token_ids or chunks[-1].finish_reason == "length"
     finally:
         engine.close()
+
+
+def test_close_gives_the_pool_and_weights_back() -> None:
+    """A process that builds engine after engine (benchmarks, notebooks) must not keep every
+    closed engine's KV pool and weights: on a GPU the third engine found no memory left."""
+    e = make_engine()
+    assert e.generate_sync(input_ids=[1, 2, 3], max_new_tokens=2).token_ids
+    rt = e._rt
+    e.close()
+    assert rt.kv_pool.k_buffer == [] and rt.kv_pool.v_buffer == []
+    assert list(rt.runner.model.parameters()) == []
+    assert e.stats().running == 0  # still answers after close
