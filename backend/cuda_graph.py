@@ -7,8 +7,8 @@ replays them all with one launch.
 Shapes must not change between capture and replay, so one graph is captured per *padded*
 batch size (`graph_batch_sizes`); a batch of B requests replays the smallest graph >= B.
 
-Static inputs (one int64 block, `inputs[5, max_bs]`, rows in `step_io.PACKED_FIELDS`
-order) are the only thing a replay changes::
+Static inputs (one int64 block, `inputs[5, max_bs]`, rows: the first five fields of
+`step_io.StepInputs`) are the only thing a replay changes::
 
     inputs[0, :bs]  input ids (may hold -k future placeholders: resolved inside the graph)
     inputs[1, :bs]  positions
@@ -131,7 +131,7 @@ class DecodeGraphs:
                     len(self.sizes), self.sizes, self.capture_seconds)
 
     def replay(self, packed: torch.Tensor, bs: int, batch_size: int) -> torch.Tensor:
-        """packed: the step's device copy of `PackedInputs` laid out for `bs` rows.
+        """packed: the step's device copy of `StepInputs` laid out for `bs` rows.
         Returns logits [batch_size, vocab] (a view of the graph's output: valid until the
         next replay, which stream order guarantees comes after this step's sampling)."""
         stride = aligned(bs)  # each packed field starts 16-byte aligned

@@ -8,9 +8,11 @@ Why a thread and not an asyncio task: the model step is long CPU or GPU work; to
 the GIL inside its kernels, so a thread keeps the caller's event loop responsive, while a task
 would block it for a whole step (docs/benchmarks.md has the event-loop latency measured).
 
-The overlap loop (`disable_overlap_schedule=False`; the default on CUDA)::
+The plain loop is the step as three calls: `schedule()`, `runner.run(batch)`,
+`scheduler.update(batch, out)`. The overlap loop (`disable_overlap_schedule=False`; the
+default on CUDA) splits the run into launch and result::
 
-    iteration k:  schedule(k) -> launch(k) -> process(k-1)     # CPU work of k-1 hides behind k
+    iteration k:  schedule(k) -> launch(k) -> update(k-1)     # CPU work of k-1 hides behind k
 
 A request that finishes in step k-1 is already in step k; its extra token is discarded and
 its slots are freed when k-1 is processed (safe: steps execute in order, and the slots are
@@ -26,7 +28,10 @@ import threading
 import time
 from typing import Any, Callable
 
+from sgl.backend.model_runner import ModelRunner
 from sgl.backend.req import Req, ScheduleBatch
+from sgl.backend.scheduler import Scheduler
+from sgl.backend.step_io import StepHandle
 from sgl.errors import EngineClosedError, EngineError
 
 logger = logging.getLogger("sgl.engine")
@@ -37,12 +42,10 @@ IDLE_RELEASE_S = 2.0
 
 
 class EngineCore:
-    def __init__(self, scheduler, runner, processor, sampling_builder: Callable[[ScheduleBatch], Any],
-                 *, overlap: bool, integrity_check: Callable[[], None] | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, overlap: bool,
+                 integrity_check: Callable[[], None] | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
-        self.processor = processor
-        self.sampling_builder = sampling_builder
         self.overlap = overlap
         self.integrity_check = integrity_check
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -124,32 +127,41 @@ class EngineCore:
             if batch is None:
                 self._idle()
                 continue
-            self.processor.process(batch, self._launch(batch))
+            self._update(batch, self._launch(batch))
 
     def _overlap_loop(self) -> None:
-        prev: tuple[ScheduleBatch, Any] | None = None
+        prev: tuple[ScheduleBatch, StepHandle] | None = None
         while self._drain_inbox(block=not self.scheduler.has_work and prev is None):
-            if prev is not None and (prev[0].has_constraints or self.processor.num_constrained):
-                self.processor.process(*prev)  # masks need the previous token accepted
+            if prev is not None and (prev[0].has_constraints or self.scheduler.num_constrained):
+                self._update(*prev)  # masks need the previous token accepted
                 prev = None
             batch = self.scheduler.schedule()
             handle = self._launch(batch) if batch is not None else None
             if prev is not None:
-                self.processor.process(*prev)
-            prev = (batch, handle) if batch is not None else None
+                self._update(*prev)
+            prev = (batch, handle) if batch is not None and handle is not None else None
             if prev is None and batch is None:
                 self._idle()
         if prev is not None:
-            self.processor.process(*prev)
+            self._update(*prev)
 
-    def _launch(self, batch: ScheduleBatch):
+    def _launch(self, batch: ScheduleBatch) -> StepHandle:
         self.num_steps += 1
         try:
-            return self.runner.launch(batch, self.sampling_builder(batch))
+            return self.runner.launch(batch)
         except Exception as exc:  # preparing the step failed: fail only this batch
             # Its req_to_token writes never ran; some belong to requests outside this batch.
-            self.scheduler.requeue_table_writes(batch.table_writes)
-            return _Failed(exc)
+            self.scheduler.kv.requeue_table_writes(batch.table_writes)
+            return StepHandle.failed(exc)
+
+    def _update(self, batch: ScheduleBatch, handle: StepHandle) -> None:
+        try:
+            out = handle.result()
+        except Exception as exc:  # the step failed: fail only its requests
+            logger.error("model step failed; failing its %d requests: %r", len(batch.items), exc)
+            self.scheduler.fail_step(batch, exc)
+            return
+        self.scheduler.update(batch, out)
 
     def _idle(self) -> None:
         if self._idle_since is None:
@@ -180,12 +192,11 @@ class EngineCore:
             if kind == "submit":
                 for r in payload:
                     self._reqs.setdefault(r.rid, []).append(r)
-                    self.processor.on_submit(r)
                     self.scheduler.add(r)
             elif kind == "abort":
                 rid, reason = payload
                 for r in self._reqs.get(rid, ()):
-                    self.processor.abort(r, reason)
+                    self.scheduler.abort(r, reason)
             elif kind == "call":
                 payload()
             try:
@@ -202,7 +213,7 @@ class EngineCore:
         for reqs in self._reqs.values():
             for r in reqs:
                 if r.deadline is not None and now > r.deadline and not r.finished:
-                    self.processor.abort(r, "request timed out (timeout option exceeded)")
+                    self.scheduler.abort(r, "request timed out (timeout option exceeded)")
         return True
 
     def _abort_everything(self, reason: str, cause: BaseException | None) -> None:
@@ -213,8 +224,7 @@ class EngineCore:
             err.__cause__ = cause
         for reqs in list(self._reqs.values()):
             for r in reqs:
-                if not r.finished:
-                    self.processor.fail(r, err, reason)
+                self._fail(r, err, reason)
         self._reqs.clear()
         # Anything still in the inbox never reached the scheduler: fail it as well.
         while True:
@@ -224,16 +234,10 @@ class EngineCore:
                 break
             if kind == "submit":
                 for r in payload:
-                    self.processor.fail(r, err, reason)
+                    self._fail(r, err, reason)
             elif kind == "call":
                 payload()
 
-
-class _Failed:
-    """A step that failed before it ran; `result()` re-raises so the processor fails it."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-    def result(self):
-        raise self.exc
+    def _fail(self, r: Req, err: EngineError | None, reason: str) -> None:
+        # (no error: the engine was closed, so the request ends with finish_reason "abort")
+        self.scheduler.abort(r, reason, error=err)

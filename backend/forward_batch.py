@@ -21,7 +21,7 @@ to pool slots `out_cache_loc[...]`. The whole sequence's KV slots are
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +59,6 @@ class ForwardBatch:
     kv_pool: KVPool
     attn_backend: AttentionBackend
     attn_metadata: Any = None  # filled by attn_backend.prepare(self)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

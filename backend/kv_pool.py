@@ -213,12 +213,6 @@ class SlotAllocator:
         """`[num_slots]` bool copy: True for slots handed out and not freed."""
         return self._allocated.copy()
 
-    def free_slot_mask(self) -> np.ndarray:
-        """`[num_slots]` bool: True for slots in free pages."""
-        page_free = np.zeros(self.num_pages, dtype=bool)
-        page_free[self._stack[: self._top]] = True
-        return np.repeat(page_free, self.page_size)
-
     def check_integrity(self) -> None:
         free_pages = self._stack[: self._top]
         if free_pages.size and (free_pages.min() < 1 or free_pages.max() >= self.num_pages):
@@ -309,29 +303,6 @@ class KVPool:
         self.k_buffer: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = SlotAllocator(self.num_slots, page_size)
-
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens' K/V: loc `[T]` int64 slots, k/v `[T, num_kv_heads, head_dim]`."""
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
-
-    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffer[layer_id], self.v_buffer[layer_id]
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V of one token across all layers."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * itemsize
-
-    @staticmethod
-    def tokens_for_budget(
-        budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int = 1
-    ) -> int:
-        """Largest `num_tokens` (whole pages) whose pool, reserved page included, fits the budget."""
-        per_token = KVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
-        pages = budget_bytes // (per_token * page_size) - 1  # minus the reserved page
-        return max(pages, 0) * page_size
 
 
 def check_kv_integrity(

@@ -1,10 +1,11 @@
 """ModelRunner: turns a ScheduleBatch into device work and hands back a StepOutput.
 
-`launch(batch)` is split in two halves so that the overlap loop can hide CPU work:
+`run(batch)` is `launch(batch).result()`; `launch` is split in two halves so that the
+overlap loop can hide CPU work:
 
-* `_prepare` (scheduler thread, CPU only): flatten the batch into ONE host int64 tensor
-  (`PackedInputs`, in step_io.py: ids, positions, slots, lengths, table writes...), pinned
-  on CUDA.
+* `_prepare` (scheduler thread, CPU only): flatten the batch into named `StepInputs` (in
+  step_io.py: ids, positions, slots, lengths, table writes...) packed into ONE host int64
+  tensor, pinned on CUDA; build the sampling info, grammar masks and logprob plan.
 * `_execute` (the device's turn, in step order): one host->device copy of that tensor, apply
   the `req_to_token` writes, resolve future-token placeholders, run the model (a CUDA graph
   replay for DECODE batches that fit one), sample, write the sampled tokens into the future
@@ -21,26 +22,35 @@ Future tokens: a sampled token of step N is an input of step N+1 before the CPU 
 The scheduler writes `-k` as the input id, where `k` is the slot of `future_tokens` that step
 N fills on the device; `_execute` replaces negative ids by `future_tokens[k]` on the device.
 
-    CPU   | prepare N | (launch N) | process N-1 | prepare N+1 | (launch N+1) | process N |
+    CPU   | prepare N | (launch N) | update N-1 | prepare N+1 | (launch N+1) | update N |
     GPU         ...  step N-1 ...  |       step N ...                 |   step N+1 ...
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.req import ScheduleBatch
-from sgl.backend.step_io import FutureRing, PackedInputs, PendingResult, PreparedStep, StepHandle
+from sgl.backend.step_io import FutureRing, StepHandle, StepInputs, StepOutput, StepResult
+
+if TYPE_CHECKING:
+    from sgl.backend.attention.base import AttentionBackend
+    from sgl.backend.grammar import GrammarBackend
+    from sgl.backend.kv_pool import KVPool, ReqToTokenPool
+    from sgl.backend.sampler import Sampler
 
 
 class ModelRunner:
-    def __init__(self, model, kv_pool, req_pool, attn_backend, sampler, *, device: torch.device,
-                 max_batch: int, vocab_size: int, overlap: bool, grammar=None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, req_pool: ReqToTokenPool,
+                 attn_backend: AttentionBackend, sampler: Sampler, *, device: torch.device,
+                 max_batch: int, vocab_size: int, overlap: bool) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.req_pool = req_pool
@@ -49,7 +59,7 @@ class ModelRunner:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.vocab_size = vocab_size
-        self.grammar = grammar  # a GrammarBackend (set on first constrained request) or None
+        self.grammar: GrammarBackend | None = None  # set by the runtime on first constrained request
         self.futures = FutureRing(2 * max_batch + 2)
         self.future_tokens = torch.zeros(self.futures.size, dtype=torch.int64, device=device)
         self._worker = (
@@ -102,110 +112,54 @@ class ModelRunner:
 
     # -- launch ------------------------------------------------------------------------------
 
-    def launch(self, batch: ScheduleBatch, sampling: Any) -> StepHandle:
-        step = self._prepare(batch, sampling)
+    def run(self, batch: ScheduleBatch) -> StepOutput:
+        """One step, waited for (tests and the plain loop's callers that need no overlap)."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: ScheduleBatch) -> StepHandle:
+        """Prepare on this thread, start the device work, return a handle to its result.
+        Raises only when preparing fails (nothing was started then)."""
+        step = self._prepare(batch)
         if self._worker is not None:
             fut = self._worker.submit(lambda: self._execute(step).wait())
             return StepHandle(fut.result)
-        pending = self._execute(step)
-        return StepHandle(pending.wait)
+        return StepHandle(self._execute(step).wait)
 
-    def _prepare(self, batch: ScheduleBatch, sampling: Any) -> PreparedStep:
-        ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        future_idx: list[int] = []
-        prompt_rows: list[int] = []
-        prompt_targets: list[int] = []
-        pool_idx: list[int] = []
-        seq_lens, prefix_lens, extend_lens, extend_start = [], [], [], []
-        top_n, prompt_top_n, want_lp = 0, 0, False
-        start = 0
-        for it in batch.items:
-            r = it.req
-            n, prefix = it.extend_len, it.prefix_len
-            ids.extend(it.input_ids)
-            if n == 1:
-                positions.append(prefix)
-            else:
-                positions.extend(range(prefix, prefix + n))
-            pool_idx.append(r.req_pool_idx)
-            seq_lens.append(prefix + n)
-            prefix_lens.append(prefix)
-            extend_lens.append(n)
-            extend_start.append(start)
-            if it.samples:
-                sample_rows.append(start + n - 1)
-                future_idx.append(it.future_index)
-            if r.logprob.return_logprob:
-                want_lp = True
-                top_n = max(top_n, r.logprob.top_logprobs_num)
-            first, count = it.prompt_logprob_span
-            if count:
-                prompt_top_n = max(prompt_top_n, r.logprob.top_logprobs_num)
-                prompt_rows.extend(range(start + first - prefix, start + first - prefix + count))
-                prompt_targets.extend(r.prompt_ids[first + 1 : first + 1 + count])
-            start += n
+    def _prepare(self, batch: ScheduleBatch) -> PreparedStep:
+        inputs, plan = _flatten(batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
-        vocab_mask = None
-        if batch.has_constraints:
-            # Constrained steps run synchronously (engine_loop.py): every matcher has accepted
-            # its request's latest token, so the masks can be filled here on the CPU.
-            from sgl.backend.grammar import allocate_bitmask
-
-            states = [it.req.constraint for it in batch.items if it.samples]
-            vocab_mask = allocate_bitmask(len(states), self.vocab_size)
-            if not self.grammar.fill_bitmasks(states, vocab_mask):
-                vocab_mask = None
         num_reqs = len(batch.items)
-        out_cache_loc = batch.out_cache_loc.to(torch.int64).numpy()
         graph_bs = None
         if (mode is ForwardMode.DECODE and self.graphs is not None
-                and len(sample_rows) == num_reqs and not prompt_rows):
+                and plan.num_samples == num_reqs and not plan.num_prompt_rows):
             graph_bs = self.graphs.padded_size(num_reqs)
         if graph_bs is not None and graph_bs > num_reqs:
-            # Padded rows: id 0 at position 0, KV written to the reserved slot 0, attending
-            # through the reserved req_to_token row 0 over one key (slot 0). Harmless.
-            pad = graph_bs - num_reqs
-            ids = ids + [0] * pad
-            positions = positions + [0] * pad
-            out_cache_loc = np.concatenate([out_cache_loc, np.zeros(pad, dtype=np.int64)])
-            pool_idx = pool_idx + [0] * pad
-            graph_seq_lens = seq_lens + [1] * pad
-        else:
-            graph_seq_lens = seq_lens
-        table_index, table_value = self._table_writes(batch.table_writes)
-        table_check = None
-        if self.verify_table:  # what the device rows must hold once this step's writes land
-            host = self.req_pool.table
-            table_check = [(it.req.req_pool_idx, host[it.req.req_pool_idx, : it.prefix_len + it.extend_len].clone())
-                           for it in batch.items]
-        packed = PackedInputs(
-            [ids, positions, out_cache_loc, pool_idx, graph_seq_lens, prefix_lens, extend_lens,
-             extend_start, sample_rows + prompt_rows, future_idx, prompt_targets, table_index,
-             table_value],
-            pin=self.is_cuda,
-        )
+            _pad_decode_rows(inputs, graph_bs - num_reqs)
+        inputs.table_index, inputs.table_value = self._table_writes(batch.table_writes)
+        packed, lengths = inputs.pack(pin=self.is_cuda)
         return PreparedStep(
-            batch=batch,
-            mode=mode,
-            packed=packed,
-            has_placeholders=any(i < 0 for i in ids),
-            graph_bs=graph_bs,
-            batch_size=num_reqs,
-            num_tokens=start,
-            seq_lens=seq_lens,
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            num_samples=len(sample_rows),
-            num_prompt_rows=len(prompt_rows),
-            sampling=sampling,
-            top_logprobs_num=top_n,
-            prompt_top_logprobs_num=prompt_top_n,
-            want_logprobs=want_lp,
-            vocab_mask=vocab_mask,
-            table_check=table_check,
+            batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
+            has_placeholders=bool((np.asarray(inputs.input_ids) < 0).any()),
+            sampling=self.sampler.build_for(batch),
+            vocab_mask=self._grammar_masks(batch) if batch.has_constraints else None,
+            table_check=self._table_check(batch) if self.verify_table else None,
         )
+
+    def _grammar_masks(self, batch: ScheduleBatch) -> torch.Tensor | None:
+        # Constrained steps run synchronously (engine_loop.py): every matcher has accepted its
+        # request's latest token, so the masks can be filled here on the CPU.
+        from sgl.backend.grammar import allocate_bitmask
+
+        states = [it.req.constraint for it in batch.items if it.samples]
+        mask = allocate_bitmask(len(states), self.vocab_size)  # [S, ceil(V/32)] int32
+        assert self.grammar is not None, "a constrained request builds the grammar backend"
+        return mask if self.grammar.fill_bitmasks(states, mask) else None
+
+    def _table_check(self, batch: ScheduleBatch) -> list[tuple[int, torch.Tensor]]:
+        """Debug mode: what the device rows must hold once this step's writes land."""
+        host = self.req_pool.table
+        return [(it.req.req_pool_idx, host[it.req.req_pool_idx, : it.prefix_len + it.extend_len].clone())
+                for it in batch.items]
 
     def _table_writes(self, writes: list[tuple[int, int, Any]]) -> tuple[np.ndarray, np.ndarray]:
         """(row, start, slots) writes -> flat indices into `req_to_token` and their values."""
@@ -229,113 +183,164 @@ class ModelRunner:
 
     # -- execute (device order) --------------------------------------------------------------
 
-    def _execute(self, step: PreparedStep) -> PendingResult:
+    def _execute(self, step: PreparedStep) -> StepResult:
         with torch.inference_mode():
-            dev = self.device
             timing = self.step_events is not None and self.is_cuda
             if timing:
                 start_ev = torch.cuda.Event(enable_timing=True)
                 start_ev.record()
-            flat = step.packed.host.to(dev, non_blocking=True)  # [sum of field lengths]
-            v = step.packed.views(flat)
+            flat = step.packed.to(self.device, non_blocking=True)  # [sum of aligned field lengths]
+            inputs = StepInputs.unpack(flat, step.lengths)
             table = self.req_pool.req_to_token
-            if v["table_index"].numel():
+            if inputs.table_index.numel():
                 # int64 -> int32 on the device; index_copy_ takes no host scalar (no sync).
                 # Applied before anything that may fail: the writes include rows of requests
                 # outside this step (radix swaps), which must land even if the step fails.
-                table.view(-1).index_copy_(0, v["table_index"], v["table_value"].to(table.dtype))
+                table.view(-1).index_copy_(0, inputs.table_index, inputs.table_value.to(table.dtype))
             if step.table_check is not None:
                 check_table_rows(table, step.table_check)
             if self.step_hook is not None:
                 self.step_hook(step)
             if step.graph_bs is not None:
                 assert self.graphs is not None
-                logits = self.graphs.replay(flat, step.graph_bs, step.batch_size)  # [B, vocab]
+                logits = self.graphs.replay(flat, step.graph_bs, len(step.batch.items))  # [B, vocab]
             else:
-                logits = self._forward_eager(step, v, table)
-            if logits is None:
-                pending = PendingResult()
-            else:
-                pending = self._sample_and_score(step, logits, v)
+                logits = self._forward_eager(step, inputs, table)
+            result = StepResult() if logits is None else self._sample_and_score(step, logits, inputs)
+            if self.is_cuda:
+                result = result.to_host()
             if timing:
                 end_ev = torch.cuda.Event(enable_timing=True)
                 end_ev.record()
-                self.step_events.append((start_ev, end_ev, step.mode, step.batch_size))
-            return pending
+                self.step_events.append((start_ev, end_ev, step.mode, len(step.batch.items)))
+            return result
 
-    def _forward_eager(self, step: PreparedStep, v: dict[str, torch.Tensor],
+    def _forward_eager(self, step: PreparedStep, inputs: StepInputs[torch.Tensor],
                        table: torch.Tensor) -> torch.Tensor | None:
-        input_ids = v["input_ids"]
+        input_ids = inputs.input_ids
         if step.has_placeholders:  # decided on the host: no device read
             input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids).clamp(min=0)],
                                     input_ids)
+        plan = step.plan
         fb = ForwardBatch(
-            mode=step.mode,
-            batch_size=step.batch_size,
-            input_ids=input_ids,
-            positions=v["positions"],
-            out_cache_loc=v["out_cache_loc"],
-            req_pool_indices=v["req_pool_indices"],
-            seq_lens=v["seq_lens"],
-            extend_prefix_lens=v["extend_prefix_lens"],
-            extend_seq_lens=v["extend_seq_lens"],
-            extend_start=v["extend_start"],
-            seq_lens_cpu=step.seq_lens,
-            extend_prefix_lens_cpu=step.prefix_lens,
-            extend_seq_lens_cpu=step.extend_lens,
-            logits_indices=v["logits_indices"],
-            req_to_token=table,
-            kv_pool=self.kv_pool,
+            mode=step.mode, batch_size=len(step.batch.items), input_ids=input_ids,
+            positions=inputs.positions, out_cache_loc=inputs.out_cache_loc,
+            req_pool_indices=inputs.req_pool_indices, seq_lens=inputs.seq_lens,
+            extend_prefix_lens=inputs.extend_prefix_lens, extend_seq_lens=inputs.extend_seq_lens,
+            extend_start=inputs.extend_start, seq_lens_cpu=plan.seq_lens,
+            extend_prefix_lens_cpu=plan.prefix_lens, extend_seq_lens_cpu=plan.extend_lens,
+            logits_indices=inputs.logits_indices, req_to_token=table, kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
-        )
+        )  # fmt: skip
         self.attn_backend.prepare(fb)
         hidden = self.model.forward(fb)  # [T, hidden]
-        num_rows = step.num_samples + step.num_prompt_rows
-        if num_rows == 0:
+        if plan.num_samples + plan.num_prompt_rows == 0:
             return None
-        if step.mode is ForwardMode.DECODE and step.num_samples == step.num_tokens:
+        if step.mode is ForwardMode.DECODE and plan.num_samples == plan.num_tokens:
             rows = hidden  # every token is sampled, in order: skip the gather
         else:
             rows = hidden[fb.logits_indices]  # [S + P, hidden]
         return self.model.compute_logits(rows)  # [S + P, vocab] float32
 
     def _sample_and_score(self, step: PreparedStep, logits: torch.Tensor,
-                          v: dict[str, torch.Tensor]) -> PendingResult:
-        S = step.num_samples
-        res = None
+                          inputs: StepInputs[torch.Tensor]) -> StepResult:
+        plan, S = step.plan, step.plan.num_samples
+        result = StepResult()
         if S:
-            sample_logits = logits[:S]  # [S, vocab]
             mask = step.vocab_mask.to(self.device, non_blocking=True) if step.vocab_mask is not None else None
-            res = self.sampler.sample(sample_logits, step.sampling, mask)
-            self.future_tokens[v["future_indices"]] = res.next_token_ids
+            res = self.sampler.sample(logits[:S], step.sampling, mask)  # logits[:S]: [S, vocab]
+            self.future_tokens[inputs.future_indices] = res.next_token_ids
             self.sampler.observe(step.sampling, res.next_token_ids)
-        out: dict[str, torch.Tensor | None] = {}
-        if res is not None:
-            out["tokens"] = res.next_token_ids
-            if step.want_logprobs:
-                out["logprobs"] = res.next_logprobs
-                if step.top_logprobs_num and res.top_ids is not None:
-                    out["top_ids"], out["top_vals"] = res.top_ids, res.top_vals
-        if step.num_prompt_rows:
+            result.tokens = res.next_token_ids
+            if plan.want_logprobs:
+                result.logprobs = res.next_logprobs
+                if plan.top_logprobs_num:
+                    result.top_ids, result.top_vals = res.top_ids, res.top_vals
+        if plan.num_prompt_rows:
             from sgl.backend.sampler import gather_logprobs
 
-            lp, top_ids, top_vals = gather_logprobs(logits[S:], v["prompt_targets"],
-                                                    step.prompt_top_logprobs_num)
-            out["prompt_lp"] = lp
-            if step.prompt_top_logprobs_num:
-                out["prompt_top_ids"], out["prompt_top_vals"] = top_ids, top_vals
-        if not self.is_cuda:
-            return PendingResult(None, **out)
-        # Start the copies into pinned host memory; the event tells the host when they landed.
-        host: dict[str, torch.Tensor | None] = {}
-        for name, t in out.items():
-            if t is not None:
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h.copy_(t, non_blocking=True)
-                host[name] = h
-        event = torch.cuda.Event()
-        event.record()
-        return PendingResult(event, **host)
+            lp, top_ids, top_vals = gather_logprobs(logits[S:], inputs.prompt_targets,
+                                                    plan.prompt_top_logprobs_num)
+            result.prompt_logprobs = lp
+            if plan.prompt_top_logprobs_num:
+                result.prompt_top_ids, result.prompt_top_vals = top_ids, top_vals
+        return result
+
+
+@dataclass
+class StepPlan:
+    """Host-side shape of a step, read while building the ForwardBatch and the results."""
+
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    num_tokens: int
+    num_samples: int
+    num_prompt_rows: int
+    want_logprobs: bool
+    top_logprobs_num: int
+    prompt_top_logprobs_num: int
+
+
+@dataclass
+class PreparedStep:
+    """The runner's plan of one step, built on the scheduler thread."""
+
+    batch: ScheduleBatch
+    mode: ForwardMode
+    packed: torch.Tensor  # StepInputs.pack(): every integer input in one int64 host tensor
+    lengths: tuple[int, ...]
+    plan: StepPlan
+    graph_bs: int | None  # DECODE replayed by the CUDA graph of this (padded) batch size
+    has_placeholders: bool  # some input id is a future-token placeholder (< 0)
+    sampling: Any  # the sampler's SamplingBatchInfo
+    vocab_mask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 grammar bitmask (CPU)
+    # debug mode: (row, host slots of its first seq_len columns) for each request of the step
+    table_check: list[tuple[int, torch.Tensor]] | None = None
+
+
+def _flatten(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
+    """The batch's tokens laid end to end, request by request (forward_batch.py)."""
+    x: StepInputs[list[int]] = StepInputs(*([] for _ in dataclasses.fields(StepInputs)))
+    prompt_rows: list[int] = []
+    plan = StepPlan([], [], [], 0, 0, 0, False, 0, 0)
+    for it in batch.items:
+        r, n, prefix, start = it.req, it.extend_len, it.prefix_len, plan.num_tokens
+        x.input_ids.extend(it.input_ids)
+        x.positions.extend(range(prefix, prefix + n))
+        x.req_pool_indices.append(r.req_pool_idx)
+        x.seq_lens.append(prefix + n)
+        x.extend_prefix_lens.append(prefix)
+        x.extend_seq_lens.append(n)
+        x.extend_start.append(start)
+        if it.samples:
+            x.logits_indices.append(start + n - 1)
+            x.future_indices.append(it.future_index)
+        if r.logprob.return_logprob:
+            plan.want_logprobs = True
+            plan.top_logprobs_num = max(plan.top_logprobs_num, r.logprob.top_logprobs_num)
+        first, count = it.prompt_logprob_span
+        if count:
+            plan.prompt_top_logprobs_num = max(plan.prompt_top_logprobs_num, r.logprob.top_logprobs_num)
+            prompt_rows.extend(range(start + first - prefix, start + first - prefix + count))
+            x.prompt_targets.extend(r.prompt_ids[first + 1 : first + 1 + count])
+        plan.num_tokens += n
+    plan.num_samples, plan.num_prompt_rows = len(x.logits_indices), len(prompt_rows)
+    plan.seq_lens, plan.prefix_lens, plan.extend_lens = (
+        list(x.seq_lens), list(x.extend_prefix_lens), list(x.extend_seq_lens))
+    x.logits_indices.extend(prompt_rows)  # sampled rows first, then prompt rows
+    x.out_cache_loc = batch.out_cache_loc.to(torch.int64).numpy()
+    return x, plan
+
+
+def _pad_decode_rows(x: StepInputs[Any], pad: int) -> None:
+    """Padded CUDA-graph rows: id 0 at position 0, KV written to the reserved slot 0,
+    attending through the reserved req_to_token row 0 over one key (slot 0). Harmless."""
+    x.input_ids = x.input_ids + [0] * pad
+    x.positions = x.positions + [0] * pad
+    x.out_cache_loc = np.concatenate([x.out_cache_loc, np.zeros(pad, dtype=np.int64)])
+    x.req_pool_indices = x.req_pool_indices + [0] * pad
+    x.seq_lens = x.seq_lens + [1] * pad
 
 
 def last_write_wins(index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -21,8 +21,7 @@ Ownership and locking (the memory accounting the scheduler relies on)::
     `cache_finished` do that freeing (and the re-locking) for you; prefer them.
   * `evict` only removes unlocked leaves, least recently used first.
 
-`disable=True` is a pure ablation: nothing is ever cached (matches are empty, insert frees
-what it would have taken), every other call behaves the same.
+With the cache off the engine uses `prefix_cache.NoPrefixCache`, same interface, nothing cached.
 """
 
 from __future__ import annotations
@@ -93,12 +92,13 @@ def _common_len(key: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int:
 
 
 class RadixCache:
-    def __init__(self, allocator: SlotAllocator, page_size: int = 1, disable: bool = False) -> None:
+    caches = True  # (prefix_cache.PrefixCache)
+
+    def __init__(self, allocator: SlotAllocator, page_size: int = 1) -> None:
         if page_size != getattr(allocator, "page_size", page_size):
             raise ValueError("radix cache and allocator must use the same page_size")
         self.allocator = allocator
         self.page_size = page_size
-        self.disable = disable
         self._clock = itertools.count(1)  # logical time for LRU (deterministic, no ties)
         self._new_root()
 
@@ -117,10 +117,6 @@ class RadixCache:
         if slots.numel():
             self.allocator.free(slots)
         self._new_root()
-
-    @property
-    def disabled(self) -> bool:
-        return self.disable
 
     # ---- sizes (tokens) ----
     def evictable_size(self) -> int:
@@ -181,8 +177,6 @@ class RadixCache:
     # ---- public API ----
     def match_prefix(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """Longest cached prefix (a multiple of page_size). Marks the path as recently used."""
-        if self.disable:
-            return MatchResult(_EMPTY, self.root)
         node, values = self._walk(_as_tokens(tokens), next(self._clock))
         # A fresh tensor (cat/clone), never a view of a node's value: the caller may write to it.
         slots = torch.cat(values) if len(values) > 1 else (values[0].clone() if values else _EMPTY)
@@ -211,16 +205,12 @@ class RadixCache:
 
         Returns n, the prefix length that was already cached. Ownership afterwards: the tree
         owns `slots[n:]`; the caller still owns those of `slots[:n]` that differ from the tree's
-        slots (duplicates to free). With `disable=True` nothing is cached, the given slots are
-        freed and 0 is returned (the tree "took" them all and dropped them).
+        slots (duplicates to free).
         """
         toks = _as_tokens(tokens)
         slots = slots.to(dtype=torch.int64, device="cpu")
         if len(toks) != slots.shape[0] or len(toks) % self.page_size:
             raise ValueError(f"insert needs equal, page-aligned lengths: {len(toks)} tokens, {slots.shape[0]} slots")
-        if self.disable:
-            self.allocator.free(slots)
-            return 0
         return self._insert(toks, slots)[0]
 
     def _insert_and_free_duplicates(self, toks: tuple[int, ...], slots: torch.Tensor) -> tuple[torch.Tensor, TreeNode]:
@@ -244,8 +234,6 @@ class RadixCache:
         as the tree holds them: write them into req_to_token, new last node). Afterwards the
         request owns exactly `slots[L:]` (its unaligned tail) plus anything it allocates later.
         """
-        if self.disable:
-            return slots[:0], old_last_node
         toks = _as_tokens(tokens)
         slots = slots.to(dtype=torch.int64, device="cpu")
         L = self._page_floor(len(toks))
@@ -267,7 +255,7 @@ class RadixCache:
         toks = _as_tokens(tokens)
         slots = slots.to(dtype=torch.int64, device="cpu")
         assert slots.shape[0] >= len(toks), "fewer slots than tokens"
-        L = 0 if self.disable else self._page_floor(len(toks))
+        L = self._page_floor(len(toks))
         if L:
             self._insert_and_free_duplicates(toks[:L], slots[:L])
         if slots.shape[0] > L:

@@ -73,8 +73,7 @@ class Req:
 
     finish_reason: Optional[FinishReason] = None
     matched_stop: int | str | None = None
-    error: Optional[str] = None
-    aborted: bool = False  # abort requested; applied by the scheduler at a safe point
+    error: Optional[str] = None  # why it was aborted
 
     # Outputs being assembled on the engine thread
     detokenizer: Optional[IncrementalDetokenizer] = None
@@ -107,10 +106,6 @@ class Req:
     @property
     def is_prefilling(self) -> bool:
         return self.extend_len > 1 or self.kv_len < len(self.prompt_ids)
-
-    @property
-    def max_seq_len(self) -> int:
-        return len(self.prompt_ids) + self.params.max_new_tokens
 
     def fill_ids(self) -> list[int]:
         """Known tokens: prompt + outputs. Excludes an in-flight sample."""

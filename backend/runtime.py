@@ -1,8 +1,8 @@
 """Runtime: builds and owns every part of an engine. The one seam `sgl.Engine` imports.
 
-Construction order: resolve the config (device, dtype, sizes) -> load model and tokenizer ->
-size the KV pool from what memory is left -> pool, radix tree, scheduler, sampler, runner,
-output processor -> start the engine thread.
+Construction order: resolve the device -> load model and tokenizer -> resolve the sizes
+(`resolve_sizes`, pure: the KV pool from what memory is left) -> pool, prefix cache, sampler,
+runner (and CUDA graphs), scheduler -> start the engine thread.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,112 +53,111 @@ def _available_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
-@dataclass
-class Parts:
-    model: Any
-    model_config: Any
-    tokenizer: Any
-    kv_pool: Any
-    req_pool: Any
-    tree: Any
+def resolve_sizes(config: EngineConfig, *, device_type: str, available_bytes: int,
+                  model_context_length: int, kv_bytes_per_token: int) -> EngineConfig:
+    """The pool, batch and chunk sizes left "auto" (None), from the device and the model.
+    Pure: the facts come in as arguments (tests run it without a GPU)."""
+    cuda = device_type == "cuda"
+    context_length = min(config.context_length or model_context_length, model_context_length)
+    max_total = config.max_total_tokens
+    if max_total is None:
+        frac = config.mem_fraction_static or (GPU_MEM_FRACTION if cuda else CPU_MEM_FRACTION)
+        budget = int(available_bytes * frac)
+        if not cuda:
+            budget = min(budget, CPU_KV_BYTES_CAP)
+        max_total = max(budget // kv_bytes_per_token, 256)
+    max_running = min(config.max_running_requests or (256 if cuda else 64), max_total)
+    chunk = config.chunked_prefill_size or (8192 if cuda else 512)
+    if chunk == -1:
+        chunk = context_length  # chunking off: a whole prompt per step
+    max_prefill = max(config.max_prefill_tokens or 0, chunk + max_running)
+    return config.replace(max_total_tokens=max_total, max_running_requests=max_running,
+                          chunked_prefill_size=chunk, max_prefill_tokens=max_prefill,
+                          context_length=context_length)
 
 
 class Runtime:
-    def __init__(self, config: EngineConfig) -> None:
-        from sgl.backend.engine_loop import EngineCore
-        from sgl.backend.kernels import dispatch
-        from sgl.backend.layers.linear import pack_for_cpu
-        from sgl.backend.kv_pool import KVPool, ReqToTokenPool, check_kv_integrity
-        from sgl.backend.model_loader import PRESETS, load_model, resolve_model_path
-        from sgl.backend.model_runner import ModelRunner
-        from sgl.backend.output_processor import OutputProcessor
-        from sgl.backend.radix_cache import RadixCache
-        from sgl.backend.sampler import Sampler
-        from sgl.backend.scheduler import Scheduler, SchedulerConfig
-        from sgl.backend.tokenizer import load_tokenizer
+    """Every part of one engine, built from an EngineConfig, and the services sgl.Engine uses."""
 
+    def __init__(self, config: EngineConfig) -> None:
         t0 = time.monotonic()
         config = resolve_device(config)
-        device = torch.device(config.device)
-        dtype = getattr(torch, config.dtype)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
         torch.manual_seed(config.random_seed)
-        if device.type == "cpu" and os.environ.get("SGL_NUM_THREADS"):
+        if self.device.type == "cpu" and os.environ.get("SGL_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["SGL_NUM_THREADS"]))
+        model = self._load_model(config)
+        if config.context_length and config.context_length > self.model_config.context_length:
+            logger.warning("context_length %d exceeds the model's %d; using the model's",
+                           config.context_length, self.model_config.context_length)
+        self.config = config = resolve_sizes(
+            config, device_type=self.device.type, available_bytes=_available_bytes(self.device),
+            model_context_length=self.model_config.context_length,
+            kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype))
+        self.context_length = config.context_length
+        self._build_engine(config, model)
+        self.load_seconds = time.monotonic() - t0
 
-        model, mcfg = load_model(config.model, device=device, dtype=dtype,
-                                 load_format=config.load_format, model_config=config.model_config,
-                                 seed=config.random_seed)
-        if dispatch.pack_cpu_linears(device, dtype):
+    def _load_model(self, config: EngineConfig) -> Any:
+        """The model (packed for the CPU where that pays), its config, and the tokenizer."""
+        from sgl.backend.kernels import dispatch
+        from sgl.backend.layers.linear import pack_for_cpu
+        from sgl.backend.model_loader import PRESETS, load_model, resolve_model_path
+        from sgl.backend.tokenizer import load_tokenizer
+
+        model, self.model_config = load_model(
+            config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
+            model_config=config.model_config, seed=config.random_seed)
+        if dispatch.pack_cpu_linears(self.device, self.dtype):
             pack_for_cpu(model, model.lm_head, tied=model.tie_word_embeddings)
         dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
             config.model in PRESETS or (config.model is None and config.model_config)))
-        tokenizer = None
+        self.tokenizer = None
         if not dummy:
-            tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
+            self.tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
         elif config.tokenizer:
-            tokenizer = load_tokenizer(resolve_model_path(config.tokenizer), None)
-        context_length = min(config.context_length or mcfg.context_length, mcfg.context_length)
-        if config.context_length and config.context_length > mcfg.context_length:
-            logger.warning("context_length %d exceeds the model's %d; using the model's",
-                           config.context_length, mcfg.context_length)
+            self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer), None)
+        return model
 
-        bpt = mcfg.kv_bytes_per_token(dtype)
-        max_total = config.max_total_tokens
-        if max_total is None:
-            avail = _available_bytes(device)
-            if device.type == "cuda":
-                frac = config.mem_fraction_static or GPU_MEM_FRACTION
-                budget = int(avail * frac)
-            else:
-                frac = config.mem_fraction_static or CPU_MEM_FRACTION
-                budget = min(int(avail * frac), CPU_KV_BYTES_CAP)
-            max_total = max(budget // bpt, 256)
-        max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
-        max_running = min(max_running, max_total)
-        chunk = config.chunked_prefill_size or (8192 if device.type == "cuda" else 512)
-        if chunk == -1:
-            chunk = context_length  # chunking off: a whole prompt per step
-        max_prefill = max(config.max_prefill_tokens or 0, chunk + max_running)
-        config = config.replace(max_total_tokens=max_total, max_running_requests=max_running,
-                                chunked_prefill_size=chunk, max_prefill_tokens=max_prefill,
-                                context_length=context_length)
-        self.config = config
-        self.device = device
-        self.dtype = dtype
-        self.model_config = mcfg
-        self.tokenizer = tokenizer
-        self.context_length = context_length
+    def _build_engine(self, config: EngineConfig, model: Any) -> None:
+        from sgl.backend.engine_loop import EngineCore
+        from sgl.backend.kv_manager import KVManager
+        from sgl.backend.kv_pool import KVPool, ReqToTokenPool
+        from sgl.backend.model_runner import ModelRunner
+        from sgl.backend.prefix_cache import NoPrefixCache
+        from sgl.backend.radix_cache import RadixCache
+        from sgl.backend.sampler import Sampler
+        from sgl.backend.scheduler import Scheduler, SchedulerConfig
 
-        self.kv_pool = KVPool(max_total, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
-                              dtype, device, page_size=config.page_size)
-        self.req_pool = ReqToTokenPool(max_running, context_length + config.page_size, device)
-        self.tree = RadixCache(self.kv_pool.allocator, config.page_size, disable=config.disable_radix_cache)
-        attn = self._attention_backend(config, device, self.kv_pool.num_slots)
+        mcfg, max_running = self.model_config, config.max_running_requests
+        self.kv_pool = KVPool(config.max_total_tokens, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+                              self.dtype, self.device, page_size=config.page_size)
+        self.req_pool = ReqToTokenPool(max_running, config.context_length + config.page_size, self.device)
+        allocator = self.kv_pool.allocator
+        self.tree = (NoPrefixCache(allocator) if config.disable_radix_cache
+                     else RadixCache(allocator, config.page_size))
+        attn = self._attention_backend(config, self.device, self.kv_pool.num_slots)
         overlap = not config.disable_overlap_schedule
-        self.sampler = Sampler(vocab_size=mcfg.vocab_size, max_rows=max_running + 1, device=device,
+        self.sampler = Sampler(vocab_size=mcfg.vocab_size, max_rows=max_running + 1, device=self.device,
                                seed=config.random_seed, eos_token_ids=mcfg.eos_token_ids)
-        self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler,
-                                  device=device, max_batch=max_running, vocab_size=mcfg.vocab_size,
-                                  overlap=overlap)
+        self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler, device=self.device,
+                                  max_batch=max_running, vocab_size=mcfg.vocab_size, overlap=overlap)
         self.runner.verify_table = config.debug_integrity
         self.cuda_graph_sizes: list[int] = []
-        if device.type == "cuda" and not config.disable_cuda_graph:
+        if self.device.type == "cuda" and not config.disable_cuda_graph:
             self._capture_cuda_graphs(config, attn, max_running)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=chunk,
-                            max_prefill_tokens=max_prefill, page_size=config.page_size,
-                            policy=config.schedule_policy,
-                            conservativeness=config.schedule_conservativeness),
-            self.kv_pool.allocator, self.req_pool, self.tree, self.runner.futures,
-        )
+            SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=config.chunked_prefill_size,
+                            max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
+                            policy=config.schedule_policy, conservativeness=config.schedule_conservativeness,
+                            context_length=config.context_length, eos_token_ids=frozenset(mcfg.eos_token_ids)),
+            KVManager(allocator, self.req_pool, self.tree, config.page_size), self.tree,
+            self.runner.futures, self.tokenizer,
+        )  # fmt: skip
         self._grammar = None
-        self.processor = OutputProcessor(self.scheduler, tokenizer, mcfg.eos_token_ids, context_length,
-                                         jump_forward_default=not config.disable_jump_forward)
-        self._check_kv_integrity = check_kv_integrity
-        self.core = EngineCore(self.scheduler, self.runner, self.processor, self.sampler.build_for,
-                               overlap=overlap,
+        self.core = EngineCore(self.scheduler, self.runner, overlap=overlap,
                                integrity_check=self.check_integrity if config.debug_integrity else None)
-        self.load_seconds = time.monotonic() - t0
 
     def _capture_cuda_graphs(self, config: EngineConfig, attn: Any, max_running: int) -> None:
         from sgl.backend.attention.triton_backend import TritonAttentionBackend
@@ -195,15 +193,14 @@ class Runtime:
 
             self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
                                            stop_token_ids=self.model_config.eos_token_ids)
-            self.processor.grammar = self._grammar
             self.runner.grammar = self._grammar
         return self._grammar
 
     def check_integrity(self) -> None:
         """Every slot is free, cached in the tree, or owned by exactly one running request."""
-        self.tree.check_integrity()
-        self.kv_pool.allocator.check_integrity()
-        self._check_kv_integrity(self.kv_pool.allocator, self.tree, self.scheduler.owned_slots())
+        from sgl.backend.kv_pool import check_kv_integrity
+
+        check_kv_integrity(self.kv_pool.allocator, self.tree, self.scheduler.owned_slots())
 
     def flush_cache(self) -> bool:
         def flush() -> bool:
@@ -215,7 +212,7 @@ class Runtime:
         return self.core.call(flush)
 
     def stats(self) -> dict[str, Any]:
-        p = self.processor
+        p = self.scheduler.counters
         now = time.monotonic()
         window = [(t, n) for t, n in p.recent if now - t < 10.0]
         span = (now - window[0][0]) if window else 0.0
@@ -231,7 +228,7 @@ class Runtime:
             cached_tokens=p.cached_tokens,
             output_tokens=p.output_tokens,
             finished_requests=p.finished_requests,
-            retractions=self.scheduler.num_retractions,
+            retractions=p.retractions,
             jump_forward_tokens=p.jump_forward_tokens,
             steps=self.core.num_steps,
             tokens_per_s=(sum(n for _, n in window) / span) if span > 0 else 0.0,

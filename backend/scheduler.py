@@ -1,33 +1,41 @@
-"""The scheduler: which requests compute which tokens in the next step.
+"""The scheduler: the one owner of request state. Each engine step is three calls::
 
-Every step (continuous batching):
+    batch = scheduler.schedule()      # which requests compute which tokens (a ScheduleBatch)
+    out = runner.run(batch)           # the device work (model_runner.py), a StepOutput
+    scheduler.update(batch, out)      # every request and KV transition that follows
+
+`schedule` (continuous batching):
 
 1. Requests that are decoding get one token each. If the pool cannot hold one more slot per
-   request even after evicting unlocked radix leaves, the requests with the least progress are
-   retracted (their KV goes into the radix cache, they wait and resume from a cache hit).
-2. A request in the middle of a chunked prefill continues first.
-3. Waiting requests are admitted in policy order while the prompt-token budget
-   (`chunked_prefill_size`) and memory allow. Memory counts free slots, evictable cached slots
-   and a reserve for the future decode tokens of everything already running.
+   request even after evicting unlocked cache leaves, the requests with the least progress are
+   retracted (their KV goes into the prefix cache; they wait and resume from a cache hit).
+2. One loop fills the step's prompt-token budget (`chunked_prefill_size`): chunked prefills
+   in progress continue, then waiting requests are admitted in policy order while tokens,
+   rows and memory last. Memory counts free slots, evictable cached slots and a reserve for
+   the future decode tokens of everything running. While requests wait, a prefill in
+   progress takes at most half the budget, so a long prompt's chunks interleave with new
+   short requests instead of holding them back for its whole length.
 
-Prefill chunks and decode tokens share one EXTEND step; a step of decodes only is DECODE.
-
-The scheduler owns all request state changes and all KV accounting. Writes to the device-side
-`req_to_token` table are not done here: they travel with the batch (`table_writes`) and the
-runner applies them in step order, so an in-flight step never sees a half-updated row.
+`update` appends sampled tokens, caches computed prompts, applies stop conditions and
+jump-forward, streams, and finishes requests; status changes and KV bookkeeping (kv_manager.py)
+happen here and nowhere else. The decisions it applies come from request_output.py.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
 import torch
 
 from sgl._seq import common_prefix_len
+from sgl.backend import request_output as ro
+from sgl.backend.kv_manager import KVManager
 from sgl.backend.req import Req, ReqStatus, ScheduleBatch, ScheduledReq
+from sgl.backend.step_io import FutureRing, StepOutput
+from sgl.errors import EngineError
 
 # Lpm: a waiting request whose prompt shares this many more tokens with a request admitted in
 # the same round than with the cache waits one round, to hit the cache instead of recomputing.
@@ -48,127 +56,147 @@ class SchedulerConfig:
     page_size: int
     policy: str  # "lpm" | "fcfs"
     conservativeness: float
+    context_length: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Counters:
+    """Lifetime counters for `stats()`."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    finished_requests: int = 0
+    jump_forward_tokens: int = 0
+    retractions: int = 0
+    recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) for tokens/s
+
+
+@dataclass
+class _Budget:
+    """One step's prefill budget while `schedule` fills it."""
+
+    tokens: int  # prompt tokens left (chunked_prefill_size)
+    step_tokens: int  # tokens in the step so far (capped by max_prefill_tokens)
+    reserve: int  # future decode tokens of everything running
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator, req_pool, tree, future_ring) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager, tree: Any, futures: FutureRing,
+                 tokenizer: Any) -> None:
         self.cfg = cfg
-        self.allocator = allocator
-        self.req_pool = req_pool  # ReqToTokenPool; its CPU mirror `table` is read here
-        self._table_np = req_pool.table.numpy()  # a view of the same memory, for fast writes
-        self.tree = tree
-        self.futures = future_ring
+        self.kv = kv
+        self.tree = tree  # a prefix_cache.PrefixCache
+        self.futures = futures
+        self.tokenizer = tokenizer
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, not finished (prefilling or decoding)
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT * cfg.conservativeness
-        self.num_retractions = 0
-        # Rows of req_to_token changed since the last batch: (row, start, slots), applied by
-        # the runner before the next step runs.
-        self._pending_table_writes: list[tuple[int, int, torch.Tensor]] = []
+        self.num_constrained = 0  # unfinished requests with a grammar (the overlap loop syncs)
+        self.counters = Counters()
 
-    # -- queue -------------------------------------------------------------------------------
+    # -- requests in and out -----------------------------------------------------------------
 
-    def add(self, req: Req) -> None:
-        req.status = ReqStatus.WAITING
-        self.waiting.append(req)
+    def add(self, r: Req) -> None:
+        ro.attach_text_state(r, self.tokenizer)
+        if r.constraint is not None:
+            self.num_constrained += 1
+        r.status = ReqStatus.WAITING
+        self.waiting.append(r)
+
+    def abort(self, r: Req, reason: str, error: BaseException | None = None) -> None:
+        """End `r` now with finish_reason "abort", even if a step in flight includes it:
+        steps run in order, so its freed slots go only to later steps, and the in-flight
+        result for a finished request is discarded. With `error`, the caller gets it raised."""
+        if not r.finished:
+            r.error = reason
+            self._finish(r, "abort", error=error)
+
+    def fail_step(self, batch: ScheduleBatch, exc: BaseException) -> None:
+        err = EngineError(f"model step failed: {exc!r}")
+        err.__cause__ = exc
+        for it in batch.items:
+            it.req.pending_future = None
+            self.abort(it.req, f"model step failed: {exc!r}", error=err)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def req_slots(self, req: Req, end: int | None = None) -> torch.Tensor:
-        """A copy of the request's slots: the table row is reused by later requests, so
-        nothing that outlives this call (radix tree values!) may be a view of it."""
-        end = req.kv_len if end is None else end
-        return self.req_pool.table[req.req_pool_idx, :end].clone()
-
-    # -- the decision ------------------------------------------------------------------------
+    # -- schedule ----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduleBatch | None:
-        decoding: list[Req] = []
-        prefilling: list[Req] = []
-        for r in self.running:
-            decodes = r.extend_len == 1 and r.kv_len >= len(r.prompt_ids)
-            (decoding if decodes else prefilling).append(r)
+        decoding = [r for r in self.running if r.extend_len == 1 and r.kv_len >= len(r.prompt_ids)]
+        prefilling = [r for r in self.running if not (r.extend_len == 1 and r.kv_len >= len(r.prompt_ids))]
         decoding = self._make_room_for_decode(decoding)
         items: list[ScheduledReq] = []
         locs: list[torch.Tensor] = []
-
         if decoding:
-            slots = self._alloc(decoding, [1] * len(decoding))
+            slots = self.kv.extend(decoding, [1] * len(decoding))
             assert slots is not None, "room for decode was ensured above"
             locs.append(slots)  # one slot per decoding request, in `decoding` order
             items.extend(self._item(r, 1) for r in decoding)
-
-        budget = self.cfg.chunked_prefill_size
-        step_tokens = len(decoding)
-        # (a pass over every running request: only worth it when someone waits for admission)
-        reserve = self._decode_reserve(self.running) if self.waiting else 0
-        # Prompts being prefilled whose KV is not in the tree yet: a waiting request sharing a
-        # long prefix with one of them waits for it (lpm), instead of computing it twice.
-        admitted_prompts = [r.prompt_ids for r in self.running if r.cached_len < len(r.prompt_ids) - 1]
-
-        for r in prefilling:  # chunked prefills in progress continue first
-            if budget <= 0:
-                break
-            if r.extend_len == 0:
-                # Fully computed, nothing to sample (max_new_tokens=0): it finishes when the
-                # step in flight is processed; it must not stop the prefills after it.
-                continue
-            n = min(r.extend_len, budget, self.cfg.max_prefill_tokens - step_tokens)
-            if n <= 0:
-                break
-            slots = self._alloc([r], [n]) if self._available() >= n else None
-            if slots is None:
-                break
-            locs.append(slots)
-            items.append(self._item(r, n))
-            budget -= n
-            step_tokens += n
-
-        for r in self._ordered_waiting():
-            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
-                break
-            if step_tokens >= self.cfg.max_prefill_tokens:
-                break
-            if r.aborted:
-                continue
-            admitted = self._try_admit(r, budget, reserve, step_tokens, admitted_prompts)
-            if admitted is None:
-                break  # out of memory: later requests would not fit either (keeps fcfs order)
-            if admitted is False:
-                continue  # deferred for an in-batch prefix hit
-            n, slots = admitted
-            locs.append(slots)
-            items.append(self._item(r, n))
-            budget -= n
-            step_tokens += n
-            reserve += self._reserve_for(r)
-            admitted_prompts.append(r.prompt_ids)
-
+        self._fill_prefill_budget(prefilling, items, locs, len(decoding))
         if not items:
             return None
         self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return self._commit(items, locs)
+
+    def _fill_prefill_budget(self, prefilling: list[Req], items: list[ScheduledReq],
+                             locs: list[torch.Tensor], step_tokens: int) -> None:
+        # (a pass over every running request: only worth it when someone waits for admission)
+        reserve = sum(map(self._reserve_for, self.running)) if self.waiting else 0
+        budget = _Budget(self.cfg.chunked_prefill_size, step_tokens, reserve)
+        # Prompts being prefilled whose KV is not in the tree yet: a waiting request sharing a
+        # long prefix with one of them waits for it (lpm), instead of computing it twice.
+        in_flight = [r.prompt_ids for r in self.running if r.cached_len < len(r.prompt_ids) - 1]
+        for r in prefilling + self._ordered_waiting():
+            room = min(budget.tokens, self.cfg.max_prefill_tokens - budget.step_tokens)
+            if room <= 0:
+                break
+            continuing = r.status is ReqStatus.RUNNING
+            if continuing:  # a chunked prefill continues
+                if r.extend_len == 0:
+                    continue  # computed, nothing to sample (max_new_tokens=0): finishes in update
+                share = room // 2 if self.waiting and room > 1 else room
+                n = min(r.extend_len, share)
+                slots = self.kv.extend([r], [n]) if self.kv.available() >= n else None
+            else:
+                if len(self.running) >= self.cfg.max_running_requests:
+                    break
+                admitted = self._try_admit(r, room, budget.reserve, in_flight)
+                if admitted is False:
+                    continue  # deferred for an in-batch prefix hit
+                n, slots = admitted if admitted is not None else (0, None)
+            if slots is None:
+                break  # out of memory: later requests would not fit either (keeps fcfs order)
+            locs.append(slots)
+            items.append(self._item(r, n))
+            budget.tokens -= n
+            budget.step_tokens += n
+            if not continuing:
+                budget.reserve += self._reserve_for(r)
+                in_flight.append(r.prompt_ids)
+
+    def _commit(self, items: list[ScheduledReq], locs: list[torch.Tensor]) -> ScheduleBatch:
+        """Record the new slots in the table, advance the lengths, assign future slots."""
         out_cache_loc = torch.cat(locs) if len(locs) > 1 else locs[0]
-        batch = ScheduleBatch(
-            items=items,
-            out_cache_loc=out_cache_loc,
-            is_decode=all(it.extend_len == 1 and not it.req.is_prefilling for it in items),
-            has_constraints=any(it.req.constraint is not None for it in items),
-        )
-        # Record the new slots in the table and advance the lengths.
         start = 0
         for it in items:
             r = it.req
-            self._write_row(r, r.kv_len, out_cache_loc[start : start + it.extend_len])
+            self.kv.write_row(r, r.kv_len, out_cache_loc[start : start + it.extend_len])
             start += it.extend_len
             r.kv_len += it.extend_len
             if it.samples:
                 it.future_index = self.futures.next()
                 r.pending_future = it.future_index
-        batch.table_writes = self._pending_table_writes
-        self._pending_table_writes = []
-        return batch
+        return ScheduleBatch(
+            items=items, out_cache_loc=out_cache_loc,
+            is_decode=all(it.extend_len == 1 and not it.req.is_prefilling for it in items),
+            has_constraints=any(it.req.constraint is not None for it in items),
+            table_writes=self.kv.take_table_writes(),
+        )  # fmt: skip
 
     def _item(self, r: Req, n: int) -> ScheduledReq:
         prefix = r.kv_len
@@ -187,172 +215,196 @@ class Scheduler:
                 span = (first, last - first)
         return ScheduledReq(r, n, prefix, samples, ids, prompt_logprob_span=span)
 
-    # -- admission ---------------------------------------------------------------------------
-
     def _ordered_waiting(self) -> list[Req]:
         queue = list(self.waiting)
-        if self.cfg.policy == "lpm" and 1 < len(queue) <= LPM_MAX_QUEUE and not self.tree.disabled:
+        if self.cfg.policy == "lpm" and 1 < len(queue) <= LPM_MAX_QUEUE and self.tree.caches:
             lengths = {id(r): len(self.tree.match_prefix(r.fill_ids()).slots) for r in queue}
             queue.sort(key=lambda r: -lengths[id(r)])  # stable: fcfs among equals
         return queue
 
-    def _try_admit(self, r: Req, budget: int, reserve: int, step_tokens: int,
-                   admitted_prompts: list[list[int]]):
-        """Admit `r` for up to `budget` tokens. Returns (n, slots), False (deferred) or None."""
-        if self.req_pool.num_free == 0:
-            return None
+    def _try_admit(self, r: Req, room: int, reserve: int,
+                   in_flight: list[list[int]]) -> tuple[int, torch.Tensor] | bool | None:
+        """Admit `r` for up to `room` tokens: (n, slots), False (deferred) or None (no memory)."""
         tokens = r.fill_ids()
         match = self.tree.match_prefix(tokens)
         cached = min(len(match.slots), len(tokens) - 1)
         if r.logprob.wants_prompt_logprobs:
             cached = min(cached, max(r.logprob.logprob_start_len - 1, 0))
         cached -= cached % self.cfg.page_size
-        if self.cfg.policy == "lpm" and admitted_prompts and not self.tree.disabled:
-            shared = max(common_prefix_len(tokens, p) for p in admitted_prompts)
-            if shared >= cached + IN_BATCH_PREFIX_DEFER:
+        if self.cfg.policy == "lpm" and in_flight and self.tree.caches:
+            if max(common_prefix_len(tokens, p) for p in in_flight) >= cached + IN_BATCH_PREFIX_DEFER:
                 return False
-        n = min(len(tokens) - cached, budget, self.cfg.max_prefill_tokens - step_tokens)
-        if n <= 0:
-            return None
-        self.tree.inc_lock_ref(match.last_node)  # before counting: locked slots can't be evicted
+        n = min(len(tokens) - cached, room)
         need = (len(tokens) - cached) + self._reserve_for(r) + reserve
-        row = self.req_pool.alloc() if self._available() >= need else None
-        slots = self._alloc(
-            [r], [n], last_locs=[int(match.slots[cached - 1]) if cached else -1]
-        ) if row is not None else None
+        slots = self.kv.admit(r, match, cached, n, need)
         if slots is None:
-            if row is not None:
-                self.req_pool.free(row)
-            self.tree.dec_lock_ref(match.last_node)
             return None
         self.waiting.remove(r)
-        r.req_pool_idx = row
         r.status = ReqStatus.RUNNING
-        r.last_node = match.last_node
-        r.cached_len = cached
-        r.kv_len = cached
-        self._write_row(r, 0, match.slots[:cached])
         if not r.admitted_once:
             r.admitted_once = True
             r.num_cached_prompt_tokens = min(cached, len(r.prompt_ids))
         self.running.append(r)
         return n, slots
 
-    # -- memory ------------------------------------------------------------------------------
-
-    def _available(self) -> int:
-        return self.allocator.available_size() + self.tree.evictable_size()
-
-    def _evict(self, need: int) -> bool:
-        short = need - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(short)
-        return self.allocator.available_size() + self.tree.evictable_size() >= need
-
     def _reserve_for(self, r: Req) -> int:
         remaining = max(r.params.max_new_tokens - r.output_len, 0)
         return int(min(remaining, RESERVE_CAP) * self.new_token_ratio)
 
-    def _decode_reserve(self, reqs: Iterable[Req]) -> int:
-        return sum(self._reserve_for(r) for r in reqs)
-
-    def _alloc(self, reqs: list[Req], lens: list[int], last_locs: list[int] | None = None):
-        """Slots for `lens[i]` new tokens of `reqs[i]`, evicting cached leaves if needed."""
-        if self.cfg.page_size > 1 and last_locs is None:
-            last_locs = [
-                int(self.req_pool.table[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1
-                for r in reqs
-            ]
-
-        def attempt():
-            if self.cfg.page_size == 1:
-                return self.allocator.alloc(sum(lens))
-            return self.allocator.alloc_extend(last_locs, lens)
-
-        slots = attempt()
-        if slots is None and self._evict(sum(lens) + self.cfg.page_size * len(reqs)):
-            slots = attempt()
-        return slots
-
     def _make_room_for_decode(self, decoding: list[Req]) -> list[Req]:
         """Retract decoding requests until one new slot (page) for each of the rest fits."""
-        need = lambda reqs: len(reqs) * self.cfg.page_size  # noqa: E731 - worst case per page
-        while decoding and not self._evict(need(decoding)):
+        while decoding and not self.kv.make_room(len(decoding) * self.cfg.page_size):
             victim = min(decoding, key=lambda r: (r.output_len, -len(r.prompt_ids)))
             decoding.remove(victim)
             self.retract(victim)
         return decoding
 
     def retract(self, r: Req) -> None:
-        """Free a running request's KV into the radix cache and put it back in the queue."""
-        self.release(r, cache=True)
+        """Free a running request's KV into the prefix cache and put it back in the queue."""
+        self._release(r, cache=True)
         r.status = ReqStatus.WAITING
         r.num_retractions += 1
-        self.num_retractions += 1
+        self.counters.retractions += 1
         self.waiting.appendleft(r)
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT * self.cfg.conservativeness
 
-    def finish(self, r: Req, cache: bool = True) -> None:
-        """Take `r` out of the queues for good, releasing its KV (into the tree with `cache`)."""
-        if r in self.waiting:
-            self.waiting.remove(r)
-        self.release(r, cache)
-
-    def release(self, r: Req, cache: bool) -> None:
-        """Give back everything `r` holds. With `cache`, its computed KV joins the radix tree."""
-        if r.req_pool_idx is None:
-            return
+    def _release(self, r: Req, cache: bool) -> None:
         if r in self.running:
             self.running.remove(r)
-        tokens = r.fill_ids()[: r.kv_len]
-        slots = self.req_slots(r)
-        if cache and len(tokens) == len(slots):
-            self.tree.cache_finished(tokens, slots, r.last_node)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self.kv.release(r, cache)
+
+    # -- update ------------------------------------------------------------------------------
+
+    def update(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        """Apply a finished step's results to its requests."""
+        k = p = kept = 0
+        now = time.monotonic()
+        for it in batch.items:
+            r = it.req
+            sample = None
+            if it.samples:
+                sample = out.sample(k)
+                k += 1
+                if r.pending_future == it.future_index:
+                    r.pending_future = None
+            first, count = it.prompt_logprob_span
+            if count and not r.finished:
+                r.prompt_logprobs.extend(zip(out.prompt_logprobs[p : p + count], r.prompt_ids[first + 1 :]))
+                r.prompt_top_logprobs.extend(out.prompt_top[p : p + count])
+            p += count
+            if r.finished:
+                continue  # finished in the previous step; this extra token is discarded
+            if r.status is ReqStatus.RUNNING and it.prefix_len < len(r.prompt_ids):
+                self.kv.cache_prompt(r)  # (not if retracted since this step was scheduled)
+            if sample is None:
+                if r.params.max_new_tokens == 0 and r.kv_len >= len(r.prompt_ids):
+                    self._finish(r, "length")
+                continue
+            if r.first_token_at is None:
+                r.first_token_at = now
+            kept += 1
+            self.counters.output_tokens += 1  # before appending: a caller may read stats once done
+            self._append(r, *sample)
+        self.counters.recent.append((now, kept))
+        if len(self.counters.recent) > 256:
+            del self.counters.recent[:128]
+
+    def _append(self, r: Req, tok: int, lp: float | None, top: list[tuple[float, int]] | None) -> None:
+        r.output_ids.append(tok)
+        if lp is not None:
+            r.output_logprobs.append((lp, tok))
+            if top is not None:
+                r.output_top_logprobs.append(top)
+        if r.constraint is not None and not r.constraint.accept_token(tok) and not r.constraint.is_terminated():
+            # The mask forbids this token, so this is an engine bug, not the caller's: say so.
+            reason = f"grammar rejected sampled token {tok} (constrained decoding failed)"
+            self.abort(r, reason, error=EngineError(reason))
+            return
+        stop_tok = ro.is_stop_token(r, tok, self.cfg.eos_token_ids)
+        delta = "" if stop_tok else self._push_text(r, [tok])  # may finish on a stop string
+        if r.finished:
+            return
+        if r.stream:  # every token is streamed, with whatever text it completed (maybe none)
+            lps = ro.token_logprobs(self.tokenizer, r.output_logprobs[-1:]) if lp is not None else None
+            ro.emit(r, "chunk", ro.chunk(r, delta, [tok], lps))
+        if stop_tok:
+            r.matched_stop = tok
+            self._finish(r, "stop")
         else:
-            # Slots beyond what the tree holds are ours; the cached prefix stays in the tree.
-            self.allocator.free(slots[r.cached_len :])
-            self.tree.dec_lock_ref(r.last_node)
-        self.req_pool.free(r.req_pool_idx)
-        r.req_pool_idx = None
-        r.kv_len = r.cached_len = 0
-        r.last_node = None
+            self._after_progress(r, jump=True)
 
-    def cache_prompt(self, r: Req) -> None:
-        """Insert the prompt tokens whose KV is computed into the tree (after each prefill chunk)."""
-        n = min(r.kv_len, len(r.prompt_ids))
-        n -= n % self.cfg.page_size
-        if n <= r.cached_len or self.tree.disabled:
+    def _after_progress(self, r: Req, jump: bool) -> None:
+        if r.constraint is not None and r.constraint.is_terminated():
+            self._finish(r, "stop")
+        elif ro.at_length_limit(r, self.cfg.context_length):
+            self._finish(r, "length")
+        elif jump and r.constraint is not None and r.jump_forward:
+            self._jump_forward(r)
+
+    def _push_text(self, r: Req, ids: list[int]) -> str:
+        """Grow the request's text; finishes it on a stop string."""
+        step = ro.next_text(r, ids)
+        r.text += step.delta
+        if step.matched is None:
+            return step.delta
+        r.matched_stop = step.matched
+        if r.stream and step.delta:
+            ro.emit(r, "chunk", ro.chunk(r, step.delta, ids))
+        self._finish(r, "stop", text_done=True)
+        return ""
+
+    def _jump_forward(self, r: Req) -> None:
+        plan = r.constraint.jump_forward(r.output_ids, max_new_tokens=r.params.max_new_tokens - len(r.output_ids))
+        if plan is None or not plan.append_ids:
             return
-        new_slots, new_node = self.tree.cache_unfinished(
-            r.prompt_ids[:n], self.req_slots(r, n), r.last_node
-        )
-        self._write_row(r, 0, new_slots)
-        r.last_node = new_node
-        r.cached_len = n
-
-    def rollback(self, r: Req, num_tokens: int) -> None:
-        """Drop the last `num_tokens` output tokens (jump-forward re-tokenization)."""
-        assert r.pending_future is None and num_tokens <= len(r.output_ids)
-        del r.output_ids[len(r.output_ids) - num_tokens :]
-        new_kv = min(r.kv_len, r.seq_len)
-        assert new_kv >= r.cached_len, "rollback never cuts into cached KV"
-        if new_kv < r.kv_len:
-            self.allocator.free(self.req_slots(r)[new_kv:])
-            r.kv_len = new_kv
-
-    def requeue_table_writes(self, writes: list) -> None:
-        """Table writes of a batch that never ran go out with the next batch, in order."""
-        self._pending_table_writes[:0] = writes
-
-    def _write_row(self, r: Req, start: int, slots: torch.Tensor) -> None:
-        n = slots.shape[0]  # (len() and torch setitem cost ~10 us: this runs per request per step)
-        if n == 0:
+        # Never cut into KV that belongs to the tree (only possible after a retraction).
+        if len(r.prompt_ids) + len(r.output_ids) - plan.rollback < r.cached_len:
             return
-        self._table_np[r.req_pool_idx, start : start + n] = np.asarray(slots)
-        self._pending_table_writes.append((r.req_pool_idx, start, slots))
+        r.constraint.apply(plan)
+        if plan.rollback:
+            assert r.pending_future is None and plan.rollback <= len(r.output_ids)
+            del r.output_ids[len(r.output_ids) - plan.rollback :]
+            self.kv.truncate(r, min(r.kv_len, r.seq_len))
+            if r.detokenizer is not None:
+                r.detokenizer.rollback(plan.rollback)
+        r.output_ids.extend(plan.append_ids)
+        self.counters.jump_forward_tokens += len(plan.append_ids) - plan.rollback  # net gained
+        delta = self._push_text(r, plan.append_ids)
+        if r.finished:
+            return
+        if r.stream:
+            ro.emit(r, "chunk", ro.chunk(r, delta, list(plan.append_ids)))
+        self._after_progress(r, jump=False)
+
+    def _finish(self, r: Req, reason: str, error: BaseException | None = None, text_done: bool = False) -> None:
+        self._release(r, cache=error is None)
+        r.status = ReqStatus.FINISHED
+        if r.constraint is not None:
+            self.num_constrained -= 1
+        if error is not None:
+            r.finish_reason = "abort"
+            ro.emit(r, "error", error)
+            return
+        if not text_done:
+            r.text, tail, matched = ro.final_text(r, self.tokenizer)
+            if matched is not None:
+                r.matched_stop, reason = matched, "stop"
+            if r.stream and tail:
+                ro.emit(r, "chunk", ro.chunk(r, tail, []))
+        r.finish_reason = reason  # type: ignore[assignment]
+        c = self.counters
+        c.prompt_tokens += len(r.prompt_ids)
+        c.cached_tokens += r.num_cached_prompt_tokens
+        c.finished_requests += 1
+        output = ro.build_output(r, reason, self.tokenizer)
+        if r.stream:
+            ro.emit(r, "chunk", ro.final_chunk(r, output))
+        ro.emit(r, "done", output)
 
     # -- accounting --------------------------------------------------------------------------
 
     def owned_slots(self) -> list[torch.Tensor]:
         """Slots owned by running requests (not by the tree), for the integrity check."""
-        return [self.req_slots(r)[r.cached_len :] for r in self.running]
+        return [self.kv.req_slots(r)[r.cached_len :] for r in self.running]

@@ -1,21 +1,26 @@
-"""The host-side data of one model step: packed inputs, the prepared step, its results.
+"""What crosses between the host and the device in one step: named inputs and typed results.
 
-`ModelRunner._prepare` builds a `PreparedStep` (with all integer inputs in one `PackedInputs`
-tensor) on the scheduler thread; `_execute` turns it into a `PendingResult` in device order;
-`StepHandle.result()` waits for that and yields the `StepOutput` the output processor reads.
+    ScheduleBatch --runner._prepare--> StepInputs (host arrays, one per field)
+                                        | pack(): ONE int64 host tensor (pinned on CUDA)
+                                        v one host->device copy, unpack(): device views
+                  --runner._execute--> StepResult (device tensors -> pinned host copies)
+                  --handle.result()--> StepOutput (host lists) --> scheduler.update
+
+A new per-step input is a new `StepInputs` field and a new output a new `StepResult` /
+`StepOutput` field: packing, unpacking and the host copies iterate the fields.
 Future tokens (`FutureRing`) are explained in model_runner.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generic, TypeVar
 
 import numpy as np
 import torch
 
-from sgl.backend.forward_batch import ForwardMode
-from sgl.backend.req import ScheduleBatch
+A = TypeVar("A")  # np.ndarray on the host, torch.Tensor on the device
 
 
 class FutureRing:
@@ -31,23 +36,6 @@ class FutureRing:
         return self._next
 
 
-@dataclass
-class StepOutput:
-    next_token_ids: list[int]  # one per sampling item, in batch order
-    next_logprobs: list[float] | None = None
-    next_top: list[list[tuple[float, int]]] | None = None
-    prompt_logprobs: list[float] = field(default_factory=list)  # one per prompt row
-    prompt_top: list[list[tuple[float, int]]] = field(default_factory=list)
-
-
-# Order of the fields inside the packed host tensor. The first five are the per-token /
-# per-request inputs a decode CUDA graph reads, so for a (padded) decode batch of size bs
-# `packed[:5 * aligned(bs)].view(5, aligned(bs))[:, :bs]` is the graph's static input block.
-PACKED_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
-                 "extend_prefix_lens", "extend_seq_lens", "extend_start", "logits_indices",
-                 "future_indices", "prompt_targets", "table_index", "table_value")
-
-
 # Every field starts on a 16-byte boundary (2 int64s). Triton specializes kernels on whether
 # each pointer argument is 16-byte aligned: unaligned views would make the alignment of e.g.
 # `positions` depend on the parity of the token count, and compile a new kernel variant
@@ -59,64 +47,127 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class PackedInputs:
-    """All integer inputs of one step in one int64 host tensor (pinned on CUDA), so a step
-    costs one host->device copy whatever its size. `views(t)` slices a copy of it by field."""
+@dataclass
+class StepInputs(Generic[A]):
+    """Every integer input of one step (T new tokens, B requests, S sampled rows, P prompt
+    logprob rows, W table writes). The first five fields are the decode CUDA graph's static
+    inputs: for a (padded) decode batch of bs rows, `flat[:5 * aligned(bs)].view(5, -1)`."""
 
-    def __init__(self, parts: Sequence[np.ndarray | list[int]], pin: bool) -> None:
-        arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
-        self.lengths = [a.size for a in arrays]
-        padded = []
+    input_ids: A  # [T] known ids; -k = the sample the device writes into future slot k
+    positions: A  # [T]
+    out_cache_loc: A  # [T] pool slot receiving each new token's KV
+    req_pool_indices: A  # [B] row of req_to_token
+    seq_lens: A  # [B] sequence length after the step
+    extend_prefix_lens: A  # [B]
+    extend_seq_lens: A  # [B]
+    extend_start: A  # [B] offset of request b's first new token
+    logits_indices: A  # [S + P] hidden rows whose logits are needed: samples, then prompt rows
+    future_indices: A  # [S] future-token slot of each sample
+    prompt_targets: A  # [P] the prompt token each prompt row scores
+    table_index: A  # [W] flat index into req_to_token
+    table_value: A  # [W] the slot written there
+
+    def pack(self, pin: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """One int64 host tensor holding every field (each padded to ALIGN), and the lengths."""
+        arrays = [np.asarray(getattr(self, f.name), dtype=np.int64).reshape(-1)
+                  for f in dataclasses.fields(self)]
+        parts = []
         for a in arrays:
-            padded.append(a)
+            parts.append(a)
             if a.size % ALIGN:
-                padded.append(np.zeros(ALIGN - a.size % ALIGN, dtype=np.int64))
-        host = torch.from_numpy(np.concatenate(padded)) if padded else torch.empty(0, dtype=torch.int64)
+                parts.append(np.zeros(ALIGN - a.size % ALIGN, dtype=np.int64))
+        host = torch.from_numpy(np.concatenate(parts))
         if pin:
             pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
             pinned.copy_(host)
             host = pinned
-        self.host = host
+        return host, tuple(a.size for a in arrays)
 
-    def views(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, start = {}, 0
-        for name, n in zip(PACKED_FIELDS, self.lengths):
-            out[name] = t[start : start + n]
+    @classmethod
+    def unpack(cls, flat: torch.Tensor, lengths: tuple[int, ...]) -> StepInputs[torch.Tensor]:
+        """Views of a packed tensor (usually its device copy), field by field."""
+        views, start = {}, 0
+        for f, n in zip(dataclasses.fields(cls), lengths, strict=True):
+            views[f.name] = flat[start : start + n]
             start += aligned(n)
-        return out
+        return cls(**views)
 
 
 @dataclass
-class PreparedStep:
-    """Host data of one step (built on the scheduler thread)."""
+class StepOutput:
+    """A step's results on the host, read by `Scheduler.update`."""
 
-    batch: ScheduleBatch
-    mode: ForwardMode
-    packed: PackedInputs
-    has_placeholders: bool  # some input id is a future-token placeholder (< 0)
-    graph_bs: int | None  # DECODE replayed by the CUDA graph of this (padded) batch size
-    batch_size: int
-    num_tokens: int
-    seq_lens: list[int]
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    num_samples: int
-    num_prompt_rows: int
-    sampling: Any  # the sampler's per-batch info
-    top_logprobs_num: int
-    prompt_top_logprobs_num: int
-    want_logprobs: bool
-    vocab_mask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 grammar bitmask (CPU)
-    # debug mode: (row, host slots of its first seq_len columns) for each request of the step
-    table_check: list[tuple[int, torch.Tensor]] | None = None
+    next_token_ids: list[int] = field(default_factory=list)  # one per sampled item, in batch order
+    next_logprobs: list[float] | None = None
+    next_top: list[list[tuple[float, int]]] | None = None  # (logprob, id) pairs per sample
+    prompt_logprobs: list[float] = field(default_factory=list)  # one per prompt row
+    prompt_top: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def sample(self, k: int) -> tuple[int, float | None, list[tuple[float, int]] | None]:
+        """The k-th sampled token with its logprob and top logprobs (None when not asked)."""
+        lp = self.next_logprobs[k] if self.next_logprobs is not None else None
+        top = self.next_top[k] if self.next_top is not None else None
+        return self.next_token_ids[k], lp, top
+
+
+@dataclass
+class StepResult:
+    """A step's result tensors: computed ones on the CPU; on CUDA, pinned host buffers that
+    non-blocking copies fill before `event` completes (`to_host` starts them)."""
+
+    tokens: torch.Tensor | None = None  # [S] int64
+    logprobs: torch.Tensor | None = None  # [S] float32
+    top_ids: torch.Tensor | None = None  # [S, k]
+    top_vals: torch.Tensor | None = None  # [S, k]
+    prompt_logprobs: torch.Tensor | None = None  # [P]
+    prompt_top_ids: torch.Tensor | None = None  # [P, k]
+    prompt_top_vals: torch.Tensor | None = None  # [P, k]
+    event: Any = None  # a CUDA event recorded after the copies, or None
+
+    def to_host(self) -> StepResult:
+        """Start copying every tensor into pinned host memory; the event marks completion."""
+        host = StepResult()
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if isinstance(t, torch.Tensor):
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                setattr(host, f.name, h)
+        host.event = torch.cuda.Event()
+        host.event.record()
+        return host
+
+    def wait(self) -> StepOutput:
+        if self.event is not None:
+            self.event.synchronize()  # the only place the host waits for the device
+        out = StepOutput()
+        if self.tokens is not None:
+            out.next_token_ids = self.tokens.tolist()
+        if self.logprobs is not None:
+            out.next_logprobs = self.logprobs.tolist()
+            if self.top_ids is not None:
+                out.next_top = _pairs(self.top_vals, self.top_ids)
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs = self.prompt_logprobs.tolist()
+            if self.prompt_top_ids is not None:
+                out.prompt_top = _pairs(self.prompt_top_vals, self.prompt_top_ids)
+        return out
 
 
 class StepHandle:
-    """A launched step; `result()` waits for it (CPU worker future or CUDA event)."""
+    """A launched step; `result()` waits for it once (CPU worker future or CUDA event) and
+    re-raises whatever made the step fail."""
 
     def __init__(self, get: Callable[[], StepOutput]) -> None:
         self._get = get
         self._value: StepOutput | None = None
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> StepHandle:
+        def fail() -> StepOutput:
+            raise exc
+
+        return cls(fail)
 
     def result(self) -> StepOutput:
         if self._value is None:
@@ -124,32 +175,6 @@ class StepHandle:
         return self._value
 
 
-class PendingResult:
-    """Result tensors of a step, host copies under way; `wait()` turns them into a StepOutput.
-
-    On CUDA every tensor here is a pinned host buffer filled by a non-blocking copy and
-    `event` follows the copies; on the CPU they are the computed tensors and `event` is None.
-    """
-
-    def __init__(self, event: Any = None, **tensors: torch.Tensor | None) -> None:
-        self.event = event
-        self.tensors = tensors
-
-    def wait(self) -> StepOutput:
-        if self.event is not None:
-            self.event.synchronize()  # the only place the host waits for the device
-        t = self.tensors
-        out = StepOutput(next_token_ids=t["tokens"].tolist() if t.get("tokens") is not None else [])
-        if t.get("logprobs") is not None:
-            out.next_logprobs = t["logprobs"].tolist()
-            if t.get("top_ids") is not None:
-                out.next_top = _pairs(t["top_vals"], t["top_ids"])
-        if t.get("prompt_lp") is not None:
-            out.prompt_logprobs = t["prompt_lp"].tolist()
-            if t.get("prompt_top_ids") is not None:
-                out.prompt_top = _pairs(t["prompt_top_vals"], t["prompt_top_ids"])
-        return out
-
-
-def _pairs(vals: torch.Tensor, ids: torch.Tensor) -> list[list[tuple[float, int]]]:
+def _pairs(vals: torch.Tensor | None, ids: torch.Tensor) -> list[list[tuple[float, int]]]:
+    assert vals is not None
     return [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())]

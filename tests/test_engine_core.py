@@ -272,3 +272,48 @@ def test_close_gives_the_pool_and_weights_back() -> None:
     assert rt.kv_pool.k_buffer == [] and rt.kv_pool.v_buffer == []
     assert list(rt.runner.model.parameters()) == []
     assert e.stats().running == 0  # still answers after close
+
+
+def _record_steps(engine: sgl.Engine) -> list[list[tuple[str, int, bool]]]:
+    """Every step's items as (request id, tokens computed, prompt tokens or not)."""
+    steps: list[list[tuple[str, int, bool]]] = []
+
+    def hook(step) -> None:  # noqa: ANN001 - the runner's PreparedStep
+        steps.append([(it.req.rid, it.extend_len, it.prefix_len < len(it.req.prompt_ids))
+                      for it in step.batch.items])
+
+    engine._rt.runner.step_hook = hook
+    return steps
+
+
+async def test_chunked_prefill_takes_the_whole_budget_and_never_more() -> None:
+    engine = make_engine(chunked_prefill_size=64, disable_overlap_schedule=True)
+    steps = _record_steps(engine)
+    try:
+        out = await engine.generate(input_ids=prompts(1, lo=300, hi=300)[0], **GREEDY)
+        assert len(out.token_ids) == GREEDY["max_new_tokens"]
+        prefill = [sum(n for _, n, prompt in s if prompt) for s in steps if any(p for *_, p in s)]
+        assert prefill == [64, 64, 64, 64, 44]  # 300 prompt tokens: full chunks, then the rest
+        assert_clean(engine)
+    finally:
+        engine.close()
+
+
+async def test_a_long_prefill_does_not_hold_back_a_short_request() -> None:
+    """While others wait, a prefill in progress takes at most half the budget: a short request
+    submitted behind a long prompt is computed long before that prompt's last chunk."""
+    engine = make_engine(chunked_prefill_size=64, disable_overlap_schedule=True)
+    steps = _record_steps(engine)
+    try:
+        long_prompt, short_prompt = prompts(1, lo=600, hi=600)[0], [7, 8, 9, 10, 11]
+        long_task = asyncio.create_task(engine.generate(input_ids=long_prompt, temperature=0, max_new_tokens=1))
+        await asyncio.sleep(0)  # the long request is submitted first
+        short = await engine.generate(input_ids=short_prompt, temperature=0, max_new_tokens=1)
+        await long_task
+        rid_step = {rid: i for i, s in enumerate(steps) for rid, _, prompt in s if prompt}
+        short_step, long_last = rid_step[short.request_id], rid_step[(await long_task).request_id]
+        assert short_step <= 2 < long_last, (short_step, long_last)
+        assert all(sum(n for _, n, p in s if p) <= 64 for s in steps)
+        assert_clean(engine)
+    finally:
+        engine.close()

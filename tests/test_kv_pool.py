@@ -162,22 +162,15 @@ def test_kv_pool_shapes_and_writes() -> None:
     assert pool.allocator.capacity == 12
     loc = pool.allocator.alloc(2)
     assert loc is not None
-    k = torch.randn(2, 3, 4)
-    pool.set_kv(1, loc, k, -k)
-    kb, vb = pool.get_kv(1)
-    torch.testing.assert_close(kb[loc], k.half())
-    torch.testing.assert_close(vb[loc], -k.half())
-    assert kb[0].abs().sum() == 0
+    pool.k_buffer[1][loc] = torch.ones(2, 3, 4, dtype=torch.float16)  # slots index rows
+    assert pool.k_buffer[1][0].abs().sum() == 0 and pool.v_buffer[1].abs().sum() == 0
 
 
-def test_budget_sizing() -> None:
-    bpt = KVPool.bytes_per_token(4, 2, 8, torch.bfloat16)
-    assert bpt == 2 * 4 * 2 * 8 * 2
+def test_pool_size_from_the_model_config_bytes_per_token() -> None:
+    """The pool holds max_total_tokens plus the reserved page, whole pages."""
     for page in (1, 4):
-        n = KVPool.tokens_for_budget(100_000, 4, 2, 8, torch.bfloat16, page_size=page)
-        assert n % page == 0 and n > 0
-        pool = KVPool(n, 4, 2, 8, torch.bfloat16, "cpu", page_size=page)
-        assert pool.num_slots * bpt <= 100_000 < (pool.num_slots + page) * bpt
+        pool = KVPool(100, 4, 2, 8, torch.bfloat16, "cpu", page_size=page)
+        assert pool.num_slots % page == 0 and 100 + page <= pool.num_slots < 100 + 2 * page
 
 
 # ---- global integrity -----------------------------------------------------------------------

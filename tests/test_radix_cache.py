@@ -3,6 +3,8 @@ the scheduler does (admit, extend, cache, finish, abort, evict) and checks globa
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import settings
@@ -10,12 +12,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sgl.backend.kv_pool import SlotAllocator, check_kv_integrity
+from sgl.backend.prefix_cache import NoPrefixCache
 from sgl.backend.radix_cache import RadixCache, TreeNode
 
 
-def make(page: int = 1, slots: int = 64, disable: bool = False) -> tuple[SlotAllocator, RadixCache]:
+def make(page: int = 1, slots: int = 64, disable: bool = False) -> tuple[SlotAllocator, Any]:
     a = SlotAllocator(slots, page_size=page)
-    return a, RadixCache(a, page_size=page, disable=disable)
+    return a, (NoPrefixCache(a) if disable else RadixCache(a, page_size=page))
 
 
 def put(a: SlotAllocator, t: RadixCache, tokens: list[int]) -> torch.Tensor:
@@ -182,12 +185,12 @@ def test_cache_finished_duplicate_prompt() -> None:
     check_kv_integrity(a, t, [])
 
 
-def test_disable_is_pure_ablation() -> None:
+def test_no_prefix_cache_caches_nothing_behind_the_same_interface() -> None:
     a, t = make(disable=True)
     s = a.alloc(4)
     assert s is not None
     assert t.insert([1, 2, 3, 4], s) == 0 and a.num_allocated == 0  # dropped and freed
-    assert t.match_prefix([1, 2, 3, 4]).prefix_len == 0 and t.disabled
+    assert t.match_prefix([1, 2, 3, 4]).prefix_len == 0 and not t.caches
     s = a.alloc(4)
     assert s is not None
     prefix, node = t.cache_unfinished([1, 2, 3], s[:3], t.root)
@@ -260,7 +263,7 @@ class RadixMachine(RuleBasedStateMachine):
     def setup(self, page: int, disable: bool) -> None:
         self.P = page
         self.a = SlotAllocator(48 * page // 2 + page, page_size=page)
-        self.t = RadixCache(self.a, page_size=page, disable=disable)
+        self.t = NoPrefixCache(self.a) if disable else RadixCache(self.a, page_size=page)
         self.reqs: list[Req] = []
         self.kv: dict[int, tuple[int, ...]] = {}  # slot -> prefix whose last token's KV it holds
 
@@ -307,7 +310,7 @@ class RadixMachine(RuleBasedStateMachine):
         old = r.node
         prefix, r.node = self.t.cache_unfinished(r.tokens, torch.tensor(r.slots), old)
         L = prefix.numel()
-        assert L == (0 if self.t.disabled else len(r.tokens) - len(r.tokens) % self.P)
+        assert L == (0 if (not self.t.caches) else len(r.tokens) - len(r.tokens) % self.P)
         r.slots[:L] = prefix.tolist()
         r.cached = L if L else r.cached
         assert r.node.lock_ref >= 1 or r.node is self.t.root
@@ -334,7 +337,7 @@ class RadixMachine(RuleBasedStateMachine):
             return
         self._write(tokens, 0, s)
         n = self.t.insert(tokens, torch.tensor(s, dtype=torch.int64))
-        if not self.t.disabled and n:
+        if not (not self.t.caches) and n:
             self.a.free(torch.tensor(s[:n]))
 
     @rule(n=st.integers(0, 30))
@@ -374,7 +377,7 @@ class RadixMachine(RuleBasedStateMachine):
             for i, s in enumerate(r.slots):
                 assert self.kv[s] == tuple(r.tokens[: i + 1]), "slot holds the wrong token's KV"
                 assert s % self.P == i % self.P
-        if self.t.disabled:
+        if (not self.t.caches):
             assert self.t.total_size() == 0
 
 

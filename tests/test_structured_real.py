@@ -318,16 +318,16 @@ def jump_log():
     """Record every applied jump, per request, from inside the engine.
 
     `ConstraintState.apply` sees each plan just before the engine changes the request's tokens
-    (then `num_accepted == len(output_ids)`); `OutputProcessor._finish` copies the log out
+    (then `num_accepted == len(output_ids)`); `Scheduler._finish` copies the log out
     before the result is handed to the caller, on the engine thread, so reading it after the
     `await` is race-free.
     """
     from sgl.backend import grammar as grammar_mod
-    from sgl.backend import output_processor as op_mod
+    from sgl.backend import scheduler as scheduler_mod
 
     logs: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
     original_apply = grammar_mod.ConstraintState.apply
-    original_finish = op_mod.OutputProcessor._finish
+    original_finish = scheduler_mod.Scheduler._finish
 
     def apply(self, plan):  # noqa: ANN001, ANN202 - wraps the original
         self._test_jumps = getattr(self, "_test_jumps", [])
@@ -341,7 +341,7 @@ def jump_log():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(grammar_mod.ConstraintState, "apply", apply)
-        mp.setattr(op_mod.OutputProcessor, "_finish", finish)
+        mp.setattr(scheduler_mod.Scheduler, "_finish", finish)
         yield logs
 
 
