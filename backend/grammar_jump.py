@@ -25,6 +25,13 @@ that ends the grammar (only a stop token may follow): nothing can merge there.
 Never across termination: a point where the grammar could stop is never forced (a stop
 token is an alternative), so S ends there at the latest; we do not extend it.
 
+Bounded: one plan appends at most `max_jump_tokens` tokens (the engine's
+`max_jump_forward_tokens`, 64 by default) and never more than the request's remaining
+`max_new_tokens`; S is cut to `max_jump_tokens * _CHARS_PER_TOKEN` characters before it is
+re-tokenized, so a long forced text costs one bounded plan per step. S itself is only asked
+for when the grammar's forced text is known to be finite and short
+(`ConstraintState.jump_forward`, `grammar_forcing.py`): otherwise xgrammar would never return.
+
 The plan is computed on a fork of the matcher, so planning never changes the request's
 state; `apply_plan` commits it after the engine has changed the request's tokens.
 """
@@ -42,6 +49,11 @@ if TYPE_CHECKING:
     from sgl.backend.grammar import ConstraintState
 
 __all__ = ["JumpPlan", "apply_plan", "plan_jump_forward"]
+
+# Forced text is cut to this many characters per allowed token before re-tokenizing: enough
+# for the longest tokens of common vocabularies (runs of indentation spaces), so the cut
+# rarely binds before the token cap does.
+_CHARS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -75,21 +87,24 @@ def plan_jump_forward(
     max_boundary_tokens: int = 4,
     min_chars: int = 3,
     max_new_tokens: int | None = None,
+    max_jump_tokens: int = 64,
 ) -> JumpPlan | None:
     """Decide a jump for one request, or None when there is nothing worth jumping.
 
     `output_ids` are the request's output tokens, all accepted by `state` (the last one may
     not have been through the model yet). `max_new_tokens` caps `net_new_tokens` (pass the
-    request's remaining budget). The state is not modified.
+    request's remaining budget); `max_jump_tokens` caps `append_ids`. The state is not
+    modified. Only call it for grammars whose forced text is finite (see module docstring).
     """
     matcher = state.matcher
-    if matcher.is_terminated():
+    if matcher.is_terminated() or max_jump_tokens < 1:
+        return None
+    if max_new_tokens is not None and max_new_tokens < 1:
         return None
     forced = matcher.find_jump_forward_string()
     if len(forced) < min_chars:
         return None
-    if max_new_tokens is not None and max_new_tokens < 1:
-        return None
+    forced = forced[: max_jump_tokens * _CHARS_PER_TOKEN]  # a prefix of forced text is forced
 
     usable = min(len(output_ids), state.num_accepted)
     # If the first window token changes (no anchor), the merge may reach further left: widen
@@ -128,10 +143,12 @@ def plan_jump_forward(
         fork.rollback(1)
         candidate = candidate[:-1]
 
-    if max_new_tokens is not None and len(candidate) - rollback > max_new_tokens:
-        extra = len(candidate) - rollback - max_new_tokens
-        fork.rollback(extra)
-        candidate = candidate[: len(candidate) - extra]
+    keep = max_jump_tokens
+    if max_new_tokens is not None:
+        keep = min(keep, max_new_tokens + rollback)
+    if len(candidate) > keep:
+        fork.rollback(len(candidate) - keep)
+        candidate = candidate[:keep]
 
     # Rolled-back text must be re-covered, or already-streamed text would shrink; and some
     # forced text must be covered, or the jump saves no decode step.
