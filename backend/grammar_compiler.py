@@ -286,7 +286,8 @@ class ConstraintCompiler:
                 field=kind,
             ) from exc
         size = int(compiled.memory_size_bytes) + len(spec)
-        return CompiledConstraint(kind, spec, compiled, forced_text_bound(grammar), size)  # type: ignore[arg-type]
+        bound = forced_text_bound(grammar)
+        return CompiledConstraint(kind, spec, compiled, bound, size)  # type: ignore[arg-type]
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

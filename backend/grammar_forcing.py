@@ -24,8 +24,8 @@ where worst() of an alternative is the sum of the shortest texts of its elements
 largest such sum over nested choices). So the forced text is at most stack depth *
 frame_bound bytes. We compute frame_bound from the grammar's expression tree
 (`Grammar.serialize_json`): the shortest text of every rule by Knuth's generalisation of
-Dijkstra's algorithm (each rule is finalised once, when it is the cheapest open one), then
-worst() per rule. A reachable rule with no finite text (never ends) gives None, as does any
+Dijkstra's algorithm (each rule is finalised once, when it is the cheapest open one; linear in
+the grammar), then worst() per rule. A reachable rule with no finite text (never ends) gives None, as does any
 expression type we do not model (token-level tags, unknown future types): "no bound known".
 The engine decodes such grammars without jump-forward (`CompiledConstraint.forced_bound`).
 
@@ -97,11 +97,11 @@ def forced_text_bound(grammar: Any, limit: int = MAX_FRAME_BOUND) -> int | None:
         refs = [exprs.rule_refs(body) for body in exprs.rule_bodies]
         reachable = _reachable(int(doc["root_rule_id"]), refs)
         shortest = _shortest_texts(exprs, refs)
-    except _Unmodelled:
+        if any(shortest[r] == _INF for r in reachable):
+            return None  # a rule the output can enter never ends
+        bound = max((_worst(exprs, exprs.rule_bodies[r], shortest) for r in reachable), default=0)
+    except (_Unmodelled, LookupError, TypeError, ValueError):  # a layout we do not know
         return None
-    if any(shortest[r] == _INF for r in reachable):
-        return None  # a rule the output can enter never ends
-    bound = max((_worst(exprs, exprs.rule_bodies[r], shortest) for r in reachable), default=0)
     return int(bound) if bound <= limit else None
 
 
@@ -119,32 +119,41 @@ def _reachable(root: int, refs: list[set[int]]) -> set[int]:
 def _shortest_texts(exprs: _Exprs, refs: list[set[int]]) -> list[float]:
     """Shortest text (bytes) each rule derives; inf where none is finite.
 
-    Knuth's algorithm: a rule's tentative value uses only finalised rules (others count as
-    inf), which overestimates; the open rule with the smallest tentative value is final,
-    because every expression is at least as long as any rule it needs.
+    Knuth's algorithm over the rules' alternatives: an alternative's length is known once
+    every rule it mentions is final; the cheapest known candidate is then final for its rule,
+    because an alternative is never shorter than a rule it needs. Each alternative is
+    evaluated once, so this is linear in the grammar (up to the heap). An alternative with a
+    nested choice waits for all rules in it, which can only make a result inf (no bound).
     """
-    users: list[list[int]] = [[] for _ in refs]
-    for rule, deps in enumerate(refs):
-        for dep in deps:
-            users[dep].append(rule)
-    final: list[float] = [_INF] * len(refs)
-    done = [False] * len(refs)
-    heap: list[tuple[float, int]] = []
+    alternatives: list[tuple[int, int]] = []  # (rule, expression id)
     for rule, body in enumerate(exprs.rule_bodies):
-        value = _shortest(exprs, body, final)
-        if value < _INF:
-            heapq.heappush(heap, (value, rule))
+        kind, payload = exprs.items[body]
+        for expr in payload if kind == _CHOICES else [body]:
+            alternatives.append((rule, expr))
+    pending: list[int] = []
+    waiting_on: list[list[int]] = [[] for _ in refs]  # rule -> alternatives that mention it
+    heap: list[tuple[float, int]] = []
+    final: list[float] = [_INF] * len(refs)
+    for index, (rule, expr) in enumerate(alternatives):
+        needs = exprs.rule_refs(expr)
+        pending.append(len(needs))
+        for dep in needs:
+            waiting_on[dep].append(index)
+        if not needs:
+            heapq.heappush(heap, (_shortest(exprs, expr, final), rule))
+    done = [False] * len(refs)
     while heap:
         value, rule = heapq.heappop(heap)
-        if done[rule]:
+        if done[rule] or value == _INF:
             continue
         done[rule] = True
         final[rule] = value
-        for user in users[rule]:
-            if not done[user]:
-                tentative = _shortest(exprs, exprs.rule_bodies[user], final)
-                if tentative < _INF:
-                    heapq.heappush(heap, (tentative, user))
+        for index in waiting_on[rule]:
+            pending[index] -= 1
+            if pending[index] == 0:
+                owner, expr = alternatives[index]
+                if not done[owner]:
+                    heapq.heappush(heap, (_shortest(exprs, expr, final), owner))
     return final
 
 

@@ -373,14 +373,15 @@ class Engine:
         """Compile each request's constraint on the grammar workers, awaited, so that a slow
         grammar delays only its own request; InvalidConstraintError if it is invalid or takes
         longer than grammar_compile_timeout. The result rides on the spec until `_submit`."""
-        todo = [prep for prep in prepared if prep.constraint is not None and prep.constraint.compiled is None]
+        todo = [p for p in prepared if p.constraint is not None and p.constraint.compiled is None]
         if not todo:
             return
         # The first use builds the backend's tokenizer tables (~0.3 s): in a thread, like compiles.
         grammar = await asyncio.get_running_loop().run_in_executor(None, self._grammar_backend)
         for prep in todo:
             spec = prep.constraint
-            compiled = await grammar.compile_async(spec.kind, spec.spec, timeout=self.config.grammar_compile_timeout)
+            compiled = await grammar.compile_async(spec.kind, spec.spec,
+                                                   timeout=self.config.grammar_compile_timeout)
             prep.constraint = dataclasses.replace(spec, compiled=compiled)
 
     def _grammar_backend(self) -> Any:
