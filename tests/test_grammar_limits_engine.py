@@ -51,7 +51,7 @@ def engine() -> Iterator[sgl.Engine]:
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[sgl.Engine]:
-    eng = sgl.Engine(**engine_options(grammar_compile_timeout=0.05, grammar_cache_bytes=123_456,
+    eng = sgl.Engine(**engine_options(grammar_compile_timeout=0.2, grammar_cache_bytes=123_456,
                                       max_jump_forward_tokens=5, max_grammar_bytes=1 << 20))
     yield eng
     eng.close()
