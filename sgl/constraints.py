@@ -229,6 +229,8 @@ class ConstraintLimits:
         if limit is None or len(text) <= limit // 4:  # even all 4-byte characters would fit
             return
         if isinstance(text, bytes):
+            if len(text) <= limit:
+                return
             size = f"{len(text)} bytes"
         elif len(text) > limit:  # over already in characters: no need to encode it all
             size = f"{len(text)} characters"

@@ -157,6 +157,14 @@ def test_oversize_constraints_are_refused_naming_the_option(options: dict, field
     build_constraint(**options)  # no limits configured: accepted
 
 
+def test_constraints_up_to_the_limit_are_accepted() -> None:
+    schema = {"type": "string", "description": "é" * 470}  # 990 bytes of canonical text
+    text = json.dumps(schema, ensure_ascii=False)
+    assert 900 < len(text.encode()) <= 1000
+    for value in (schema, text, text.encode()):
+        assert build_constraint(json_schema=value, limits=LIMITS).kind == "json_schema"
+
+
 def test_oversize_json_text_is_refused_before_it_is_parsed() -> None:
     text = "[" * 3_000_000 + "]" * 3_000_000  # would take seconds (and RecursionError) to parse
     start = time.monotonic()
