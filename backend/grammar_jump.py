@@ -106,49 +106,18 @@ def plan_jump_forward(
         return None
     forced = forced[: max_jump_tokens * _CHARS_PER_TOKEN]  # a prefix of forced text is forced
 
-    usable = min(len(output_ids), state.num_accepted)
-    # If the first window token changes (no anchor), the merge may reach further left: widen
-    # the window once before giving up.
-    for window in (max_boundary_tokens, 2 * max_boundary_tokens):
-        boundary = _retokenize_boundary(tokenizer, output_ids, min(window, usable), forced)
-        if boundary is None:
-            return None
-        tail, boundary_text, retokenized, kept = boundary
-        anchored = kept > 0 or len(tail) >= len(output_ids)
-        if anchored or window >= usable:
-            break
-    if not anchored:
+    boundary = _anchored_boundary(tokenizer, output_ids, state.num_accepted, forced,
+                                  max_boundary_tokens)
+    if boundary is None:
         return None
-    k = len(tail)
-    rollback = k - kept
+    tail, boundary_text, retokenized, kept = boundary
+    rollback = len(tail) - kept
     candidate = retokenized[kept:]
-
-    fork = matcher.fork()
-    if rollback:
-        fork.rollback(rollback)
-    accepted = 0
-    for token in candidate:
-        if not fork.accept_token(token):
-            break
-        accepted += 1
-    if accepted < len(candidate):
-        # Cannot happen for text the grammar accepts, unless a token is special; the last
-        # accepted token may then sit on a boundary, so hold it back below.
-        candidate = candidate[:accepted]
-        ends_grammar = False
-    else:
-        ends_grammar = _only_stop_allowed(fork, state)
-    if not ends_grammar and candidate:
-        # Hold back the boundary token: the model may merge it with what it writes next.
-        fork.rollback(1)
-        candidate = candidate[:-1]
 
     keep = max_jump_tokens
     if max_new_tokens is not None:
         keep = min(keep, max_new_tokens + rollback)
-    if len(candidate) > keep:
-        fork.rollback(len(candidate) - keep)
-        candidate = candidate[:keep]
+    fork, candidate = _walk_candidate(matcher, state, rollback, candidate, keep)
 
     # Rolled-back text must be re-covered, or already-streamed text would shrink; and some
     # forced text must be covered, or the jump saves no decode step.
@@ -185,6 +154,57 @@ def apply_plan(state: ConstraintState, plan: JumpPlan) -> None:
     state.num_accepted += plan.net_new_tokens
     state.num_jumps += 1
     state.num_jump_tokens += plan.net_new_tokens
+
+
+def _anchored_boundary(
+    tokenizer: Any, output_ids: Sequence[int], num_accepted: int, forced: str, window: int
+) -> tuple[list[int], str, list[int], int] | None:
+    """`_retokenize_boundary` over a window of output tokens whose first token survives
+    re-tokenization (the anchor); None when there is none."""
+    usable = min(len(output_ids), num_accepted)
+    # If the first window token changes (no anchor), the merge may reach further left: widen
+    # the window once before giving up.
+    for size in (window, 2 * window):
+        boundary = _retokenize_boundary(tokenizer, output_ids, min(size, usable), forced)
+        if boundary is None:
+            return None
+        tail, _, _, kept = boundary
+        if kept > 0 or len(tail) >= len(output_ids):
+            return boundary
+        if size >= usable:
+            return None
+    return None
+
+
+def _walk_candidate(
+    matcher: xgr.GrammarMatcher, state: ConstraintState, rollback: int, candidate: list[int],
+    keep: int,
+) -> tuple[xgr.GrammarMatcher, list[int]]:
+    """Walk a fork of the matcher over the candidate tokens; returns the fork and the tokens
+    to append: those the grammar accepts, less the held-back boundary token, at most `keep`."""
+    fork = matcher.fork()
+    if rollback:
+        fork.rollback(rollback)
+    accepted = 0
+    for token in candidate:
+        if not fork.accept_token(token):
+            break
+        accepted += 1
+    if accepted < len(candidate):
+        # Cannot happen for text the grammar accepts, unless a token is special; the last
+        # accepted token may then sit on a boundary, so hold it back below.
+        candidate = candidate[:accepted]
+        ends_grammar = False
+    else:
+        ends_grammar = _only_stop_allowed(fork, state)
+    if not ends_grammar and candidate:
+        # Hold back the boundary token: the model may merge it with what it writes next.
+        fork.rollback(1)
+        candidate = candidate[:-1]
+    if len(candidate) > keep:
+        fork.rollback(len(candidate) - keep)
+        candidate = candidate[:keep]
+    return fork, candidate
 
 
 def _only_stop_allowed(matcher: xgr.GrammarMatcher, state: ConstraintState) -> bool:
