@@ -12,6 +12,7 @@ Pure Python like `sgl.constraints`: pydantic is imported only when a type is con
 from __future__ import annotations
 
 import json
+from collections import abc
 from typing import Any, Callable, Mapping
 
 from sgl.errors import InvalidConstraintError
@@ -35,7 +36,7 @@ def nesting_depth(document: Any, stop_above: int) -> int:
     stack: list[tuple[Any, int]] = [(document, 1)]
     while stack:
         value, depth = stack.pop()
-        if isinstance(value, Mapping):
+        if isinstance(value, abc.Mapping):
             children: Any = value.values()
         elif isinstance(value, (list, tuple)):
             children = value
@@ -44,8 +45,12 @@ def nesting_depth(document: Any, stop_above: int) -> int:
         deepest = max(deepest, depth)
         if deepest > stop_above:
             return deepest
-        stack.extend((child, depth + 1) for child in children)
+        # Scalars are skipped here: an enum of 200,000 strings must cost milliseconds.
+        stack.extend((child, depth + 1) for child in children if not isinstance(child, _SCALARS))
     return deepest
+
+
+_SCALARS = (str, int, float, bool, type(None))
 
 # -- JSON Schema keywords xgrammar accepts but does not enforce --------------------------------
 # Found by compiling a schema with each keyword and checking that a violating document is still
