@@ -298,4 +298,4 @@ def test_async_compile_leaves_the_event_loop_running(default_tokenizer: Any) -> 
 
     took, worst_gap = asyncio.run(scenario())
     assert took > 0.3  # slow enough that compiling on the loop would show
-    assert worst_gap < 0.25
+    assert worst_gap < max(0.25, took / 4)  # on the loop, one gap would be the whole compile

@@ -139,7 +139,9 @@ async def test_a_slow_compile_does_not_block_the_loop_or_other_requests(engine: 
     assert plain.finish_reason == "length" and out.finish_reason in ("stop", "length")
     assert slow_done > 0.3  # slow enough that compiling on the loop would have shown
     assert plain_done < slow_done / 2  # the plain request did not wait for the compile
-    assert max(gaps) < 0.25  # the loop kept ticking every 10 ms throughout
+    # The loop kept ticking every 10 ms throughout. Compiling on the loop shows as one gap as
+    # long as the compile; a loaded machine can delay a tick by a fraction of it.
+    assert max(gaps) < max(0.25, slow_done / 4)
 
 
 async def test_compile_time_limit_fails_only_that_request(limited: sgl.Engine) -> None:
