@@ -16,7 +16,7 @@ distinct grammars cannot pile up work that nobody waits for. xgrammar objects ca
 process boundaries, so a process pool is not an option.
 
 The cache: `(kind, spec) -> CompiledConstraint`, LRU, bounded by the grammars' own
-`memory_size_bytes` (a 5,000-value enum compiles to ~27 MB; a small schema to ~40 KB), not by
+`memory_size_bytes` (a 5,000-value enum compiles to ~27 MB; a small schema to 5-40 KB), not by
 a count. Besides it, a weak map finds every grammar still in use by a request, so an evicted
 grammar that is still alive is never compiled twice. Concurrent compiles of one spec share a
 single job. Failures are not cached: a retry compiles again.
