@@ -3,8 +3,9 @@
 How the engine drives it (see also `grammar_jump.py` for the jump-forward plan)::
 
     backend = GrammarBackend(tokenizer, vocab_size=model_vocab_size)
-    # in generate(), on the caller's thread, BEFORE queueing (raises InvalidConstraintError):
-    compiled = backend.compile(kind, spec)            # cached by (kind, spec)
+    # in generate(), awaited BEFORE queueing (raises InvalidConstraintError); the compile runs
+    # on a worker thread with a time limit (grammar_compiler.py), the event loop keeps going:
+    compiled = await backend.compile_async(kind, spec, timeout=10.0)  # cached by (kind, spec)
     # when the request is admitted (engine thread):
     req.grammar = backend.new_state(compiled)
     # each step, for the batch (rows of unconstrained requests stay all ones):
@@ -13,6 +14,7 @@ How the engine drives it (see also `grammar_jump.py` for the jump-forward plan):
     # after sampling token t for a constrained request:
     req.grammar.accept_token(t)        # False means a bug (the mask allowed it): abort the request
     plan = req.grammar.jump_forward(req.output_ids, max_new_tokens=budget_left)
+    # (None when the grammar's forced text has no known bound: grammar_forcing.py)
     if plan: drop plan.rollback output tokens (+KV), append plan.append_ids, then
              req.grammar.apply(plan); the next forward of the request is an extend.
 
@@ -27,29 +29,25 @@ that could disagree with the first. Its one advantage, pure-Python regex analysi
 needed: xgrammar reports invalid regexes (lookarounds, backreferences) at compile time, which
 is when we must reject them anyway.
 
-Thread safety: `compile` may run on any thread (the compiler is thread-safe; our cache is
-locked and deduplicates concurrent compiles of one spec); a `ConstraintState` belongs to one
-request and is only touched by the engine thread.
+Thread safety: `compile` may be called from any thread (the compiler is thread-safe; our
+cache is locked and deduplicates concurrent compiles of one spec); a `ConstraintState` belongs
+to one request and is only touched by the engine thread.
 """
 
 from __future__ import annotations
 
-import re
-import threading
-from collections import OrderedDict
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import torch
 import xgrammar as xgr
 
 # Re-exported: the jump-forward planner is part of this adapter's API (split only for size).
+from sgl.backend.grammar_compiler import CompiledConstraint, ConstraintCompiler, ConstraintKind
 from sgl.backend.grammar_jump import JumpPlan, apply_plan, plan_jump_forward
-from sgl.errors import InvalidConstraintError
 
 __all__ = [
     "CompiledConstraint",
+    "ConstraintKind",
     "ConstraintState",
     "GrammarBackend",
     "JumpPlan",
@@ -61,20 +59,6 @@ __all__ = [
     "fill_bitmasks",
 ]
 
-ConstraintKind = Literal["regex", "json_schema", "ebnf"]
-
-# xgrammar prefixes its C++ errors with "[time] /path/file.cc:line: "; users need the rest.
-_XGR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
-
-
-@dataclass(frozen=True)
-class CompiledConstraint:
-    """A compiled grammar, shareable by every request with the same (kind, spec)."""
-
-    kind: ConstraintKind
-    spec: str
-    grammar: xgr.CompiledGrammar
-
 
 class GrammarBackend:
     """Compiles constraints for one tokenizer and makes per-request matchers.
@@ -83,6 +67,8 @@ class GrammarBackend:
     embeddings): ids past the tokenizer are never allowed. JSON schemas are compiled to a
     fixed layout (no free whitespace; `json_indent` spaces of indentation, or one line with
     ", " and ": " separators when None), so the layout is forced and jump-forward can skip it.
+    Compiling runs on `compile_workers` threads with a cache of at most `cache_bytes`
+    (`grammar_compiler.py`); a jump-forward appends at most `max_jump_forward_tokens` tokens.
     """
 
     def __init__(
@@ -92,95 +78,69 @@ class GrammarBackend:
         *,
         json_indent: int | None = 2,
         stop_token_ids: Sequence[int] | None = None,
-        cache_size: int = 256,
+        cache_bytes: int = 256 << 20,
+        compile_workers: int = 2,
+        max_jump_forward_tokens: int = 64,
         max_threads: int = 8,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
         self.json_indent = json_indent
+        self.max_jump_forward_tokens = max_jump_forward_tokens
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer,
             vocab_size=self.vocab_size,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
         )
         self.stop_token_ids: tuple[int, ...] = tuple(self.tokenizer_info.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
-        self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
+        # xgrammar's own cache is off: ours is bounded in bytes and is the only one to clear.
+        self.compiler = ConstraintCompiler(
+            xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False),
+            json_indent=json_indent, cache_bytes=cache_bytes, workers=compile_workers,
+        )
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
-        self.cache_hits = 0
-        self.cache_misses = 0
 
-    # -- compiling ----------------------------------------------------------------------------
+    @staticmethod
+    def config_options(config: Any) -> dict[str, int]:
+        """The constructor options an `EngineConfig` sets (the per-request limits, size, depth
+        and compile time, are applied by `sgl.Engine` when it prepares a request)."""
+        return {"cache_bytes": config.grammar_cache_bytes,
+                "max_jump_forward_tokens": config.max_jump_forward_tokens}
 
-    def compile(self, kind: str, spec: str) -> CompiledConstraint:
-        """Compile (or fetch from the cache) a constraint; InvalidConstraintError if invalid.
+    # -- compiling (see grammar_compiler.py) ------------------------------------------------
 
-        Call it synchronously in `generate` before queueing, so a bad spec fails the call and
-        never reaches the engine thread. Failures are not cached (a retry recompiles).
-        """
-        if kind not in ("regex", "json_schema", "ebnf"):
-            raise InvalidConstraintError(
-                f"unknown constraint kind {kind!r}; expected regex, json_schema or ebnf",
-                field=kind,
-            )
-        if not isinstance(spec, str):
-            raise InvalidConstraintError(f"{kind} must be a string, got {type(spec).__name__}",
-                                         field=kind)
-        key = (kind, spec)
-        with self._lock:
-            future = self._cache.get(key)
-            owner = future is None
-            if owner:
-                future = Future()
-                self._cache[key] = future
-                self.cache_misses += 1
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(key)
-                self.cache_hits += 1
-        assert future is not None
-        if not owner:
-            return future.result()  # re-raises the owner's InvalidConstraintError
-        try:
-            compiled = CompiledConstraint(kind, spec, self._compile_uncached(kind, spec))  # type: ignore[arg-type]
-        except BaseException as exc:
-            with self._lock:
-                if self._cache.get(key) is future:
-                    del self._cache[key]
-            future.set_exception(exc)
-            raise
-        future.set_result(compiled)
-        return compiled
+    def compile(self, kind: str, spec: str, timeout: float | None = None) -> CompiledConstraint:
+        """Compile (or fetch from the cache) a constraint, blocking the calling thread;
+        InvalidConstraintError if invalid or slower than `timeout` seconds."""
+        return self.compiler.compile(kind, spec, timeout)
 
-    def _compile_uncached(self, kind: str, spec: str) -> xgr.CompiledGrammar:
-        try:
-            if kind == "regex":
-                return self._compiler.compile_regex(spec)
-            if kind == "json_schema":
-                return self._compiler.compile_json_schema(
-                    spec, any_whitespace=False, indent=self.json_indent, strict_mode=True
-                )
-            return self._compiler.compile_grammar(spec)
-        except Exception as exc:  # RuntimeError / ValueError / xgr.InvalidJSONError
-            reason = _XGR_PREFIX.sub("", str(exc)).strip().splitlines()[0] if str(exc) else ""
-            what = {"regex": "regex", "json_schema": "JSON schema", "ebnf": "EBNF grammar"}[kind]
-            raise InvalidConstraintError(
-                f"invalid {what}: {reason or type(exc).__name__}. Spec: {_preview(spec)}",
-                field=kind,
-            ) from exc
+    async def compile_async(
+        self, kind: str, spec: str, timeout: float | None = None
+    ) -> CompiledConstraint:
+        """`compile` on a worker thread, awaited: the caller's event loop keeps running."""
+        return await self.compiler.compile_async(kind, spec, timeout)
 
     def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
-        self._compiler.clear_cache()
+        """Drop every cached grammar (the engine's flush_cache should call this)."""
+        self.compiler.clear_cache()
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.compiler.cache_bytes
+
+    @property
+    def cache_hits(self) -> int:
+        return self.compiler.cache_hits
+
+    @property
+    def cache_misses(self) -> int:
+        return self.compiler.cache_misses
 
     # -- per request --------------------------------------------------------------------------
 
     def new_state(self, compiled: CompiledConstraint) -> ConstraintState:
-        return ConstraintState(compiled, self.tokenizer, self.stop_token_ids, self.vocab_size)
+        return ConstraintState(compiled, self.tokenizer, self.stop_token_ids, self.vocab_size,
+                               max_jump_tokens=self.max_jump_forward_tokens)
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         return allocate_bitmask(batch_size, self.vocab_size)
@@ -192,10 +152,6 @@ class GrammarBackend:
         if self._batch_matcher is None and sum(s is not None for s in states) >= _BATCH_THRESHOLD:
             self._batch_matcher = xgr.BatchGrammarMatcher()
         return fill_bitmasks(states, bitmask, self._batch_matcher)
-
-
-def _preview(text: str, limit: int = 120) -> str:
-    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 class ConstraintState:
@@ -212,8 +168,11 @@ class ConstraintState:
         tokenizer: Any,
         stop_token_ids: Sequence[int],
         vocab_size: int,
+        *,
+        max_jump_tokens: int = 64,
     ) -> None:
         self.compiled = compiled
+        self.max_jump_tokens = max_jump_tokens
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.vocab_size = vocab_size
@@ -267,7 +226,15 @@ class ConstraintState:
     def jump_forward(
         self, output_ids: Sequence[int], *, max_new_tokens: int | None = None, **options: Any
     ) -> JumpPlan | None:
-        """Plan a jump over the forced continuation; see `grammar_jump.plan_jump_forward`."""
+        """Plan a jump over the forced continuation; see `grammar_jump.plan_jump_forward`.
+
+        None, without asking xgrammar, when the grammar's forced text has no known bound
+        (`CompiledConstraint.forced_bound`): xgrammar's walk might never return. At most
+        `max_jump_tokens` tokens are appended, and never more than `max_new_tokens`.
+        """
+        if self.compiled.forced_bound is None:
+            return None
+        options.setdefault("max_jump_tokens", self.max_jump_tokens)
         return plan_jump_forward(
             self.tokenizer, self, output_ids, max_new_tokens=max_new_tokens, **options
         )

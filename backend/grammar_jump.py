@@ -25,6 +25,13 @@ that ends the grammar (only a stop token may follow): nothing can merge there.
 Never across termination: a point where the grammar could stop is never forced (a stop
 token is an alternative), so S ends there at the latest; we do not extend it.
 
+Bounded: one plan appends at most `max_jump_tokens` tokens (the engine's
+`max_jump_forward_tokens`, 64 by default) and never more than the request's remaining
+`max_new_tokens`; S is cut to `max_jump_tokens * _CHARS_PER_TOKEN` characters before it is
+re-tokenized, so a long forced text costs one bounded plan per step. S itself is only asked
+for when the grammar's forced text is known to be finite and short
+(`ConstraintState.jump_forward`, `grammar_forcing.py`): otherwise xgrammar would never return.
+
 The plan is computed on a fork of the matcher, so planning never changes the request's
 state; `apply_plan` commits it after the engine has changed the request's tokens.
 """
@@ -42,6 +49,11 @@ if TYPE_CHECKING:
     from sgl.backend.grammar import ConstraintState
 
 __all__ = ["JumpPlan", "apply_plan", "plan_jump_forward"]
+
+# Forced text is cut to this many characters per allowed token before re-tokenizing: enough
+# for the longest tokens of common vocabularies (runs of indentation spaces), so the cut
+# rarely binds before the token cap does.
+_CHARS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -75,63 +87,37 @@ def plan_jump_forward(
     max_boundary_tokens: int = 4,
     min_chars: int = 3,
     max_new_tokens: int | None = None,
+    max_jump_tokens: int = 64,
 ) -> JumpPlan | None:
     """Decide a jump for one request, or None when there is nothing worth jumping.
 
     `output_ids` are the request's output tokens, all accepted by `state` (the last one may
     not have been through the model yet). `max_new_tokens` caps `net_new_tokens` (pass the
-    request's remaining budget). The state is not modified.
+    request's remaining budget); `max_jump_tokens` caps `append_ids`. The state is not
+    modified. Only call it for grammars whose forced text is finite (see module docstring).
     """
     matcher = state.matcher
-    if matcher.is_terminated():
+    if matcher.is_terminated() or max_jump_tokens < 1:
+        return None
+    if max_new_tokens is not None and max_new_tokens < 1:
         return None
     forced = matcher.find_jump_forward_string()
     if len(forced) < min_chars:
         return None
-    if max_new_tokens is not None and max_new_tokens < 1:
-        return None
+    forced = forced[: max_jump_tokens * _CHARS_PER_TOKEN]  # a prefix of forced text is forced
 
-    usable = min(len(output_ids), state.num_accepted)
-    # If the first window token changes (no anchor), the merge may reach further left: widen
-    # the window once before giving up.
-    for window in (max_boundary_tokens, 2 * max_boundary_tokens):
-        boundary = _retokenize_boundary(tokenizer, output_ids, min(window, usable), forced)
-        if boundary is None:
-            return None
-        tail, boundary_text, retokenized, kept = boundary
-        anchored = kept > 0 or len(tail) >= len(output_ids)
-        if anchored or window >= usable:
-            break
-    if not anchored:
+    boundary = _anchored_boundary(tokenizer, output_ids, state.num_accepted, forced,
+                                  max_boundary_tokens)
+    if boundary is None:
         return None
-    k = len(tail)
-    rollback = k - kept
+    tail, boundary_text, retokenized, kept = boundary
+    rollback = len(tail) - kept
     candidate = retokenized[kept:]
 
-    fork = matcher.fork()
-    if rollback:
-        fork.rollback(rollback)
-    accepted = 0
-    for token in candidate:
-        if not fork.accept_token(token):
-            break
-        accepted += 1
-    if accepted < len(candidate):
-        # Cannot happen for text the grammar accepts, unless a token is special; the last
-        # accepted token may then sit on a boundary, so hold it back below.
-        candidate = candidate[:accepted]
-        ends_grammar = False
-    else:
-        ends_grammar = _only_stop_allowed(fork, state)
-    if not ends_grammar and candidate:
-        # Hold back the boundary token: the model may merge it with what it writes next.
-        fork.rollback(1)
-        candidate = candidate[:-1]
-
-    if max_new_tokens is not None and len(candidate) - rollback > max_new_tokens:
-        extra = len(candidate) - rollback - max_new_tokens
-        fork.rollback(extra)
-        candidate = candidate[: len(candidate) - extra]
+    keep = max_jump_tokens
+    if max_new_tokens is not None:
+        keep = min(keep, max_new_tokens + rollback)
+    fork, candidate = _walk_candidate(matcher, state, rollback, candidate, keep)
 
     # Rolled-back text must be re-covered, or already-streamed text would shrink; and some
     # forced text must be covered, or the jump saves no decode step.
@@ -168,6 +154,57 @@ def apply_plan(state: ConstraintState, plan: JumpPlan) -> None:
     state.num_accepted += plan.net_new_tokens
     state.num_jumps += 1
     state.num_jump_tokens += plan.net_new_tokens
+
+
+def _anchored_boundary(
+    tokenizer: Any, output_ids: Sequence[int], num_accepted: int, forced: str, window: int
+) -> tuple[list[int], str, list[int], int] | None:
+    """`_retokenize_boundary` over a window of output tokens whose first token survives
+    re-tokenization (the anchor); None when there is none."""
+    usable = min(len(output_ids), num_accepted)
+    # If the first window token changes (no anchor), the merge may reach further left: widen
+    # the window once before giving up.
+    for size in (window, 2 * window):
+        boundary = _retokenize_boundary(tokenizer, output_ids, min(size, usable), forced)
+        if boundary is None:
+            return None
+        tail, _, _, kept = boundary
+        if kept > 0 or len(tail) >= len(output_ids):
+            return boundary
+        if size >= usable:
+            return None
+    return None
+
+
+def _walk_candidate(
+    matcher: xgr.GrammarMatcher, state: ConstraintState, rollback: int, candidate: list[int],
+    keep: int,
+) -> tuple[xgr.GrammarMatcher, list[int]]:
+    """Walk a fork of the matcher over the candidate tokens; returns the fork and the tokens
+    to append: those the grammar accepts, less the held-back boundary token, at most `keep`."""
+    fork = matcher.fork()
+    if rollback:
+        fork.rollback(rollback)
+    accepted = 0
+    for token in candidate:
+        if not fork.accept_token(token):
+            break
+        accepted += 1
+    if accepted < len(candidate):
+        # Cannot happen for text the grammar accepts, unless a token is special; the last
+        # accepted token may then sit on a boundary, so hold it back below.
+        candidate = candidate[:accepted]
+        ends_grammar = False
+    else:
+        ends_grammar = _only_stop_allowed(fork, state)
+    if not ends_grammar and candidate:
+        # Hold back the boundary token: the model may merge it with what it writes next.
+        fork.rollback(1)
+        candidate = candidate[:-1]
+    if len(candidate) > keep:
+        fork.rollback(len(candidate) - keep)
+        candidate = candidate[:keep]
+    return fork, candidate
 
 
 def _only_stop_allowed(matcher: xgr.GrammarMatcher, state: ConstraintState) -> bool:

@@ -192,7 +192,8 @@ class Runtime:
             from sgl.backend.grammar import GrammarBackend
 
             self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
-                                           stop_token_ids=self.model_config.eos_token_ids)
+                                           stop_token_ids=self.model_config.eos_token_ids,
+                                           **GrammarBackend.config_options(self.config))
             self.runner.grammar = self._grammar
         return self._grammar
 
@@ -207,6 +208,8 @@ class Runtime:
             if self.scheduler.running:
                 return False
             self.tree.reset()
+            if self._grammar is not None:
+                self._grammar.clear_cache()
             return True
 
         return self.core.call(flush)

@@ -31,6 +31,9 @@ _KINDS: dict[str, type] = {
     "disable_overlap_schedule": bool, "disable_jump_forward": bool,
     "schedule_conservativeness": float, "attention_backend": str, "disable_cuda_graph": bool,
     "cuda_graph_max_bs": int, "request_timeout": float, "debug_integrity": bool, "log_level": str,
+    # grammar limits
+    "max_grammar_bytes": int, "max_json_schema_depth": int, "grammar_compile_timeout": float,
+    "grammar_cache_bytes": int, "max_jump_forward_tokens": int,
 }
 _OPTIONAL = frozenset({"disable_overlap_schedule", "context_length", "max_total_tokens", "mem_fraction_static",
                        "chunked_prefill_size", "max_prefill_tokens", "max_running_requests",
@@ -77,6 +80,13 @@ class EngineConfig:
     request_timeout: float | None = None  # seconds; per-request `timeout` overrides
     debug_integrity: bool = False  # run check_integrity() on pool and tree whenever idle
     log_level: str = "warning"
+
+    # -- grammar limits (a constraint can cost far more than its text: docs/operations.md) --
+    max_grammar_bytes: int = 64 * 1024  # regex / JSON schema / EBNF source, UTF-8 bytes
+    max_json_schema_depth: int = 64  # nesting of objects and arrays in a JSON schema document
+    grammar_compile_timeout: float = 10.0  # seconds a request waits for its grammar to compile
+    grammar_cache_bytes: int = 256 << 20  # compiled grammars kept for reuse, in bytes
+    max_jump_forward_tokens: int = 64  # tokens one jump-forward may append
 
     def __post_init__(self) -> None:
         self._validate()
@@ -164,3 +174,15 @@ class EngineConfig:
             fail("request_timeout", "must be a positive number of seconds (or None)")
         if not self.schedule_conservativeness > 0:
             fail("schedule_conservativeness", "must be > 0")
+        self._validate_grammar_limits(fail)
+
+    def _validate_grammar_limits(self, fail: Any) -> None:
+        for name in ("max_grammar_bytes", "grammar_cache_bytes", "max_jump_forward_tokens"):
+            if getattr(self, name) < 1:
+                fail(name, "must be a positive integer")
+        # The schema front end walks documents recursively; past ~500 levels Python's own
+        # recursion limit would fail first, with a worse message.
+        if not 1 <= self.max_json_schema_depth <= 512:
+            fail("max_json_schema_depth", "must be between 1 and 512")
+        if not self.grammar_compile_timeout > 0:
+            fail("grammar_compile_timeout", "must be a positive number of seconds")

@@ -7,10 +7,12 @@
 
 This module is pure Python: it must not import torch or xgrammar, so `import sgl` stays
 light. Pydantic is imported lazily, only when `schema=` is used. Whether a spec *compiles* is
-decided engine-side (`GrammarBackend.compile`), synchronously in `generate` before anything is
-queued; here we only normalise, detect conflicting options and warn about JSON Schema keywords
-the engine accepts but cannot enforce. What is done to a schema document itself (Pydantic type
--> schema, canonical text, the unenforced keywords) lives in `sgl._json_schema`.
+decided engine-side (`GrammarBackend.compile_async`, awaited in `generate` before anything is
+queued); here we only normalise, detect conflicting options, enforce the size limits that are
+cheap to check before compiling (`ConstraintLimits`: source bytes, JSON schema nesting) and
+warn about JSON Schema keywords the engine accepts but cannot enforce. What is done to a
+schema document itself (Pydantic type -> schema, canonical text, nesting depth, the unenforced
+keywords) lives in `sgl._json_schema`.
 """
 
 from __future__ import annotations
@@ -23,11 +25,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from sgl._json_schema import canonical_json, type_json_schema, type_name, unenforceable_keywords
+from sgl._json_schema import (
+    canonical_json,
+    nesting_depth,
+    type_json_schema,
+    type_name,
+    unenforceable_keywords,
+)
 from sgl.errors import InvalidConstraintError, ParseError
 
 __all__ = [
     "ConstraintKind",
+    "ConstraintLimits",
     "ConstraintSpec",
     "UnenforceableSchemaWarning",
     "build_constraint",
@@ -63,12 +72,15 @@ class ConstraintSpec:
     `text` is canonical (a JSON schema's keywords are sorted, its property order kept), so
     `(kind, text)` is a good cache key. `source` names the option that produced it, for
     messages. The parser, when present, turns generated text into a typed value (`parse`).
+    `compiled` is the engine's compiled grammar once `sgl.Engine` has compiled the spec
+    (opaque here); holding it keeps the grammar alive until the request is queued.
     """
 
     kind: ConstraintKind
     text: str
     source: str = ""
     parser: Callable[[str], Any] | None = field(default=None, compare=False, repr=False)
+    compiled: Any = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -197,6 +209,52 @@ def _warn_unenforceable(schema: Any, source: str) -> None:
         )
 
 
+# -- limits -------------------------------------------------------------------------------------
+
+# Without configured limits, schemas are still refused past this depth: the document walkers
+# here recurse, and Python's recursion limit would fail with a RecursionError instead.
+_WALKABLE_DEPTH = 512
+
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    """How large a constraint may be before it is compiled; the engine options of the same
+    names (`sgl.Engine(max_grammar_bytes=..., max_json_schema_depth=...)`). None: no limit."""
+
+    max_grammar_bytes: int | None = None
+    max_json_schema_depth: int | None = None
+
+    def check_size(self, text: str | bytes, what: str, field_name: str) -> None:
+        limit = self.max_grammar_bytes
+        if limit is None or len(text) <= limit // 4:  # even all 4-byte characters would fit
+            return
+        if isinstance(text, bytes):
+            if len(text) <= limit:
+                return
+            size = f"{len(text)} bytes"
+        elif len(text) > limit:  # over already in characters: no need to encode it all
+            size = f"{len(text)} characters"
+        else:
+            encoded = len(text.encode("utf-8", "surrogatepass"))
+            if encoded <= limit:
+                return
+            size = f"{encoded} bytes"
+        raise InvalidConstraintError(
+            f"{what} is {size}, over the limit of {limit} bytes (engine option "
+            f"max_grammar_bytes): shorten it, or raise max_grammar_bytes", field=field_name)
+
+    def check_depth(self, schema: Any, what: str, field_name: str) -> None:
+        limit = min(self.max_json_schema_depth or _WALKABLE_DEPTH, _WALKABLE_DEPTH)
+        if nesting_depth(schema, limit) > limit:
+            raise InvalidConstraintError(
+                f"{what} nests objects and arrays more than {limit} deep (engine option "
+                f"max_json_schema_depth): flatten it, e.g. share repeated parts through $defs "
+                f"and $ref, or raise max_json_schema_depth", field=field_name)
+
+
+_NO_LIMITS = ConstraintLimits()
+
+
 # -- build_constraint ---------------------------------------------------------------------------
 
 
@@ -208,11 +266,14 @@ def build_constraint(
     grammar: str | None = None,
     choices: Sequence[str] | None = None,
     dtype: type | None = None,
+    limits: ConstraintLimits | None = None,
 ) -> ConstraintSpec | None:
     """Normalise the constraint options of `gen`/`generate` into one spec (or None).
 
     At most one option may be given; conflicting ones raise InvalidConstraintError naming
-    them. Unenforceable JSON Schema keywords are reported with UnenforceableSchemaWarning.
+    them, as does a spec over `limits` (checked before the expensive steps: a JSON text's
+    size before it is parsed, a schema's depth before it is walked). Unenforceable JSON
+    Schema keywords are reported with UnenforceableSchemaWarning.
     """
     options = {"regex": regex, "json_schema": json_schema, "schema": schema,
                "grammar": grammar, "choices": choices, "dtype": dtype}
@@ -227,20 +288,31 @@ def build_constraint(
             field=names[1],
         )
     (name, value), = given.items()
-    return _BUILDERS[name](value)
+    limits = limits or _NO_LIMITS
+    spec = _BUILDERS[name](value, limits)
+    limits.check_size(spec.text, f"the {_KIND_NAMES[spec.kind]} from {name}=", name)
+    return spec
 
 
-def _from_regex(regex: Any) -> ConstraintSpec:
+_KIND_NAMES = {"regex": "regex", "json_schema": "JSON schema", "ebnf": "EBNF grammar"}
+
+
+def _from_regex(regex: Any, limits: ConstraintLimits) -> ConstraintSpec:
     if not isinstance(regex, str) or not regex:
         raise InvalidConstraintError(f"regex={regex!r}: must be a non-empty string", field="regex")
     return ConstraintSpec("regex", regex, source=f"regex {regex!r}")
 
 
-def _from_json_schema(value: Any) -> ConstraintSpec:
+def _from_json_schema(value: Any, limits: ConstraintLimits) -> ConstraintSpec:
     parsed = value
     if isinstance(value, (str, bytes)):
+        limits.check_size(value, "json_schema", "json_schema")  # before parsing it
         try:
             parsed = json.loads(value)
+        except RecursionError as exc:
+            raise InvalidConstraintError(
+                "json_schema nests objects and arrays too deeply to parse; flatten it",
+                field="json_schema") from exc
         except ValueError as exc:
             raise InvalidConstraintError(f"json_schema is not valid JSON ({exc}); pass a dict "
                                          "or a JSON string", field="json_schema") from exc
@@ -249,18 +321,20 @@ def _from_json_schema(value: Any) -> ConstraintSpec:
             f"json_schema must be a JSON object (dict), got {type(parsed).__name__}",
             field="json_schema",
         )
+    limits.check_depth(parsed, "json_schema", "json_schema")
     _warn_unenforceable(parsed, "json_schema")
     return ConstraintSpec("json_schema", canonical_json(parsed), source="json_schema")
 
 
-def _from_schema(tp: Any) -> ConstraintSpec:
+def _from_schema(tp: Any, limits: ConstraintLimits) -> ConstraintSpec:
     as_json, parser = type_json_schema(tp)
     source = f"schema {type_name(tp)}"
+    limits.check_depth(as_json, f"the JSON schema of {source}", "schema")
     _warn_unenforceable(as_json, source)
     return ConstraintSpec("json_schema", canonical_json(as_json), source=source, parser=parser)
 
 
-def _from_grammar(grammar: Any) -> ConstraintSpec:
+def _from_grammar(grammar: Any, limits: ConstraintLimits) -> ConstraintSpec:
     if not isinstance(grammar, str) or not grammar.strip():
         raise InvalidConstraintError(
             f"grammar={grammar!r}: must be EBNF text or a bundled grammar name "
@@ -273,7 +347,7 @@ def _from_grammar(grammar: Any) -> ConstraintSpec:
     return ConstraintSpec("ebnf", grammar, source="grammar")
 
 
-def _from_choices(choices: Any) -> ConstraintSpec:
+def _from_choices(choices: Any, limits: ConstraintLimits) -> ConstraintSpec:
     if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices or not all(
         isinstance(choice, str) and choice for choice in choices
     ):
@@ -309,7 +383,7 @@ _DTYPES: dict[type, tuple[str, Callable[[str], Any]]] = {
 }
 
 
-def _from_dtype(dtype: Any) -> ConstraintSpec:
+def _from_dtype(dtype: Any, limits: ConstraintLimits) -> ConstraintSpec:
     if not any(dtype is known for known in _DTYPES):
         raise InvalidConstraintError(f"dtype={dtype!r}: must be int, float, bool or str",
                                      field="dtype")
@@ -317,7 +391,7 @@ def _from_dtype(dtype: Any) -> ConstraintSpec:
     return ConstraintSpec("regex", regex, source=f"dtype {dtype.__name__}", parser=parser)
 
 
-_BUILDERS: dict[str, Callable[[Any], ConstraintSpec]] = {
+_BUILDERS: dict[str, Callable[[Any, ConstraintLimits], ConstraintSpec]] = {
     "regex": _from_regex, "json_schema": _from_json_schema, "schema": _from_schema,
     "grammar": _from_grammar, "choices": _from_choices, "dtype": _from_dtype,
 }

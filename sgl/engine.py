@@ -14,6 +14,7 @@ wrappers for scripts and notebooks, running the async API on a private event loo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -43,6 +44,7 @@ Message = Mapping[str, Any]
 PromptInput = Union[str, Sequence[int], Sequence[Message]]
 
 _CONSTRAINT_KEYS = ("schema", "grammar", "choices", "dtype")
+_GRAMMAR_BUILD_LOCK = threading.Lock()
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Engine:
         prompts, single = split_prompts(prompt, input_ids)
         lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
         prepared = [self._prepare(p, sampling_params, kwargs, lp) for p in prompts]
+        await self._compile_constraints(prepared)
         loop = asyncio.get_running_loop()
         rids: list[str] = []
         try:
@@ -226,6 +229,7 @@ class Engine:
         check_timeout(timeout)
         lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
         prep = self._prepare(prompts[0], sampling_params, kwargs, lp)
+        await self._compile_constraints([prep])
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         rid, futs = self._submit(prep, lp, timeout, loop, stream_queue=q)
@@ -329,16 +333,17 @@ class Engine:
             params = SamplingParams.from_dict(base)
         constraint = None
         if front or params.constraint is not None:
-            from sgl.constraints import build_constraint
+            from sgl.constraints import ConstraintLimits, build_constraint
 
             spec = {k: getattr(params, k) for k in ("regex", "json_schema") if getattr(params, k) is not None}
             if params.ebnf is not None:
                 spec["grammar"] = params.ebnf
-            constraint = build_constraint(**spec, **front)
+            limits = ConstraintLimits(self.config.max_grammar_bytes, self.config.max_json_schema_depth)
+            constraint = build_constraint(**spec, **front, limits=limits)  # size and depth checked
             params = params.replace(regex=None, json_schema=None, ebnf=None)
             if constraint is not None:
                 params = params.replace(**{constraint.kind: constraint.spec})
-                self._rt.grammar.compile(constraint.kind, constraint.spec)  # raises if invalid
+                # compiled (and rejected if invalid) by _compile_constraints, off the event loop
         vocab = self._rt.model_config.vocab_size
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
@@ -363,6 +368,25 @@ class Engine:
             raise InvalidRequestError(f"logprob_start_len={lp.logprob_start_len} is beyond the prompt "
                                       f"({len(ids)} tokens)", field="logprob_start_len")
         return _Prepared(ids, params, constraint)
+
+    async def _compile_constraints(self, prepared: Sequence[_Prepared]) -> None:
+        """Compile each request's constraint on the grammar workers, awaited, so that a slow
+        grammar delays only its own request; InvalidConstraintError if it is invalid or takes
+        longer than grammar_compile_timeout. The result rides on the spec until `_submit`."""
+        todo = [p for p in prepared if p.constraint is not None and p.constraint.compiled is None]
+        if not todo:
+            return
+        # The first use builds the backend's tokenizer tables (~0.3 s): in a thread, like compiles.
+        grammar = await asyncio.get_running_loop().run_in_executor(None, self._grammar_backend)
+        for prep in todo:
+            spec = prep.constraint
+            compiled = await grammar.compile_async(spec.kind, spec.spec,
+                                                   timeout=self.config.grammar_compile_timeout)
+            prep.constraint = dataclasses.replace(spec, compiled=compiled)
+
+    def _grammar_backend(self) -> Any:
+        with _GRAMMAR_BUILD_LOCK:  # Runtime.grammar builds on first use; build it once
+            return self._rt.grammar
 
     def _submit(self, prep: _Prepared, lp: LogprobOptions, timeout: float | None,
                 loop: asyncio.AbstractEventLoop, stream_queue: asyncio.Queue | None):
