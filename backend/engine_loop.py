@@ -78,6 +78,8 @@ class EngineCore:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps and return its result (e.g. flush)."""
+        if threading.current_thread() is self._thread:  # already there (a nested call)
+            return fn()
         done = threading.Event()
         box: dict[str, Any] = {}
 

@@ -7,15 +7,24 @@ runner (and CUDA graphs), scheduler -> start the engine thread.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import os
+import threading
 import time
-from typing import Any
+import uuid
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sgl._spec import RequestSpec
+from sgl.backend.req import Req
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from sgl.backend.grammar import GrammarBackend
 
 logger = logging.getLogger("sgl.engine")
 
@@ -155,9 +164,11 @@ class Runtime:
             KVManager(allocator, self.req_pool, self.tree, config.page_size), self.tree,
             self.runner.futures, self.tokenizer,
         )  # fmt: skip
-        self._grammar = None
+        self._grammar: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
+        self._ids = itertools.count()
         self.core = EngineCore(self.scheduler, self.runner, overlap=overlap,
-                               integrity_check=self.check_integrity if config.debug_integrity else None)
+                               integrity_check=self._check_integrity if config.debug_integrity else None)
 
     def _capture_cuda_graphs(self, config: EngineConfig, attn: Any, max_running: int) -> None:
         from sgl.backend.attention.triton_backend import TritonAttentionBackend
@@ -185,9 +196,45 @@ class Runtime:
 
     # -- services for the facade -------------------------------------------------------------
 
+    def submit(self, spec: RequestSpec) -> str:
+        """Queue one prompt's samples; returns the request id that `abort` takes. Every policy
+        default is applied here: per-sample seeds, jump-forward, the deadline."""
+        rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        timeout = spec.timeout if spec.timeout is not None else self.config.request_timeout
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        jump = spec.params.jump_forward
+        jump = (not self.config.disable_jump_forward) if jump is None else jump
+        # Forced tokens are not sampled, so they have no logprobs: a request that asks for
+        # logprobs decodes every token (its token_ids and logprobs then line up).
+        jump = jump and spec.constraint is not None and not spec.logprob.return_logprob
+        reqs = []
+        for i, sink in enumerate(spec.sinks):
+            params = spec.params
+            if params.seed is not None and params.n > 1:
+                params = params.replace(seed=params.seed + i)
+            state = self.grammar.new_state(spec.constraint) if spec.constraint is not None else None
+            reqs.append(Req(rid=rid, prompt_ids=list(spec.prompt_ids), params=params, logprob=spec.logprob,
+                            stream=spec.stream, deadline=deadline, sink=sink, constraint=state,
+                            jump_forward=jump, sample_index=i))
+        self.core.submit(reqs)
+        return rid
+
+    def abort(self, rid: str, reason: str) -> None:
+        self.core.abort(rid, reason)
+
+    async def compile_constraint(self, kind: str, source: str) -> Any:
+        """Compile on the grammar workers without blocking the caller's event loop (the first
+        call also builds the backend's tokenizer tables, ~0.3 s, in a thread)."""
+        grammar = await asyncio.get_running_loop().run_in_executor(None, lambda: self.grammar)
+        return await grammar.compile_async(kind, source, timeout=self.config.grammar_compile_timeout)
+
     @property
-    def grammar(self):
-        """The xgrammar adapter, built on first use (compiling the tokenizer info costs ~1 s)."""
+    def grammar(self) -> GrammarBackend:
+        """The xgrammar adapter, built once on first use (compiling the tokenizer info ~1 s)."""
+        with self._grammar_lock:
+            return self._build_grammar()
+
+    def _build_grammar(self) -> GrammarBackend:
         if self._grammar is None:
             from sgl.backend.grammar import GrammarBackend
 
@@ -198,7 +245,11 @@ class Runtime:
         return self._grammar
 
     def check_integrity(self) -> None:
-        """Every slot is free, cached in the tree, or owned by exactly one running request."""
+        """Every slot is free, cached in the tree, or owned by exactly one running request
+        (checked on the engine thread, between steps)."""
+        self.core.call(self._check_integrity)
+
+    def _check_integrity(self) -> None:
         from sgl.backend.kv_pool import check_kv_integrity
 
         check_kv_integrity(self.kv_pool.allocator, self.tree, self.scheduler.owned_slots())

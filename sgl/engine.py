@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import queue
 import threading
-import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
 from sgl._requests import check_timeout, is_ids, is_messages, make_sink, split_prompts
+from sgl._spec import RequestSpec
 from sgl.config import EngineConfig
 from sgl.errors import (
     ContextLengthError,
@@ -44,7 +42,6 @@ Message = Mapping[str, Any]
 PromptInput = Union[str, Sequence[int], Sequence[Message]]
 
 _CONSTRAINT_KEYS = ("schema", "grammar", "choices", "dtype")
-_GRAMMAR_BUILD_LOCK = threading.Lock()
 
 
 @dataclass
@@ -67,7 +64,6 @@ class Engine:
         self._portal_lock = threading.Lock()
         self._portal: Any = None
         self._portal_cm: Any = None
-        self._ids = itertools.count()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -146,7 +142,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Assert that every KV slot is free, cached, or owned by exactly one running request."""
-        self._rt.core.call(self._rt.check_integrity)
+        self._rt.check_integrity()
 
     # -- generation --------------------------------------------------------------------------
 
@@ -193,7 +189,7 @@ class Engine:
             why = "cancelled by the caller" if isinstance(exc, asyncio.CancelledError) else (
                 f"another prompt of the same generate() call failed: {exc!r}")
             for rid in rids:
-                self._rt.core.abort(rid, why)
+                self._rt.abort(rid, why)
             for _, futs in groups:
                 for fut in futs:
                     if fut.done() and not fut.cancelled():
@@ -246,7 +242,7 @@ class Engine:
                 yield payload
         finally:
             if remaining:
-                self._rt.core.abort(rid, "stream closed by the caller")
+                self._rt.abort(rid, "stream closed by the caller")
 
     # -- sync wrappers -----------------------------------------------------------------------
 
@@ -373,50 +369,20 @@ class Engine:
         """Compile each request's constraint on the grammar workers, awaited, so that a slow
         grammar delays only its own request; InvalidConstraintError if it is invalid or takes
         longer than grammar_compile_timeout. The result rides on the spec until `_submit`."""
-        todo = [p for p in prepared if p.constraint is not None and p.constraint.compiled is None]
-        if not todo:
-            return
-        # The first use builds the backend's tokenizer tables (~0.3 s): in a thread, like compiles.
-        grammar = await asyncio.get_running_loop().run_in_executor(None, self._grammar_backend)
-        for prep in todo:
+        for prep in prepared:
             spec = prep.constraint
-            compiled = await grammar.compile_async(spec.kind, spec.spec,
-                                                   timeout=self.config.grammar_compile_timeout)
-            prep.constraint = dataclasses.replace(spec, compiled=compiled)
-
-    def _grammar_backend(self) -> Any:
-        with _GRAMMAR_BUILD_LOCK:  # Runtime.grammar builds on first use; build it once
-            return self._rt.grammar
+            if spec is not None and spec.compiled is None:
+                compiled = await self._rt.compile_constraint(spec.kind, spec.spec)
+                prep.constraint = dataclasses.replace(spec, compiled=compiled)
 
     def _submit(self, prep: _Prepared, lp: LogprobOptions, timeout: float | None,
                 loop: asyncio.AbstractEventLoop, stream_queue: asyncio.Queue | None):
-        from sgl.backend.req import Req
-
-        rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        timeout = timeout if timeout is not None else self.config.request_timeout
-        check_timeout(timeout)
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        jump = prep.params.jump_forward
-        jump = (not self.config.disable_jump_forward) if jump is None else jump
-        # Forced tokens are not sampled, so they have no logprobs: a request that asks for
-        # logprobs decodes every token (its token_ids and logprobs then line up).
-        jump = jump and not lp.return_logprob
-        reqs, futs = [], []
-        for i in range(prep.params.n):
-            params = prep.params
-            if params.seed is not None and params.n > 1:
-                params = params.replace(seed=params.seed + i)
-            fut: asyncio.Future[GenerateOutput] = loop.create_future()
-            futs.append(fut)
-            state = None
-            if prep.constraint is not None:
-                state = self._rt.grammar.new_state(self._rt.grammar.compile(prep.constraint.kind, prep.constraint.spec))
-            reqs.append(Req(rid=rid, prompt_ids=list(prep.ids), params=params, logprob=lp,
-                            stream=stream_queue is not None, deadline=deadline,
-                            sink=make_sink(loop, fut, stream_queue), constraint=state,
-                            jump_forward=jump and state is not None, sample_index=i))
-        self._rt.core.submit(reqs)
-        return rid, futs
+        futs: list[asyncio.Future[GenerateOutput]] = [loop.create_future() for _ in range(prep.params.n)]
+        spec = RequestSpec(prompt_ids=prep.ids, params=prep.params, logprob=lp,
+                           sinks=[make_sink(loop, fut, stream_queue) for fut in futs],
+                           stream=stream_queue is not None, timeout=timeout,
+                           constraint=prep.constraint.compiled if prep.constraint is not None else None)
+        return self._rt.submit(spec), futs
 
     @staticmethod
     def _parse(prep: _Prepared, out: GenerateOutput) -> None:
