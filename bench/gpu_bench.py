@@ -560,8 +560,8 @@ def cpu_split(e: sgl.Engine) -> dict[str, float]:
     timed(rt.scheduler, "schedule", "cpu_schedule_ms")
     timed(rt.runner, "_prepare", "cpu_prepare_ms")
     timed(rt.runner, "_execute", "cpu_launch_ms")
-    timed(rt.core, "sampling_builder", "cpu_sampling_info_ms")
-    timed(rt.processor, "process", "cpu_process_incl_wait_ms")
+    timed(rt.sampler, "build_for", "cpu_sampling_info_ms")
+    timed(rt.scheduler, "update", "cpu_update_ms")
     return acc
 
 

@@ -16,7 +16,7 @@ same prompts:
 Figures:
 - output tokens/s (tokens in the final outputs / wall time) and model forward passes: engine
   steps (batched forward passes) and, per request, the steps that sampled a token for it
-  (`OutputProcessor._append` calls: one per forward pass the request took part in);
+  (`Scheduler._append` calls: one per forward pass the request took part in);
 - mask cost per decode step: `GrammarBackend.fill_bitmasks` and the sampler's
   `apply_token_bitmask`, timed inside the engine on the real batches of run 1, against the
   decode step time of run 3. Also the whole constrained decode step against the free one
@@ -110,7 +110,7 @@ class Probe:
     apply: list[float] = field(default_factory=list)  # apply_token_bitmask per decode step
     prepare: list[float] = field(default_factory=list)  # runner._prepare (includes fill)
     execute: list[float] = field(default_factory=list)  # runner._execute (forward + sample)
-    process: list[float] = field(default_factory=list)  # processor.process (accept, stop checks)
+    process: list[float] = field(default_factory=list)  # scheduler.update (accept, stop checks)
     passes: dict[tuple[str, int], int] = field(default_factory=dict)  # request -> sampled steps
     now: dict[str, float] = field(default_factory=dict)  # the step being timed
 
@@ -137,8 +137,8 @@ def install_probe(engine: sgl.Engine) -> Probe:
     rt = engine._rt  # noqa: SLF001 - a benchmark may look inside
     probe = Probe()
     grammar = rt.grammar  # builds the backend now, so the wrapper sees every call
-    runner, processor = rt.runner, rt.processor
-    orig_launch, orig_process, orig_append = runner.launch, processor.process, processor._append  # noqa: SLF001
+    runner, scheduler = rt.runner, rt.scheduler
+    orig_launch, orig_update, orig_append = runner.launch, scheduler.update, scheduler._append  # noqa: SLF001
     # Instance attributes shadow the methods: the engine calls self.runner._prepare(...) etc.
     grammar.fill_bitmasks = probe.timed("fill", grammar.fill_bitmasks)
     sampler_mod.apply_token_bitmask = probe.timed("apply", sampler_mod.apply_token_bitmask)
@@ -146,17 +146,17 @@ def install_probe(engine: sgl.Engine) -> Probe:
     runner._execute = probe.timed("execute", runner._execute)  # noqa: SLF001
     launched: list[tuple[float, Any]] = []
 
-    def launch(batch, sampling):  # noqa: ANN001, ANN202
+    def launch(batch):  # noqa: ANN001, ANN202
         probe.now.clear()
         t = time.perf_counter()
-        handle = orig_launch(batch, sampling)
+        handle = orig_launch(batch)
         handle.result()  # the loop is synchronous here (overlap off): wait inside the step
         launched.append((t, batch))
         return handle
 
-    def process(batch, handle):  # noqa: ANN001, ANN202
+    def update(batch, out):  # noqa: ANN001, ANN202
         t0 = time.perf_counter()
-        orig_process(batch, handle)
+        orig_update(batch, out)
         t1 = time.perf_counter()
         t, batch_launched = launched.pop()
         if batch_launched.is_decode:
@@ -172,8 +172,8 @@ def install_probe(engine: sgl.Engine) -> Probe:
         return orig_append(r, tok, lp, top)
 
     runner.launch = launch
-    processor.process = process
-    processor._append = append  # noqa: SLF001
+    scheduler.update = update
+    scheduler._append = append  # noqa: SLF001
     return probe
 
 
