@@ -22,10 +22,22 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
-from sgl._requests import check_timeout, is_ids, is_messages, make_sink, split_prompts
+from sgl._chat import check_messages, encode_chat, render_chat
+from sgl._portal import LoopThread, close_at_exit, forget_at_exit
+from sgl._requests import (
+    check_flag,
+    check_kwarg_names,
+    check_lengths,
+    check_limits,
+    check_min_tokens,
+    check_timeout,
+    is_ids,
+    is_messages,
+    make_sink,
+    split_prompts,
+)
 from sgl.config import EngineConfig
 from sgl.errors import (
-    ContextLengthError,
     EngineClosedError,
     InvalidRequestError,
     InvalidSamplingParamsError,
@@ -63,9 +75,9 @@ class Engine:
         self.config: EngineConfig = self._rt.config
         self._closed = False
         self._portal_lock = threading.Lock()
-        self._portal: Any = None
-        self._portal_cm: Any = None
+        self._portal: LoopThread | None = None  # started by the first sync call
         self._ids = itertools.count()
+        close_at_exit(self)  # a script that never calls close() still exits cleanly
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -86,11 +98,12 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._rt.close()
+        forget_at_exit(self)
+        self._rt.close()  # first: running requests end ("abort") and reach their callers
         with self._portal_lock:
-            if self._portal_cm is not None:
-                self._portal_cm.__exit__(None, None, None)
-                self._portal = self._portal_cm = None
+            portal, self._portal = self._portal, None
+        if portal is not None:
+            portal.close()
 
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
@@ -119,21 +132,16 @@ class Engine:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str | list[int]:
+        """The prompt of chat `messages` in the model's template: its text, or with
+        `tokenize=True` its token ids, in which text inside the messages never becomes a
+        control token (`encode()` of the text would turn a typed "<|im_start|>" into one)."""
         tok = self._need_tokenizer()
-        if not getattr(tok, "chat_template", None):
-            raise InvalidRequestError("this model's tokenizer has no chat template; send plain text",
-                                      field="messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
-                raise InvalidRequestError(f"message {i} must have a string 'role' and a string (or list) "
-                                          f"'content'; got keys {sorted(m)}", field="messages")
-        try:
-            return tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
-        except Exception as exc:  # a template error (e.g. jinja's) is the caller's input, not ours
-            raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
-                                      field="messages") from exc
+        checked = check_messages(messages)
+        if tokenize:
+            return encode_chat(tok, checked, add_generation_prompt)
+        return render_chat(tok, checked, add_generation_prompt)
 
     def stats(self) -> EngineStats:
         return EngineStats(**self._rt.stats())
@@ -168,6 +176,7 @@ class Engine:
         top_p, stop, n, seed, regex, json_schema, ...) and the constraint front ends schema=,
         grammar=, choices=, dtype=. With stream=True an async iterator of chunks is returned.
         """
+        check_flag("stream", stream)
         if stream:
             return self.stream(prompt, sampling_params, input_ids=input_ids, return_logprob=return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
@@ -247,11 +256,13 @@ class Engine:
     # -- sync wrappers -----------------------------------------------------------------------
 
     def generate_sync(self, *args: Any, **kwargs: Any) -> Any:
-        """`generate` for code without an event loop (scripts, notebooks)."""
+        """`generate` for code without an event loop (scripts, notebooks). Ctrl-C aborts the
+        request and raises KeyboardInterrupt."""
         return self._blocking_portal().call(lambda: self.generate(*args, **kwargs))
 
     def stream_sync(self, *args: Any, **kwargs: Any) -> Iterator[StreamChunk]:
-        """`stream` for code without an event loop: a plain iterator of chunks."""
+        """`stream` for code without an event loop: a plain iterator of chunks. Leaving the
+        loop early (break, an exception, Ctrl-C) aborts the request."""
         q: queue.Queue[tuple[str, Any]] = queue.Queue()
 
         async def pump() -> None:
@@ -259,25 +270,35 @@ class Engine:
                 async for chunk in self.stream(*args, **kwargs):
                     q.put(("chunk", chunk))
                 q.put(("end", None))
+            except asyncio.CancelledError:  # by the consumer (gone) or by close()
+                q.put(("error", EngineClosedError("the engine was closed while streaming")))
+                raise
             except BaseException as exc:  # handed to the consuming thread
                 q.put(("error", exc))
 
-        self._blocking_portal().start_task_soon(pump)
-        while True:
-            kind, payload = q.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise payload
-            yield payload
+        job = self._blocking_portal().start(pump)
+        try:
+            while True:
+                try:
+                    kind, payload = q.get(timeout=1.0)
+                except queue.Empty:  # pump always says how it ended; unless its loop died
+                    if job.done.is_set() and q.empty():
+                        raise EngineClosedError("the engine's sync loop stopped") from None
+                    continue
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise payload
+                yield payload
+        finally:
+            job.cancel()  # a no-op once pump has finished; else it aborts the request
 
-    def _blocking_portal(self) -> Any:
+    def _blocking_portal(self) -> LoopThread:
         with self._portal_lock:
+            if self._closed:  # checked here too: a portal started now would never be closed
+                raise EngineClosedError("the engine is closed; create a new sgl.Engine")
             if self._portal is None:
-                from anyio.from_thread import start_blocking_portal
-
-                self._portal_cm = start_blocking_portal("asyncio")
-                self._portal = self._portal_cm.__enter__()
+                self._portal = LoopThread(name="sgl-sync")
             return self._portal
 
     # -- request preparation (caller's thread; raises before anything is queued) -------------
@@ -294,8 +315,7 @@ class Engine:
                 raise InvalidRequestError("the prompt is empty", field="prompt")
             return self.encode(prompt)
         if is_messages(prompt):
-            text = self.apply_chat_template(prompt)
-            return self.encode(text, add_special_tokens=False)
+            return list(self.apply_chat_template(prompt, tokenize=True))
         if is_ids(prompt):
             ids = [int(t) for t in prompt]
             if not ids:
@@ -315,6 +335,7 @@ class Engine:
                  lp: LogprobOptions) -> _Prepared:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+        check_kwarg_names(kwargs, _CONSTRAINT_KEYS)
         kwargs = dict(kwargs)
         front = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
         if kwargs.get("json_schema") is not None and not isinstance(kwargs["json_schema"], str):
@@ -327,6 +348,7 @@ class Engine:
             base = SamplingParams.from_dict(sampling_params).to_dict()
             base.update(kwargs)
             params = SamplingParams.from_dict(base)
+        check_limits(params, lp, self.config)  # before any costly work (compiling, tokenizing)
         constraint = None
         if front or params.constraint is not None:
             from sgl.constraints import build_constraint
@@ -338,6 +360,7 @@ class Engine:
             params = params.replace(regex=None, json_schema=None, ebnf=None)
             if constraint is not None:
                 params = params.replace(**{constraint.kind: constraint.spec})
+                check_min_tokens(params, constraint.kind, constraint.spec, constraint.source)
                 self._rt.grammar.compile(constraint.kind, constraint.spec)  # raises if invalid
         vocab = self._rt.model_config.vocab_size
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
@@ -345,23 +368,7 @@ class Engine:
             raise InvalidSamplingParamsError(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary "
                                              f"[0, {vocab})", field="stop_token_ids")
         ids = self._tokenize(prompt)
-        ctx = self._rt.context_length
-        if len(ids) >= ctx:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context window is {ctx}: "
-                                     f"shorten it to at most {ctx - 1} tokens", field="prompt")
-        if len(ids) + params.max_new_tokens > ctx:
-            raise ContextLengthError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context window of {ctx}; lower max_new_tokens to at most {ctx - len(ids)}",
-                field="max_new_tokens")
-        pool = self._rt.config.max_total_tokens
-        if len(ids) + params.max_new_tokens > pool:
-            raise ContextLengthError(
-                f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens} tokens) exceeds the KV "
-                f"pool ({pool} tokens); raise max_total_tokens or shorten the request", field="max_new_tokens")
-        if lp.logprob_start_len >= len(ids):
-            raise InvalidRequestError(f"logprob_start_len={lp.logprob_start_len} is beyond the prompt "
-                                      f"({len(ids)} tokens)", field="logprob_start_len")
+        check_lengths(len(ids), params, lp, self._rt.context_length, self._rt.config.max_total_tokens)
         return _Prepared(ids, params, constraint)
 
     def _submit(self, prep: _Prepared, lp: LogprobOptions, timeout: float | None,
