@@ -39,13 +39,13 @@ def split_prompts(prompt: Any, input_ids: Any) -> tuple[list[Any], bool]:
                                   "ids, chat messages, or a non-empty list of them", field="prompt")
     if len(prompt) == 0:
         raise InvalidRequestError("the prompt is empty (an empty list)", field="prompt")
-    if any(isinstance(t, (int, float)) for t in prompt):
+    if all(isinstance(t, (int, float)) for t in prompt):  # token ids, one of them not an int
         _check_ids(prompt, "prompt")
     for i, item in enumerate(prompt):  # a batch: each item is one prompt
         _refuse_bytes(item, f"prompt[{i}]")
         if not (isinstance(item, str) or is_messages(item) or _is_list(item)):
-            raise InvalidRequestError(f"prompt[{i}] is {type(item).__name__}: each prompt of a list must "
-                                      "be text, a list of token ids or a list of chat messages", field="prompt")
+            raise InvalidRequestError(f"prompt[{i}] is {_short(item)}: each prompt of a list must be text, "
+                                      "a list of token ids or a list of chat messages", field="prompt")
         if _is_list(item) and any(isinstance(t, (int, float)) for t in item):
             _check_ids(item, f"prompt[{i}]")
     return list(prompt), False

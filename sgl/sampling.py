@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from sgl._typecheck import field_hints, mismatch
-from sgl.errors import InvalidSamplingParamsError
+from sgl.errors import InvalidConstraintError, InvalidSamplingParamsError
 
 __all__ = ["SamplingParams", "LogprobOptions", "GREEDY_TEMPERATURE", "suggest_name"]
 
@@ -185,8 +185,8 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
         given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
-        if len(given) > 1:
-            fail(given[1], f"only one constraint may be given, got {given}")
+        if len(given) > 1:  # the same class as build_constraint's conflicts (schema= with regex=, ...)
+            raise InvalidConstraintError(f"only one constraint may be given, got {given}", field=given[1])
 
 
 def _as_tuple(value: Any, name: str, item: type, what: str) -> tuple[Any, ...]:
