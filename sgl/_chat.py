@@ -51,6 +51,8 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
 def _content_text(content: Any, i: int) -> str:
     if isinstance(content, str):
         return content
+    if content is None:  # OpenAI: an assistant turn that only called tools
+        return ""
     if isinstance(content, (list, tuple)):  # OpenAI content parts: text only
         texts = []
         for j, part in enumerate(content):

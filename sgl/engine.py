@@ -24,18 +24,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequenc
 
 from sgl._chat import check_messages, encode_chat, render_chat
 from sgl._portal import LoopThread, close_at_exit, forget_at_exit
-from sgl._requests import (
-    check_flag,
-    check_kwarg_names,
-    check_lengths,
-    check_limits,
-    check_min_tokens,
-    check_timeout,
-    is_ids,
-    is_messages,
-    make_sink,
-    split_prompts,
-)
+from sgl._requests import (check_flag, check_kwarg_names, check_lengths, check_limits, check_min_tokens,
+                           check_timeout, is_ids, is_messages, make_sink, split_prompts)
 from sgl.config import EngineConfig
 from sgl.errors import (
     EngineClosedError,
