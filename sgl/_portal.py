@@ -16,11 +16,12 @@ import asyncio
 import atexit
 import logging
 import threading
+import weakref
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from sgl.errors import EngineClosedError
 
-__all__ = ["LoopThread", "Job", "close_at_exit", "forget_at_exit"]
+__all__ = ["LoopThread", "Job", "SyncPortal", "close_at_exit"]
 
 T = TypeVar("T")
 logger = logging.getLogger("sgl.engine")
@@ -126,12 +127,39 @@ async def _wrap(factory: Callable[[], Awaitable[Any]]) -> Any:
 
 # -- closing engines the program left open --------------------------------------------------
 
-_OPEN: dict[int, Any] = {}  # id -> object with close(); strong refs: closed at exit for sure
+
+class SyncPortal:
+    """An engine's LoopThread, started by the first sync call; `close()` stops it for good."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._loop: LoopThread | None = None
+        self._closed = False
+
+    def get(self) -> LoopThread:
+        with self._lock:
+            if self._closed:  # a loop started now would never be closed
+                raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+            if self._loop is None:
+                self._loop = LoopThread(self._name)
+            return self._loop
+
+    def close(self) -> None:
+        with self._lock:
+            loop, self._loop, self._closed = self._loop, None, True
+        if loop is not None:
+            loop.close()
+
+
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()  # objects whose close() the exit hook calls
 _hook_registered = False
 
 
-def close_at_exit(obj: Any) -> None:
-    """Call `obj.close()` at interpreter exit unless `forget_at_exit(obj)` ran first.
+def close_at_exit(obj: Any, close_parts: Callable[[], None]) -> weakref.finalize:
+    """Make sure an engine is closed: `obj.close()` at interpreter exit while it lives, or
+    `close_parts()` (which must not reference `obj`) once it is garbage-collected unclosed.
+    `obj.close()` should `detach()` the returned finalizer.
 
     Why: an engine's threads are daemons (so they never block exit), and Python kills daemon
     threads at finalization wherever they are; one inside torch's C++ code then aborts the
@@ -140,20 +168,25 @@ def close_at_exit(obj: Any) -> None:
     engine they still use is not closed under them.
     """
     global _hook_registered
-    _OPEN[id(obj)] = obj
+    _OPEN.add(obj)
+    finalizer = weakref.finalize(obj, _close_in_background, close_parts)
+    finalizer.atexit = False  # at exit the hook below closes live engines, in a known order
     if not _hook_registered:
         # Registered on the first engine, after the backend imported torch: atexit runs hooks
         # last-in first-out, so this one runs before torch's own.
         atexit.register(_close_open)
         _hook_registered = True
+    return finalizer
 
 
-def forget_at_exit(obj: Any) -> None:
-    _OPEN.pop(id(obj), None)
+def _close_in_background(close_parts: Callable[[], None]) -> None:
+    # A finalizer runs wherever the garbage collector happens to run, possibly inside the
+    # engine's own step: close from a thread of its own instead.
+    threading.Thread(target=close_parts, name="sgl-close", daemon=True).start()
 
 
 def _close_open() -> None:
-    for obj in list(_OPEN.values()):
+    for obj in list(_OPEN):
         try:
             obj.close()
         except Exception:  # noqa: BLE001 - exiting anyway; say what failed

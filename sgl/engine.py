@@ -14,16 +14,16 @@ wrappers for scripts and notebooks, running the async API on a private event loo
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
 from sgl._chat import check_messages, encode_chat, render_chat
-from sgl._portal import LoopThread, close_at_exit, forget_at_exit
+from sgl._portal import LoopThread, SyncPortal, close_at_exit
 from sgl._requests import (check_flag, check_kwarg_names, check_lengths, check_limits, check_min_tokens,
                            check_timeout, is_ids, is_messages, make_sink, split_prompts)
 from sgl.config import EngineConfig
@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     from sgl.backend.runtime import Runtime
 
 __all__ = ["Engine"]
+
+
+def _close_parts(rt: Runtime, sync: SyncPortal) -> None:
+    rt.close()  # first: running requests end ("abort") and reach their callers
+    sync.close()
 
 Message = Mapping[str, Any]
 PromptInput = Union[str, Sequence[int], Sequence[Message]]
@@ -64,10 +69,11 @@ class Engine:
         self._rt: Runtime = Runtime(config)
         self.config: EngineConfig = self._rt.config
         self._closed = False
-        self._portal_lock = threading.Lock()
-        self._portal: LoopThread | None = None  # started by the first sync call
+        self._sync = SyncPortal("sgl-sync")  # the loop behind generate_sync / stream_sync
         self._ids = itertools.count()
-        close_at_exit(self)  # a script that never calls close() still exits cleanly
+        # A script that never calls close() still exits cleanly; an engine dropped unclosed
+        # has its threads stopped (and its memory freed) when it is garbage-collected.
+        self._finalizer = close_at_exit(self, functools.partial(_close_parts, self._rt, self._sync))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -88,12 +94,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        forget_at_exit(self)
-        self._rt.close()  # first: running requests end ("abort") and reach their callers
-        with self._portal_lock:
-            portal, self._portal = self._portal, None
-        if portal is not None:
-            portal.close()
+        self._finalizer.detach()
+        _close_parts(self._rt, self._sync)
 
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
@@ -284,12 +286,9 @@ class Engine:
             job.cancel()  # a no-op once pump has finished; else it aborts the request
 
     def _blocking_portal(self) -> LoopThread:
-        with self._portal_lock:
-            if self._closed:  # checked here too: a portal started now would never be closed
-                raise EngineClosedError("the engine is closed; create a new sgl.Engine")
-            if self._portal is None:
-                self._portal = LoopThread(name="sgl-sync")
-            return self._portal
+        if self._closed:
+            raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+        return self._sync.get()  # raises EngineClosedError too if close() won a race
 
     # -- request preparation (caller's thread; raises before anything is queued) -------------
 

@@ -178,3 +178,23 @@ def test_ctrl_c_during_program_run_aborts_and_exits_130() -> None:
         print("finished instead of being interrupted", flush=True)
     """)
     _assert_clean_interrupt(status, out, err)
+
+
+def test_engine_dropped_without_close_stops_its_threads() -> None:
+    import gc
+    import weakref
+
+    from test_engine_core import make_engine
+
+    eng = make_engine()
+    eng.generate_sync(input_ids=[1, 2, 3], max_new_tokens=2)
+    threads = [eng._rt.core._thread, eng._sync.get()._thread]
+    runtime = weakref.ref(eng._rt)
+    del eng
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in threads), "an unreferenced engine kept its threads running"
+    gc.collect()
+    assert runtime() is None, "an unreferenced engine's runtime (model, KV pool) was not freed"
