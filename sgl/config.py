@@ -5,40 +5,40 @@ Option names follow SGLang's server arguments where one exists, so that
 `"auto"` are resolved by the backend (which knows the device and the model) into a new
 `EngineConfig` via `dataclasses.replace`; the original object is never mutated.
 
-The environment is read in exactly one place: `EngineConfig.from_env_defaults`.
+Validation is read from the annotations: a field's type (`int | None`, `Literal[...]`, ...)
+is checked before its range, so a new field is type-checked without editing a table.
+
+The environment is read in exactly one place: `EngineConfig.from_env_defaults` (every
+`SGL_*` variable that sets an engine option, see `ENV_OPTIONS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from sgl._typecheck import field_hints, mismatch
 from sgl.errors import InvalidConfigError
 
-__all__ = ["EngineConfig", "SchedulePolicy"]
+__all__ = ["EngineConfig", "SchedulePolicy", "ENV_OPTIONS"]
 
 SchedulePolicy = Literal["lpm", "fcfs"]
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The type each option must have (checked before its range); _OPTIONAL ones may be None.
-_KINDS: dict[str, type] = {
-    "load_format": str, "context_length": int, "device": str,
-    "dtype": str, "random_seed": int, "max_total_tokens": int, "mem_fraction_static": float,
-    "page_size": int, "chunked_prefill_size": int, "max_prefill_tokens": int,
-    "max_running_requests": int, "schedule_policy": str, "disable_radix_cache": bool,
-    "disable_overlap_schedule": bool, "disable_jump_forward": bool,
-    "schedule_conservativeness": float, "attention_backend": str, "disable_cuda_graph": bool,
-    "cuda_graph_max_bs": int, "request_timeout": float, "debug_integrity": bool, "log_level": str,
-    # grammar limits
-    "max_grammar_bytes": int, "max_json_schema_depth": int, "grammar_compile_timeout": float,
-    "grammar_cache_bytes": int, "max_jump_forward_tokens": int,
-}
-_OPTIONAL = frozenset({"disable_overlap_schedule", "context_length", "max_total_tokens", "mem_fraction_static",
-                       "chunked_prefill_size", "max_prefill_tokens", "max_running_requests",
-                       "cuda_graph_max_bs", "request_timeout"})
 _DEVICES_PREFIX = ("auto", "cpu", "cuda")
+# Environment variable -> engine option. Values are parsed by the option's annotation.
+ENV_OPTIONS: dict[str, str] = {
+    "SGL_DEVICE": "device",
+    "SGL_DTYPE": "dtype",
+    "SGL_DEBUG_INTEGRITY": "debug_integrity",
+    "SGL_KERNELS": "kernels",
+    "SGL_NUM_THREADS": "num_threads",
+    "SGL_CACHE_DIR": "cache_dir",
+}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,9 @@ class EngineConfig:
     model_config: dict[str, Any] | None = None  # dummy weights: a config dict or preset name in `model`
     context_length: int | None = None  # None: the model's max_position_embeddings
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     random_seed: int = 0
+    cache_dir: str | None = None  # dequantized GGUF weights and the default model; None: ~/.cache/sgl
 
     # -- memory ---------------------------------------------------------------------------
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
@@ -71,10 +72,19 @@ class EngineConfig:
     disable_jump_forward: bool = False
     schedule_conservativeness: float = 1.0  # reserve factor for future decode tokens
 
-    # -- GPU execution --------------------------------------------------------------------
+    # -- execution ------------------------------------------------------------------------
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    kernels: Literal["auto", "reference", "triton"] = "auto"  # op implementations (kernels/dispatch.py)
+    num_threads: int | None = None  # CPU: torch's intra-op threads; None: torch's default
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+
+    # -- request limits: checked before a request is queued (docs/operations.md, "Limits") ---
+    max_n: int = 64  # samples per request (`n`); each one is a running request
+    max_top_logprobs_num: int = 20  # alternatives per position (`top_logprobs_num`)
+    max_stop_strings: int = 32  # entries in `stop`; each is searched after every token
+    max_stop_string_len: int = 256  # characters per stop string (held back while streaming)
+    max_stop_token_ids: int = 256  # entries in `stop_token_ids`
 
     # -- operations -----------------------------------------------------------------------
     request_timeout: float | None = None  # seconds; per-request `timeout` overrides
@@ -99,8 +109,10 @@ class EngineConfig:
         known = cls.option_names()
         unknown = sorted(set(options) - known)
         if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise InvalidConfigError(
-                f"unknown engine option(s) {unknown}; known options: {sorted(known)}"
+                f"unknown engine option(s) {unknown}{hint}; known options: {sorted(known)}"
             )
         return cls(model=model, **options)
 
@@ -108,16 +120,16 @@ class EngineConfig:
     def option_names(cls) -> frozenset[str]:
         return frozenset(f.name for f in dataclasses.fields(cls))
 
-    @staticmethod
-    def from_env_defaults() -> dict[str, Any]:
-        """Options taken from the environment (SGL_DEVICE, SGL_DTYPE). The only env read."""
+    @classmethod
+    def from_env_defaults(cls) -> dict[str, Any]:
+        """Options taken from the environment (`ENV_OPTIONS`). The only place sgl reads it;
+        an empty variable counts as unset, a malformed one raises naming the variable."""
         env: dict[str, Any] = {}
-        if os.environ.get("SGL_DEVICE"):
-            env["device"] = os.environ["SGL_DEVICE"]
-        if os.environ.get("SGL_DTYPE"):
-            env["dtype"] = os.environ["SGL_DTYPE"]
-        if os.environ.get("SGL_DEBUG_INTEGRITY") == "1":
-            env["debug_integrity"] = True
+        hints = field_hints(cls)
+        for var, name in ENV_OPTIONS.items():
+            raw = os.environ.get(var, "").strip()
+            if raw:
+                env[name] = _parse_env(var, name, raw, hints[name])
         return env
 
     def replace(self, **changes: Any) -> EngineConfig:
@@ -131,45 +143,31 @@ class EngineConfig:
         def fail(name: str, why: str) -> None:
             raise InvalidConfigError(f"{name}={getattr(self, name)!r}: {why}")
 
-        # Types first, so that the range checks below never raise a bare TypeError, and a
-        # string like "no" is never taken as a true flag.
+        # Types first (from the annotations), so that the range checks below never raise a
+        # bare TypeError, and a string like "no" is never taken as a true flag.
+        hints = field_hints(type(self))
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            kind = _KINDS.get(f.name)
-            if kind is None or (value is None and f.name in _OPTIONAL):
-                continue
-            if kind is bool and not isinstance(value, bool):
-                fail(f.name, "must be True or False")
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                fail(f.name, "must be an integer")
-            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                fail(f.name, "must be a number")
-            if kind is str and not isinstance(value, str):
-                fail(f.name, "must be a string")
+            why = mismatch(getattr(self, f.name), hints[f.name])
+            if why is not None:
+                fail(f.name, why)
 
-        if self.dtype not in _DTYPES:
-            fail("dtype", f"must be one of {_DTYPES}")
         if not self.device.startswith(_DEVICES_PREFIX):
             fail("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
-            fail("load_format", "must be 'auto', 'gguf', 'safetensors' or 'dummy'")
         if self.page_size < 1:
             fail("page_size", "must be >= 1")
         for name in ("max_total_tokens", "max_running_requests", "context_length",
-                     "max_prefill_tokens", "cuda_graph_max_bs"):
+                     "max_prefill_tokens", "cuda_graph_max_bs", "num_threads", "max_n",
+                     "max_top_logprobs_num", "max_stop_strings", "max_stop_string_len",
+                     "max_stop_token_ids"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                fail(name, "must be a positive integer or None")
+            if value is not None and value < 1:
+                fail(name, "must be a positive integer" + (" or None" if _optional(self, name) else ""))
         if self.chunked_prefill_size is not None and (
             self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1
         ):
             fail("chunked_prefill_size", "must be a positive integer, -1 (off) or None (auto)")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             fail("mem_fraction_static", "must be in (0, 1)")
-        if self.schedule_policy not in ("lpm", "fcfs"):
-            fail("schedule_policy", "must be 'lpm' or 'fcfs'")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            fail("attention_backend", "must be 'auto', 'torch' or 'triton'")
         if self.request_timeout is not None and not self.request_timeout > 0:
             fail("request_timeout", "must be a positive number of seconds (or None)")
         if not self.schedule_conservativeness > 0:
@@ -186,3 +184,28 @@ class EngineConfig:
             fail("max_json_schema_depth", "must be between 1 and 512")
         if not self.grammar_compile_timeout > 0:
             fail("grammar_compile_timeout", "must be a positive number of seconds")
+
+
+def _optional(config: EngineConfig, name: str) -> bool:
+    """Whether option `name` accepts None (its annotation says `| None`)."""
+    return mismatch(None, field_hints(type(config))[name]) is None
+
+
+def _parse_env(var: str, name: str, raw: str, hint: Any) -> Any:
+    """The value of environment variable `var` as engine option `name` (typed by `hint`)."""
+    where = f"(it sets the engine option {name})"
+    if mismatch(True, hint) is None:  # a flag
+        if raw.lower() in _TRUE + _FALSE:
+            return raw.lower() in _TRUE
+        raise InvalidConfigError(f"{var}={raw!r}: must be 1 or 0 {where}")
+    for kind, parse in (("an integer", int), ("a number", float)):
+        if mismatch(parse(1), hint) is None and mismatch("x", hint) is not None:
+            try:
+                return parse(raw)
+            except ValueError:
+                raise InvalidConfigError(f"{var}={raw!r}: must be {kind} {where}") from None
+    value = raw if mismatch(raw, hint) is None else raw.lower()  # choices are lowercase
+    why = mismatch(value, hint)
+    if why is not None:
+        raise InvalidConfigError(f"{var}={raw!r}: {why} {where}")
+    return value

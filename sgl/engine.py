@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import queue
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
-from sgl._requests import check_timeout, is_ids, is_messages, make_sink, split_prompts
+from sgl._chat import check_messages, encode_chat, render_chat
+from sgl._portal import LoopThread, SyncPortal, close_at_exit
+from sgl._requests import (check_flag, check_kwarg_names, check_lengths, check_limits, check_min_tokens,
+                           check_timeout, is_ids, is_messages, make_sink, split_prompts)
 from sgl._spec import RequestSpec
 from sgl.config import EngineConfig
 from sgl.errors import (
-    ContextLengthError,
     EngineClosedError,
     InvalidRequestError,
     InvalidSamplingParamsError,
@@ -37,6 +39,11 @@ if TYPE_CHECKING:
     from sgl.backend.runtime import Runtime
 
 __all__ = ["Engine"]
+
+
+def _close_parts(rt: Runtime, sync: SyncPortal) -> None:
+    rt.close()  # first: running requests end ("abort") and reach their callers
+    sync.close()
 
 Message = Mapping[str, Any]
 PromptInput = Union[str, Sequence[int], Sequence[Message]]
@@ -61,9 +68,10 @@ class Engine:
         self._rt: Runtime = Runtime(config)
         self.config: EngineConfig = self._rt.config
         self._closed = False
-        self._portal_lock = threading.Lock()
-        self._portal: Any = None
-        self._portal_cm: Any = None
+        self._sync = SyncPortal("sgl-sync")  # the loop behind generate_sync / stream_sync
+        # A script that never calls close() still exits cleanly; an engine dropped unclosed
+        # has its threads stopped (and its memory freed) when it is garbage-collected.
+        self._finalizer = close_at_exit(self, functools.partial(_close_parts, self._rt, self._sync))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -84,11 +92,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._rt.close()
-        with self._portal_lock:
-            if self._portal_cm is not None:
-                self._portal_cm.__exit__(None, None, None)
-                self._portal = self._portal_cm = None
+        self._finalizer.detach()
+        _close_parts(self._rt, self._sync)
 
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
@@ -117,21 +122,16 @@ class Engine:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str | list[int]:
+        """The prompt of chat `messages` in the model's template: its text, or with
+        `tokenize=True` its token ids, in which text inside the messages never becomes a
+        control token (`encode()` of the text would turn a typed "<|im_start|>" into one)."""
         tok = self._need_tokenizer()
-        if not getattr(tok, "chat_template", None):
-            raise InvalidRequestError("this model's tokenizer has no chat template; send plain text",
-                                      field="messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
-                raise InvalidRequestError(f"message {i} must have a string 'role' and a string (or list) "
-                                          f"'content'; got keys {sorted(m)}", field="messages")
-        try:
-            return tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
-        except Exception as exc:  # a template error (e.g. jinja's) is the caller's input, not ours
-            raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
-                                      field="messages") from exc
+        checked = check_messages(messages)
+        if tokenize:
+            return encode_chat(tok, checked, add_generation_prompt)
+        return render_chat(tok, checked, add_generation_prompt)
 
     def stats(self) -> EngineStats:
         return EngineStats(**self._rt.stats())
@@ -166,6 +166,7 @@ class Engine:
         top_p, stop, n, seed, regex, json_schema, ...) and the constraint front ends schema=,
         grammar=, choices=, dtype=. With stream=True an async iterator of chunks is returned.
         """
+        check_flag("stream", stream)
         if stream:
             return self.stream(prompt, sampling_params, input_ids=input_ids, return_logprob=return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
@@ -247,11 +248,13 @@ class Engine:
     # -- sync wrappers -----------------------------------------------------------------------
 
     def generate_sync(self, *args: Any, **kwargs: Any) -> Any:
-        """`generate` for code without an event loop (scripts, notebooks)."""
+        """`generate` for code without an event loop (scripts, notebooks). Ctrl-C aborts the
+        request and raises KeyboardInterrupt."""
         return self._blocking_portal().call(lambda: self.generate(*args, **kwargs))
 
     def stream_sync(self, *args: Any, **kwargs: Any) -> Iterator[StreamChunk]:
-        """`stream` for code without an event loop: a plain iterator of chunks."""
+        """`stream` for code without an event loop: a plain iterator of chunks. Leaving the
+        loop early (break, an exception, Ctrl-C) aborts the request."""
         q: queue.Queue[tuple[str, Any]] = queue.Queue()
 
         async def pump() -> None:
@@ -259,26 +262,33 @@ class Engine:
                 async for chunk in self.stream(*args, **kwargs):
                     q.put(("chunk", chunk))
                 q.put(("end", None))
+            except asyncio.CancelledError:  # by the consumer (gone) or by close()
+                q.put(("error", EngineClosedError("the engine was closed while streaming")))
+                raise
             except BaseException as exc:  # handed to the consuming thread
                 q.put(("error", exc))
 
-        self._blocking_portal().start_task_soon(pump)
-        while True:
-            kind, payload = q.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise payload
-            yield payload
+        job = self._blocking_portal().start(pump)
+        try:
+            while True:
+                try:
+                    kind, payload = q.get(timeout=1.0)
+                except queue.Empty:  # pump always says how it ended; unless its loop died
+                    if job.done.is_set() and q.empty():
+                        raise EngineClosedError("the engine's sync loop stopped") from None
+                    continue
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise payload
+                yield payload
+        finally:
+            job.cancel()  # a no-op once pump has finished; else it aborts the request
 
-    def _blocking_portal(self) -> Any:
-        with self._portal_lock:
-            if self._portal is None:
-                from anyio.from_thread import start_blocking_portal
-
-                self._portal_cm = start_blocking_portal("asyncio")
-                self._portal = self._portal_cm.__enter__()
-            return self._portal
+    def _blocking_portal(self) -> LoopThread:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+        return self._sync.get()  # raises EngineClosedError too if close() won a race
 
     # -- request preparation (caller's thread; raises before anything is queued) -------------
 
@@ -294,8 +304,7 @@ class Engine:
                 raise InvalidRequestError("the prompt is empty", field="prompt")
             return self.encode(prompt)
         if is_messages(prompt):
-            text = self.apply_chat_template(prompt)
-            return self.encode(text, add_special_tokens=False)
+            return list(self.apply_chat_template(prompt, tokenize=True))
         if is_ids(prompt):
             ids = [int(t) for t in prompt]
             if not ids:
@@ -315,6 +324,7 @@ class Engine:
                  lp: LogprobOptions) -> _Prepared:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+        check_kwarg_names(kwargs, _CONSTRAINT_KEYS)
         kwargs = dict(kwargs)
         front = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
         if kwargs.get("json_schema") is not None and not isinstance(kwargs["json_schema"], str):
@@ -327,6 +337,7 @@ class Engine:
             base = SamplingParams.from_dict(sampling_params).to_dict()
             base.update(kwargs)
             params = SamplingParams.from_dict(base)
+        check_limits(params, lp, self.config)  # before any costly work (compiling, tokenizing)
         constraint = None
         if front or params.constraint is not None:
             from sgl.constraints import ConstraintLimits, build_constraint
@@ -339,6 +350,7 @@ class Engine:
             params = params.replace(regex=None, json_schema=None, ebnf=None)
             if constraint is not None:
                 params = params.replace(**{constraint.kind: constraint.spec})
+                check_min_tokens(params, constraint.kind, constraint.spec, constraint.source)
                 # compiled (and rejected if invalid) by _compile_constraints, off the event loop
         vocab = self._rt.model_config.vocab_size
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
@@ -346,23 +358,7 @@ class Engine:
             raise InvalidSamplingParamsError(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary "
                                              f"[0, {vocab})", field="stop_token_ids")
         ids = self._tokenize(prompt)
-        ctx = self._rt.context_length
-        if len(ids) >= ctx:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context window is {ctx}: "
-                                     f"shorten it to at most {ctx - 1} tokens", field="prompt")
-        if len(ids) + params.max_new_tokens > ctx:
-            raise ContextLengthError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context window of {ctx}; lower max_new_tokens to at most {ctx - len(ids)}",
-                field="max_new_tokens")
-        pool = self._rt.config.max_total_tokens
-        if len(ids) + params.max_new_tokens > pool:
-            raise ContextLengthError(
-                f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens} tokens) exceeds the KV "
-                f"pool ({pool} tokens); raise max_total_tokens or shorten the request", field="max_new_tokens")
-        if lp.logprob_start_len >= len(ids):
-            raise InvalidRequestError(f"logprob_start_len={lp.logprob_start_len} is beyond the prompt "
-                                      f"({len(ids)} tokens)", field="logprob_start_len")
+        check_lengths(len(ids), params, lp, self._rt.context_length, self._rt.config.max_total_tokens)
         return _Prepared(ids, params, constraint)
 
     async def _compile_constraints(self, prepared: Sequence[_Prepared]) -> None:

@@ -5,7 +5,8 @@ The hierarchy::
     SglError
     ├── InvalidRequestError (also ValueError)   bad input, raised before any work is queued
     │   ├── InvalidSamplingParamsError          a sampling parameter is out of range or unknown
-    │   ├── InvalidConstraintError              a regex / JSON schema / grammar does not compile
+    │   ├── InvalidConstraintError              a regex / JSON schema / grammar does not compile,
+    │   │                                       or two constraints are given
     │   └── ContextLengthError                  prompt or max_new_tokens exceed the context window
     ├── InvalidConfigError (also ValueError)    an engine option is unknown or out of range
     ├── ModelLoadError                          a model folder or GGUF file cannot be read
@@ -51,11 +52,12 @@ class InvalidRequestError(SglError, ValueError):
 
 
 class InvalidSamplingParamsError(InvalidRequestError):
-    """A sampling parameter is unknown, negative, NaN or otherwise out of range."""
+    """A sampling parameter is unknown, of the wrong type, negative, NaN, otherwise out of
+    range, or over one of the engine's request limits (`max_n`, ...)."""
 
 
 class InvalidConstraintError(InvalidRequestError):
-    """A regex, JSON schema, Pydantic model or grammar cannot be compiled."""
+    """A regex, JSON schema, Pydantic model or grammar cannot be compiled, or two are given."""
 
 
 class ContextLengthError(InvalidRequestError):

@@ -7,13 +7,46 @@ unchanged. Validation happens here, in plain Python, before a request reaches th
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-from sgl.errors import InvalidSamplingParamsError
+from sgl._typecheck import field_hints, mismatch
+from sgl.errors import InvalidConstraintError, InvalidSamplingParamsError
 
-__all__ = ["SamplingParams", "LogprobOptions"]
+__all__ = ["SamplingParams", "LogprobOptions", "GREEDY_TEMPERATURE", "suggest_name"]
+
+# Temperatures below this are greedy: dividing logits by ~1e-38 overflows float32 to inf,
+# and softmax over infs picks a garbage token forever. 1e-5 already makes any realistic
+# logit gap decisive, so greedy is what such a temperature means.
+GREEDY_TEMPERATURE = 1e-5
+
+# Names other APIs use for our parameters: `max_tokens` (OpenAI, vLLM) is `max_new_tokens`.
+NAME_ALIASES: dict[str, str] = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "max_length": "max_new_tokens",
+    "stop_sequences": "stop",
+    "random_seed": "seed",
+    "logprobs": "return_logprob",
+    "top_logprobs": "top_logprobs_num",
+    "response_format": "json_schema",
+}
+
+
+def suggest_name(name: str, known: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for a misspelt or foreign parameter name, else ''."""
+    known = sorted(known)
+    alias = NAME_ALIASES.get(name)
+    close = [alias] if alias in known else difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _short(value: Any) -> str:
+    """repr, cut to a readable length (a bad value may be a megabyte-long list)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -44,20 +77,14 @@ class SamplingParams:
     jump_forward: bool | None = None  # None: the engine's default
 
     def __post_init__(self) -> None:
-        # Normalise list-typed inputs so the dataclass stays hashable and frozen.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if self.stop_token_ids is None:
-            object.__setattr__(self, "stop_token_ids", ())
-        elif isinstance(self.stop_token_ids, int):
-            object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
-        else:
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Normalise list-typed inputs so the dataclass stays hashable and frozen. Only a
+        # string or a list is accepted: `stop={"a": 1}` must not silently become ("a",).
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str, "a string or a list of strings"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(
+            self.stop_token_ids, "stop_token_ids", int, "a token id or a list of token ids"))
         self._validate()
+        if 0.0 < self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -68,12 +95,17 @@ class SamplingParams:
             return cls()
         if isinstance(params, SamplingParams):
             return params
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - known)
+        if not isinstance(params, Mapping):
+            raise InvalidSamplingParamsError(
+                f"sampling_params must be a dict or sgl.SamplingParams, not {type(params).__name__}",
+                field="sampling_params")
+        known = cls.field_names()
+        unknown = sorted(set(params) - known, key=str)
         if unknown:
             raise InvalidSamplingParamsError(
-                f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}",
-                field=unknown[0],
+                f"unknown sampling parameter(s) {unknown}{suggest_name(str(unknown[0]), known)}; "
+                f"known: {sorted(known)}",
+                field=str(unknown[0]),
             )
         return cls(**{k: v for k, v in params.items() if v is not None or k == "seed"})
 
@@ -94,6 +126,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
+        # A temperature below GREEDY_TEMPERATURE was already set to 0 at construction.
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
@@ -109,61 +142,64 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def fail(name: str, why: str) -> None:
-            raise InvalidSamplingParamsError(
-                f"{name}={getattr(self, name)!r}: {why}", field=name
-            )
+            raise InvalidSamplingParamsError(f"{name}={_short(getattr(self, name))}: {why}", field=name)
 
-        def number(name: str) -> float:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                fail(name, "must be a number")
-            if math.isnan(value) or math.isinf(value):
+        # Types first, read from the annotations: a flag is a bool (`skip_special_tokens=0`
+        # would reach the detokenizer on the engine thread), an integer is never a bool.
+        hints = field_hints(SamplingParams)
+        for f in dataclasses.fields(self):
+            why = mismatch(getattr(self, f.name), hints[f.name])
+            if why is not None:
+                if f.name == "json_schema":
+                    why = "must be a string (dump a JSON schema dict with json.dumps)"
+                fail(f.name, why)
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
                 fail(name, "must be a finite number")
-            return float(value)
 
-        def integer(name: str) -> int:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                fail(name, "must be an integer")
-            return value
-
-        if integer("max_new_tokens") < 0:
+        if self.max_new_tokens < 0:
             fail("max_new_tokens", "must be >= 0")
-        if integer("min_new_tokens") < 0:
+        if self.min_new_tokens < 0:
             fail("min_new_tokens", "must be >= 0")
         if self.min_new_tokens > self.max_new_tokens:
             fail("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
-        if number("temperature") < 0:
+        if self.temperature < 0:
             fail("temperature", "must be >= 0 (0 means greedy)")
-        top_p = number("top_p")
-        if not 0.0 < top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:
             fail("top_p", "must be in (0, 1]")
-        if integer("top_k") < -1:
+        if self.top_k < -1:
             fail("top_k", "must be -1 (disabled) or >= 1")
-        if not 0.0 <= number("min_p") <= 1.0:
+        if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "must be in [0, 1]")
-        if not -2.0 <= number("frequency_penalty") <= 2.0:
+        if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", "must be in [-2, 2]")
-        if not -2.0 <= number("presence_penalty") <= 2.0:
+        if not -2.0 <= self.presence_penalty <= 2.0:
             fail("presence_penalty", "must be in [-2, 2]")
-        if not 0.0 < number("repetition_penalty") <= 2.0:
+        if not 0.0 < self.repetition_penalty <= 2.0:
             fail("repetition_penalty", "must be in (0, 2]")
-        if integer("n") < 1:
+        if self.n < 1:
             fail("n", "must be >= 1")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            fail("seed", "must be an integer or None")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                fail("stop", "stop strings must be non-empty strings")
-        for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                fail("stop_token_ids", "must be non-negative integers")
+        if any(not s for s in self.stop):
+            fail("stop", "stop strings must be non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
         given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
-        if len(given) > 1:
-            fail(given[1], f"only one constraint may be given, got {given}")
-        for k in given:
-            if not isinstance(getattr(self, k), str):
-                fail(k, "must be a string (dump a JSON schema dict with json.dumps)")
+        if len(given) > 1:  # the same class as build_constraint's conflicts (schema= with regex=, ...)
+            raise InvalidConstraintError(f"only one constraint may be given, got {given}", field=given[1])
+
+
+def _as_tuple(value: Any, name: str, item: type, what: str) -> tuple[Any, ...]:
+    """None, one item, or a list/tuple of items -> a tuple; anything else raises naming `name`.
+
+    The items' own types are checked by `_validate` (from the annotation)."""
+    if value is None:
+        return ()
+    if isinstance(value, item) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise InvalidSamplingParamsError(f"{name}={_short(value)}: must be {what}", field=name)
 
 
 @dataclass(frozen=True)
@@ -179,6 +215,12 @@ class LogprobOptions:
     top_logprobs_num: int = 0
 
     def __post_init__(self) -> None:
+        hints = field_hints(LogprobOptions)
+        for f in dataclasses.fields(self):
+            why = mismatch(getattr(self, f.name), hints[f.name])
+            if why is not None:
+                raise InvalidSamplingParamsError(f"{f.name}={_short(getattr(self, f.name))}: {why}",
+                                                 field=f.name)
         if self.top_logprobs_num < 0:
             raise InvalidSamplingParamsError(
                 f"top_logprobs_num={self.top_logprobs_num}: must be >= 0", field="top_logprobs_num"

@@ -104,7 +104,7 @@ CASES: list[tuple[str, dict[str, Any], type[Exception], str, tuple[str, ...]]] =
     ("grammar-invalid", dict(prompt="Hi", grammar="root ::= "), sgl.InvalidConstraintError, "ebnf", ("EBNF",)),
     ("choices-empty", dict(prompt="Hi", choices=[]), sgl.InvalidConstraintError, "choices", ("non-empty",)),
     ("two-constraints", dict(prompt="Hi", regex="a+", json_schema='{"type": "string"}'),
-     sgl.InvalidSamplingParamsError, "json_schema", ("only one constraint",)),
+     sgl.InvalidConstraintError, "json_schema", ("only one constraint",)),
     ("timeout-negative", dict(prompt="Hi", timeout=-1), sgl.InvalidRequestError, "timeout", ("positive",)),
     ("timeout-nan", dict(prompt="Hi", timeout=math.nan), sgl.InvalidRequestError, "timeout", ("positive",)),
 ]

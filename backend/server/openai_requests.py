@@ -192,7 +192,7 @@ def parse_chat(body: dict[str, Any], engine: Any) -> list[OpenAIRequest]:
     f.unsupported("function_call", allowed=(None, "none"))
     f.reject_unknown()
     # Tokenize here (exactly as the engine would) to size max_tokens against the context.
-    ids = engine.encode(engine.apply_chat_template(messages), add_special_tokens=False)
+    ids = engine.apply_chat_template(messages, tokenize=True)  # message text never becomes control tokens
     params["max_new_tokens"] = max_tokens if max_tokens is not None else _room(engine, len(ids))
     lp = LogprobOptions(return_logprob=want, top_logprobs_num=top)
     return [OpenAIRequest(Job(ids, params, lp), chat=True, stream=stream, include_usage=include_usage,

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from sgl.errors import InvalidRequestError, ProgramError
 from sgl.lang import context
 from sgl.lang.interpreter import StreamExecutor
-from sgl.lang.loop import background_loop, on_loop_thread, run_blocking
+from sgl.lang.loop import background_loop, on_loop_thread, result_or_cancel, run_blocking
 from sgl.lang.ops import End
 from sgl.lang.params import RUN_DEFAULTS
 from sgl.lang.state import ProgramState
@@ -70,7 +70,11 @@ class SglFunction:
         body = self._start_body(state, args, kwargs)
         if stream:
             return state
-        body()
+        try:
+            body()
+        except KeyboardInterrupt:  # Ctrl-C: stop the program's gens, then let it propagate
+            _interrupt(state.stream_executor)
+            raise
         self._raise_if_failed(state)
         return state
 
@@ -102,7 +106,7 @@ class SglFunction:
         ex = state.stream_executor
         if self.is_async:
             fut = asyncio.run_coroutine_threadsafe(self._run_async(state, args, kwargs), ex.loop)
-            return lambda: fut.result()
+            return lambda: result_or_cancel(fut)
         if ex.stream:  # the caller iterates while the body runs: run the body in a thread
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sgl-program")
             f = pool.submit(self._run_sync_body, state, args, kwargs)
@@ -117,6 +121,8 @@ class SglFunction:
         call_args, call_kwargs = self._call_args(args, kwargs)
         try:
             state.ret_value = self.func(state, *call_args, **call_kwargs)
+        except KeyboardInterrupt:
+            raise  # Ctrl-C in run()'s own thread: run() stops the program (see _interrupt)
         except BaseException as exc:  # noqa: BLE001 - recorded on the state, raised by run()
             ex.loop.call_soon_threadsafe(ex.fail, exc, True)
         else:
@@ -166,6 +172,25 @@ class SglFunction:
 
     def __repr__(self) -> str:
         return f"SglFunction({self.__name__})"
+
+
+def _interrupt(ex: StreamExecutor, wait: float = 5.0) -> None:
+    """Ctrl-C in a sync run(): end the program as failed, cancel its running gen (which aborts
+    that request in the engine) and drop the queued ones, waiting briefly until that ran.
+
+    The recorded error is a ProgramError, not the KeyboardInterrupt: waiters re-raise it
+    inside the loop's tasks, and a KeyboardInterrupt raised there would stop the loop."""
+
+    async def stop() -> None:
+        worker = ex._worker
+        ex.fail(ProgramError("the program was interrupted (KeyboardInterrupt)"), cancel_running=True)
+        if worker is not None:
+            await asyncio.wait([worker], timeout=wait)
+
+    try:
+        asyncio.run_coroutine_threadsafe(stop(), ex.loop).result(wait + 1.0)
+    except Exception:  # noqa: BLE001 - the loop is gone or the wait timed out: nothing left to stop
+        pass
 
 
 def _split_sampling(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

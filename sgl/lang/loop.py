@@ -3,16 +3,18 @@
 Every program state belongs to one event loop. `await f.arun()` uses the caller's loop; sync
 entry points (`f.run()`, `run_batch`) use a single daemon thread running its own loop, started
 on first use. Sync program bodies run in ordinary threads and talk to the loop through
-`run_blocking` (which refuses to block the loop's own thread instead of deadlocking).
+`run_blocking` (which refuses to block the loop's own thread instead of deadlocking, and
+cancels what it waited for when the wait is interrupted, e.g. by Ctrl-C).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from typing import Any, Awaitable, Coroutine, TypeVar
 
-__all__ = ["background_loop", "run_blocking", "run_on", "on_loop_thread"]
+__all__ = ["background_loop", "run_blocking", "result_or_cancel", "run_on", "on_loop_thread"]
 
 T = TypeVar("T")
 
@@ -58,7 +60,17 @@ def run_blocking(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop,
             "this call would block the event loop that runs the program; in async code use "
             "the awaitable form (await s.aget(name), await s.atext(), await f.arun(...))"
         )
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+    return result_or_cancel(asyncio.run_coroutine_threadsafe(coro, loop), timeout)
+
+
+def result_or_cancel(fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+    """Wait for a coroutine started on another loop; if the wait itself ends early (Ctrl-C,
+    a timeout), cancel the coroutine rather than leave it running for nobody."""
+    try:
+        return fut.result(timeout)
+    except BaseException:
+        fut.cancel()  # a no-op when the coroutine itself raised
+        raise
 
 
 async def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
