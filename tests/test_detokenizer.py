@@ -1,4 +1,4 @@
-"""Incremental detokenizer (with the real default-model tokenizer) and the stop-string checker."""
+"""Incremental detokenizer with the real default-model tokenizer (StopChecker: test_stop_checker.py)."""
 
 from __future__ import annotations
 

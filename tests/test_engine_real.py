@@ -3,6 +3,10 @@ transformers' `generate` on the same dequantized weights: greedy outputs token f
 
 Where a token differs, the test demands that the reference itself was at a floating-point tie
 there (its two best logits within 1e-4); any other difference is a bug.
+
+Pinned to the CPU in float32 whatever device the machine has (on a GPU the engine's default
+would be bfloat16, which no float32 reference matches); tests/test_gpu_real.py checks the GPU
+with these prompts and helpers.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
 NEW_TOKENS = 64
 TIE = 1e-4
+CPU_FP32 = dict(device="cpu", dtype="float32")
 
 CHATS = [
     "What is the capital of France?",
@@ -34,9 +39,27 @@ TEXTS = [
 ]
 
 
+def build_prompts(engine: sgl.Engine) -> list[list[int]]:
+    """The chats (through the model's template) and the plain texts, as token ids."""
+    chats = [engine.encode(engine.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
+             for c in CHATS]
+    return chats + [engine.encode(t) for t in TEXTS]
+
+
+def greedy_outputs(model, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
+    """transformers' own greedy `generate` for each prompt, on the model's device."""
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            gen = model.generate(torch.tensor([p], device=model.device), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=2, pad_token_id=2)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
 @pytest.fixture(scope="module")
 def engine_tokenizer():
-    engine = sgl.Engine(max_total_tokens=16384)
+    engine = sgl.Engine(max_total_tokens=16384, **CPU_FP32)
     try:
         yield engine, engine.tokenizer
     finally:
@@ -45,10 +68,7 @@ def engine_tokenizer():
 
 @pytest.fixture(scope="module")
 def prompts(engine_tokenizer) -> list[list[int]]:
-    engine, tok = engine_tokenizer
-    chats = [engine.encode(engine.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
-             for c in CHATS]
-    return chats + [engine.encode(t) for t in TEXTS]
+    return build_prompts(engine_tokenizer[0])
 
 
 @pytest.fixture(scope="module")
@@ -57,24 +77,18 @@ def reference(prompts):
     from sgl.backend.reference import load_reference_model
 
     model = load_reference_model()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            gen = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=2, pad_token_id=2)
-            outs.append(gen[0, len(p):].tolist())
-    return model, outs
+    return model, greedy_outputs(model, prompts)
 
 
-def assert_same_or_tie(model, prompt: list[int], expected: list[int], got: list[int]) -> None:
+def assert_same_or_tie(model, prompt: list[int], expected: list[int], got: list[int], tie: float = TIE) -> None:
     if got == expected:
         return
     pos = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt + expected[:pos]])).logits[0, -1]
+        logits = model(torch.tensor([prompt + expected[:pos]], device=model.device)).logits[0, -1]
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
-    assert gap < TIE, (
+    assert gap < tie, (
         f"greedy outputs differ at token {pos} and the reference was not at a tie there "
         f"(gap {gap:.2e}): expected {expected[pos:pos + 5]}, got {got[pos:pos + 5]}"
     )
@@ -92,7 +106,7 @@ def distractors(n: int = 16) -> list[list[int]]:
 )
 async def test_greedy_matches_transformers(prompts, reference, options) -> None:
     model, expected = reference
-    engine = sgl.Engine(max_total_tokens=16384, **options)
+    engine = sgl.Engine(max_total_tokens=16384, **CPU_FP32, **options)
     try:
         greedy = dict(temperature=0, max_new_tokens=NEW_TOKENS)
         # alone, one request at a time

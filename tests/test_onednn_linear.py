@@ -1,7 +1,14 @@
 """The CPU linear kernel (oneDNN on packed weights) against its reference, F.linear, and the
-transform that packs a model (layers/linear.py:pack_for_cpu)."""
+transform that packs a model (layers/linear.py:pack_for_cpu).
+
+The kernel tests skip where this torch build has no oneDNN linear, but the first test asserts
+it is there on x86-64 (CI's platform), so a regression cannot silently turn packing off.
+"""
 
 from __future__ import annotations
+
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +24,28 @@ from sgl.backend.layers.linear import (
 )
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not onednn_linear.available(CPU, torch.float32),
-                                reason="this torch build has no oneDNN linear")
+needs_onednn = pytest.mark.skipif(not onednn_linear.available(CPU, torch.float32),
+                                  reason="this torch build has no oneDNN linear")
 
 
+def cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="oneDNN packing is asserted on x86-64 only")
+def test_onednn_linear_is_available_on_x86_64() -> None:
+    """CI runs on x86-64: float32 packing must work there (every x86-64 CPU torch supports
+    runs oneDNN's float32 matmul), and bfloat16 too where the CPU has native bf16 dot products."""
+    assert onednn_linear.available(CPU, torch.float32), (
+        "oneDNN linear unavailable on x86-64: the CPU engine would silently lose weight packing")
+    if cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        assert onednn_linear.available(CPU, torch.bfloat16)
+
+
+@needs_onednn
 @pytest.mark.parametrize("rows", [0, 1, 3, 32, 257])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_reference(rows: int, bias: bool) -> None:
@@ -32,6 +57,7 @@ def test_packed_linear_matches_reference(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
+@needs_onednn
 def test_packed_linear_takes_leading_dims_and_strided_input() -> None:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 40, generator=gen)
@@ -44,6 +70,7 @@ def test_packed_linear_takes_leading_dims_and_strided_input() -> None:
                                atol=1e-5, rtol=1e-5)
 
 
+@needs_onednn
 @pytest.mark.skipif(not onednn_linear.available(CPU, torch.bfloat16), reason="no bf16 oneDNN")
 def test_packed_linear_bfloat16() -> None:
     gen = torch.Generator().manual_seed(1)
@@ -54,6 +81,7 @@ def test_packed_linear_bfloat16() -> None:
     torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), atol=0.1, rtol=0.02)
 
 
+@needs_onednn
 def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> None:
     kw = {"device": CPU, "dtype": torch.float32}
     model = torch.nn.ModuleDict({
@@ -92,6 +120,7 @@ def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> N
     torch.testing.assert_close(model["out"](x), before["out"], atol=1e-5, rtol=1e-5)
 
 
+@needs_onednn
 def test_untied_head_is_packed_in_place() -> None:
     head = Embedding(50, 16, device=CPU, dtype=torch.float32)
     with torch.no_grad():
@@ -103,6 +132,7 @@ def test_untied_head_is_packed_in_place() -> None:
     torch.testing.assert_close(head.project(x), want, atol=1e-5, rtol=1e-5)
 
 
+@needs_onednn
 def test_dispatch_packs_on_cpu_in_auto_mode_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SGL_KERNELS", raising=False)
     assert dispatch.pack_cpu_linears(CPU, torch.float32)
@@ -112,16 +142,17 @@ def test_dispatch_packs_on_cpu_in_auto_mode_only(monkeypatch: pytest.MonkeyPatch
     assert not dispatch.pack_cpu_linears(CPU, torch.float32)
 
 
+@needs_onednn
 @pytest.mark.parametrize("mode", ["auto", "reference"])
 def test_engine_packs_its_cpu_model_unless_reference(mode: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from test_engine_core import make_engine
 
     monkeypatch.setenv("SGL_KERNELS", mode)
-    with make_engine() as engine:
+    with make_engine() as engine:  # read the model before close() frees its weights
         model = engine._rt.runner.model
         out = engine.generate_sync(input_ids=[1, 2, 3], max_new_tokens=4, temperature=0)
-    assert model.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn == (mode == "auto")
-    head = model.lm_head  # untied in this model: packed in place
-    assert (head.weight.is_mkldnn or head.packed_projection is not None) == (mode == "auto")
+        assert model.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn == (mode == "auto")
+        head = model.lm_head  # untied in this model: packed in place
+        assert (head.weight.is_mkldnn or head.packed_projection is not None) == (mode == "auto")
     assert len(out.token_ids) == 4
