@@ -7,7 +7,9 @@ file with TRITON_INTERPRET=1 from the start.
 
 `expected` values come from the reference evaluated on fp32 copies of the inputs; each
 implementation, given the test dtype, must land within that dtype's tolerance. The references
-themselves are checked against independent formulas (SDPA, F.rms_norm, HF rotate_half).
+themselves are checked against independent formulas (SDPA, HF rotate_half) here and against
+transformers' modules bit for bit in tests/test_kernels_reference.py. The `kernel_set` tests
+run every op as the engine does, through the Triton and the reference KernelSet.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from sgl.backend.kernels import (
     attention_extend,
     dispatch,
     kv_store,
-    onednn_linear,
     rmsnorm,
     rotary,
     token_bitmask,
@@ -91,37 +92,6 @@ def test_rmsnorm(impl: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     assert normed.shape == summed.shape == x.shape and normed.dtype == dtype
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 64), (3, 7, 96), (2, 576), (1, 4096)])
-def test_rmsnorm_reference_is_transformers(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """Bit for bit transformers' LlamaRMSNorm (float32: through the reference's F.rms_norm
-    fast path, which must stay exact; bfloat16: rounded before the weight multiplies)."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    g = gen(1)
-    x = (3 * torch.randn(*shape, generator=g)).to(dtype)
-    hf = LlamaRMSNorm(shape[-1], eps=1e-5).to(dtype)
-    with torch.no_grad():
-        hf.weight.copy_(1 + 0.2 * torch.randn(shape[-1], generator=g))
-        expected = hf(x)
-    got = rmsnorm.rmsnorm_reference(x, hf.weight.detach(), 1e-5)
-    assert got.dtype == dtype and torch.equal(got, expected)
-    residual = torch.randn(*shape, generator=g).to(dtype)
-    normed, summed = rmsnorm.fused_add_rmsnorm_reference(x, residual, hf.weight.detach(), 1e-5)
-    assert torch.equal(summed, residual + x)  # transformers adds in the model's dtype
-    with torch.no_grad():
-        assert torch.equal(normed, hf(residual + x))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul_reference_is_transformers(dtype: torch.dtype) -> None:
-    from transformers.activations import ACT2FN
-
-    x = torch.randn(9, 2 * 300, generator=gen(3)).to(dtype)
-    gate, up = x[:, :300], x[:, 300:]
-    assert torch.equal(activation.silu_and_mul_reference(x), ACT2FN["silu"](gate) * up)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,inter", [(1, 64), (9, 300), (4, 1100)])
 def test_silu_and_mul(impl: str, dtype: torch.dtype, tokens: int, inter: int) -> None:
@@ -168,35 +138,6 @@ def test_rotary(impl: str, dtype: torch.dtype, heads: int, kv_heads: int, head_d
     if rotary_dim == head_dim:
         torch.testing.assert_close(exp_q, _hf_rotary(q_in.float(), positions, 10000.0),
                                    atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("positions", [[0, 1, 2, 3], [7, 300, 4095, 8000, 12]])
-def test_rotary_reference_is_transformers(dtype: torch.dtype, positions: list[int]) -> None:
-    """Bit for bit transformers' Llama rotary (its cos/sin, rounded to the model dtype, and
-    apply_rotary_pos_emb), from our cache built the way RotaryEmbedding builds it."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
-
-    heads, kv_heads, head_dim, theta = 4, 2, 64, 100000.0
-    cfg = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, max_position_embeddings=8192,
-                      rope_parameters={"rope_type": "default", "rope_theta": theta})
-    g = gen(4)
-    tokens = len(positions)
-    q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(dtype)
-    pos = torch.tensor(positions)
-    cos, sin = LlamaRotaryEmbedding(cfg)(q, pos[None])  # [1, T, head_dim] in q's dtype
-    # transformers' layout: [batch, heads, T, head_dim]
-    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    cache = rotary.make_cos_sin_cache(8192, head_dim, theta, dtype=dtype)
-    got_q, got_k = rotary.rotary_embedding_reference(pos, q, k, cache)
-    assert torch.equal(got_q, hf_q[0].transpose(0, 1))
-    assert torch.equal(got_k, hf_k[0].transpose(0, 1))
-    in_q, in_k = q.clone(), k.clone()  # in place: the same values, written into q and k
-    rotary.rotary_embedding_reference(pos, in_q, in_k, cache, True)
-    assert torch.equal(in_q, got_q) and torch.equal(in_k, got_k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -426,30 +367,6 @@ def test_triton_backend_decode_metadata_is_shape_only() -> None:
     assert metas[0] == metas[1] and metas[0].num_kv_splits > 1
 
 
-def test_kernel_set_resolves_each_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    reference = dispatch._reference_ops()
-    for mode in ("reference", " Reference "):  # the environment's spelling is normalized
-        ks = dispatch.resolve_kernels(mode, cpu, torch.float32)
-        assert ks.mode == "reference" and not ks.pack_linears and ks.attention == "torch"
-        assert all(getattr(ks, op) is reference[op] for op in ks.ops())
-    auto = dispatch.resolve_kernels("auto", cpu, torch.float32)
-    assert auto.attention == "torch"
-    assert auto.pack_linears == onednn_linear.available(cpu, torch.float32)
-    assert all(getattr(auto, op) is reference[op] for op in auto.ops()
-               if op != "apply_token_bitmask")  # xgrammar's on the CPU, when installed
-    on_gpu = dispatch.resolve_kernels("auto", cuda, torch.bfloat16)
-    ops = dispatch._triton_ops() if triton_compat.HAS_TRITON else reference
-    assert all(getattr(on_gpu, op) is ops[op] for op in on_gpu.ops())
-    assert on_gpu.attention == ("triton" if triton_compat.HAS_TRITON else "torch")
-    assert not on_gpu.pack_linears
-    assert dispatch.resolve_kernels("reference", cuda, torch.bfloat16).attention == "torch"
-    with pytest.raises(InvalidConfigError, match="'auto', 'reference' or 'triton'.*'bogus'"):
-        dispatch.resolve_kernels("bogus", cpu, torch.float32)
-    monkeypatch.setenv("SGL_KERNELS", "reference")  # the environment is the runtime's to read
-    assert dispatch.resolve_kernels("auto", cpu, torch.float32).mode == "auto"
-
-
 def test_kernel_set_triton_mode_off_cuda_needs_the_interpreter() -> None:
     if not triton_compat.HAS_TRITON:
         with pytest.raises(InvalidConfigError, match="needs the `triton` package"):
@@ -460,16 +377,6 @@ def test_kernel_set_triton_mode_off_cuda_needs_the_interpreter() -> None:
     else:
         ks = dispatch.resolve_kernels("triton", DEVICE, torch.float32)
         assert ks.rmsnorm is rmsnorm.rmsnorm_triton and ks.attention == "triton"
-
-
-def test_kernel_set_pairs_every_triton_kernel_with_its_reference() -> None:
-    """Each op's two implementations sit side by side in one kernel module."""
-    reference, triton = dispatch._reference_ops(), dispatch._triton_ops()
-    assert set(reference) == set(triton) == set(dispatch.KernelSet.ops())
-    for op in dispatch.KernelSet.ops():
-        assert reference[op].__module__ == triton[op].__module__, op
-        assert reference[op].__name__.endswith("_reference"), op
-        assert triton[op].__name__.endswith("_triton"), op
 
 
 def _agree_case(op: str, ks: dispatch.KernelSet) -> list[torch.Tensor]:
@@ -488,8 +395,8 @@ def _agree_case(op: str, ks: dispatch.KernelSet) -> list[torch.Tensor]:
         return [ks.linear(x1, w16, None).float(), ks.linear(x, w, None)]
     if op == "apply_token_bitmask":
         logits = x.clone()
-        ks.apply_token_bitmask(logits, torch.tensor([[5, -1], [0, 3], [-7, 9]], dtype=torch.int32,
-                                                    device=DEVICE), None)
+        bitmask = torch.tensor([[5, -1], [0, 3], [-7, 9]], dtype=torch.int32, device=DEVICE)
+        ks.apply_token_bitmask(logits, bitmask, None)
         return [logits]
     fb = make_forward_batch(ForwardMode.EXTEND, [9, 20], [3, 1], torch.float32, 1, g)
     q = randn(4, 4, 32, dtype=torch.float32, g=g)

@@ -12,7 +12,15 @@ import torch
 from test_engine_core import make_engine
 
 from sgl.backend.attention.torch_backend import TorchAttentionBackend
-from sgl.backend.kernels import activation, gemv, rmsnorm, rotary
+from sgl.backend.kernels import (
+    activation,
+    dispatch,
+    gemv,
+    onednn_linear,
+    rmsnorm,
+    rotary,
+    triton_compat,
+)
 from sgl.backend.models.llama import _KERNEL_LAYERS
 from sgl.errors import InvalidConfigError
 
@@ -24,6 +32,40 @@ SPIED = [
     (rotary, "rotary_embedding_reference"),
     (gemv, "gemv_reference"),
 ]
+
+
+def test_kernel_set_resolves_each_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    reference = dispatch._reference_ops()
+    for mode in ("reference", " Reference "):  # the environment's spelling is normalized
+        ks = dispatch.resolve_kernels(mode, cpu, torch.float32)
+        assert ks.mode == "reference" and not ks.pack_linears and ks.attention == "torch"
+        assert all(getattr(ks, op) is reference[op] for op in ks.ops())
+    auto = dispatch.resolve_kernels("auto", cpu, torch.float32)
+    assert auto.attention == "torch"
+    assert auto.pack_linears == onednn_linear.available(cpu, torch.float32)
+    assert all(getattr(auto, op) is reference[op] for op in auto.ops()
+               if op != "apply_token_bitmask")  # xgrammar's on the CPU, when installed
+    on_gpu = dispatch.resolve_kernels("auto", cuda, torch.bfloat16)
+    ops = dispatch._triton_ops() if triton_compat.HAS_TRITON else reference
+    assert all(getattr(on_gpu, op) is ops[op] for op in on_gpu.ops())
+    assert on_gpu.attention == ("triton" if triton_compat.HAS_TRITON else "torch")
+    assert not on_gpu.pack_linears
+    assert dispatch.resolve_kernels("reference", cuda, torch.bfloat16).attention == "torch"
+    with pytest.raises(InvalidConfigError, match="'auto', 'reference' or 'triton'.*'bogus'"):
+        dispatch.resolve_kernels("bogus", cpu, torch.float32)
+    monkeypatch.setenv("SGL_KERNELS", "reference")  # the environment is the runtime's to read
+    assert dispatch.resolve_kernels("auto", cpu, torch.float32).mode == "auto"
+
+
+def test_kernel_set_pairs_every_triton_kernel_with_its_reference() -> None:
+    """Each op's two implementations sit side by side in one kernel module."""
+    reference, triton = dispatch._reference_ops(), dispatch._triton_ops()
+    assert set(reference) == set(triton) == set(dispatch.KernelSet.ops())
+    for op in dispatch.KernelSet.ops():
+        assert reference[op].__module__ == triton[op].__module__, op
+        assert reference[op].__name__.endswith("_reference"), op
+        assert triton[op].__name__.endswith("_triton"), op
 
 
 def _spy(calls: Counter[str], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
