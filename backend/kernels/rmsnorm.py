@@ -37,7 +37,10 @@ def fused_add_rmsnorm_reference(
     weight: torch.Tensor,  # [hidden]
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, x + residual)
-    summed = (x.float() + residual.float()).to(x.dtype)
+    if x.dtype == residual.dtype:  # torch adds 16-bit tensors in fp32 and rounds once: the same
+        summed = x + residual
+    else:
+        summed = (x.float() + residual.float()).to(x.dtype)
     return rmsnorm_reference(summed, weight, eps), summed
 
 

@@ -69,9 +69,10 @@ def rotary_embedding_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, rotary_dim/2] each
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    q_rot = _rotate_reference(q, cos.to(q.dtype), sin.to(q.dtype), inplace)
-    k_rot = _rotate_reference(k, cos.to(k.dtype), sin.to(k.dtype), inplace)
-    return q_rot, k_rot
+    if cos.dtype != q.dtype or q.dtype != k.dtype:  # (the model keeps the cache in its dtype)
+        return (_rotate_reference(q, cos.to(q.dtype), sin.to(q.dtype), inplace),
+                _rotate_reference(k, cos.to(k.dtype), sin.to(k.dtype), inplace))
+    return _rotate_reference(q, cos, sin, inplace), _rotate_reference(k, cos, sin, inplace)
 
 
 @triton.jit
