@@ -76,19 +76,8 @@ class KernelSet:
         """Names of the op fields, in declaration order."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.name not in _NOT_OPS)
 
-    def describe(self) -> dict[str, str]:
-        """op -> `module.function` of its implementation (logs, tests)."""
-        out = {op: _qualname(getattr(self, op)) for op in self.ops()}
-        out["pack_linears"] = str(self.pack_linears)
-        out["attention"] = self.attention
-        return out
-
 
 _NOT_OPS = frozenset({"mode", "device", "pack_linears", "attention"})
-
-
-def _qualname(fn: Callable[..., Any]) -> str:
-    return f"{fn.__module__.rpartition('.')[2]}.{fn.__name__}"
 
 
 def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -> KernelSet:
@@ -97,7 +86,7 @@ def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -
     Raises InvalidConfigError for an unknown mode, and for "triton" where Triton cannot run.
     """
     device = torch.device(device)
-    normalized = mode.strip().lower() if isinstance(mode, str) else mode
+    normalized = mode.strip().lower()
     if normalized not in MODES:
         raise InvalidConfigError(
             f"kernels (SGL_KERNELS) must be 'auto', 'reference' or 'triton', got {mode!r}")

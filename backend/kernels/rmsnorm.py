@@ -24,7 +24,8 @@ from sgl.backend.kernels.triton_compat import next_power_of_2, tl, triton
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
         # Fast path: F.rms_norm is one fused kernel on the CPU (the formula below is four
-        # passes) and in float32 it equals the formula bit for bit (tests/test_kernels.py).
+        # passes) and in float32 it equals the formula bit for bit
+        # (tests/test_kernels_reference.py).
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()  # [..., hidden]
     normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
