@@ -108,25 +108,26 @@ class Runtime:
         self.load_seconds = time.monotonic() - t0
 
     def _load_model(self, config: EngineConfig) -> Any:
-        """The model (packed for the CPU where that pays), its config, and the tokenizer."""
-        from sgl.backend.kernels import dispatch
-        from sgl.backend.layers.linear import pack_for_cpu
+        """The model on the engine's kernel set (resolved once, here), its config, and the
+        tokenizer."""
+        from sgl.backend.kernels.dispatch import resolve_kernels
         from sgl.backend.model_loader import PRESETS, load_model, resolve_model_path
         from sgl.backend.tokenizer import load_tokenizer
 
+        self.kernels = resolve_kernels(config.kernels, self.device, self.dtype)  # before the slow load
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir)
-        if dispatch.pack_cpu_linears(self.device, self.dtype):
-            pack_for_cpu(model, model.lm_head, tied=model.tie_word_embeddings)
+        model.use_kernels(self.kernels)  # CPU: packs the linears for oneDNN in "auto" mode
         dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
             config.model in PRESETS or (config.model is None and config.model_config)))
         self.tokenizer = None
         if not dummy:
-            self.tokenizer = load_tokenizer(resolve_model_path(config.model, config.cache_dir), config.tokenizer,
-                                            config.cache_dir)
+            path, override = resolve_model_path(config.model, config.cache_dir), config.tokenizer
+            self.tokenizer = load_tokenizer(path, override, config.cache_dir)
         elif config.tokenizer:
-            self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer, config.cache_dir), None, config.cache_dir)
+            path = resolve_model_path(config.tokenizer, config.cache_dir)
+            self.tokenizer = load_tokenizer(path, None, config.cache_dir)
         return model
 
     def _build_engine(self, config: EngineConfig, model: Any) -> None:
@@ -180,15 +181,19 @@ class Runtime:
         self.runner.capture_cuda_graphs(max_bs)
         self.cuda_graph_sizes = list(self.runner.graphs.sizes)
 
-    @staticmethod
-    def _attention_backend(config: EngineConfig, device: torch.device, pool_slots: int):
+    def _attention_backend(self, config: EngineConfig, device: torch.device, pool_slots: int):
         name = config.attention_backend
         if name == "auto":
-            name = "triton" if device.type == "cuda" else "torch"
+            name = self.kernels.attention
         if name == "triton":
             from sgl.backend.attention.triton_backend import TritonAttentionBackend
 
-            return TritonAttentionBackend()
+            if self.kernels.attention != "triton":
+                raise InvalidConfigError(
+                    f"attention_backend='triton' needs the Triton kernels, but the kernel set "
+                    f"on {device} is {self.kernels.mode!r} without them: use "
+                    f"attention_backend='auto' or 'torch', or kernels (SGL_KERNELS) 'triton'")
+            return TritonAttentionBackend(self.kernels)
         from sgl.backend.attention.torch_backend import TorchAttentionBackend
 
         # On the CPU, decode keys persist between steps in a stage as large as the pool at most.

@@ -15,6 +15,8 @@ import torch
 
 from sgl.backend.attention.torch_backend import TorchAttentionBackend
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
+from sgl.backend.kernels.attention_decode import decode_attention_reference
+from sgl.backend.kernels.attention_extend import extend_attention_reference
 
 
 class FakePool:
@@ -129,6 +131,16 @@ def _run_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads:
     # The new k/v landed in the pool at out_cache_loc.
     torch.testing.assert_close(pool.k_buffer[layer][fb.out_cache_loc], k)
     torch.testing.assert_close(pool.v_buffer[layer][fb.out_cache_loc], v)
+    # And the output is the kernels' torch references' (what the Triton kernels are tested
+    # against) on the same pool: one reference for attention, batched here through SDPA.
+    kb, vb = pool.k_buffer[layer], pool.v_buffer[layer]
+    table = (fb.req_to_token, fb.req_pool_indices, fb.seq_lens)
+    expected = extend_attention_reference(q, kb, vb, *table, fb.extend_prefix_lens,
+                                          fb.extend_seq_lens, fb.extend_start, scale)
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    if mode is ForwardMode.DECODE:
+        torch.testing.assert_close(out, decode_attention_reference(q, kb, vb, *table, scale),
+                                   atol=tol, rtol=tol)
     assert pool.k_buffer[0].abs().sum() == 0  # other layers untouched
 
 

@@ -7,11 +7,14 @@ file with TRITON_INTERPRET=1 from the start.
 
 `expected` values come from the reference evaluated on fp32 copies of the inputs; each
 implementation, given the test dtype, must land within that dtype's tolerance. The references
-themselves are checked against independent formulas (SDPA, F.rms_norm, HF rotate_half).
+themselves are checked against independent formulas (SDPA, HF rotate_half) here and against
+transformers' modules bit for bit in tests/test_kernels_reference.py. The `kernel_set` tests
+run every op as the engine does, through the Triton and the reference KernelSet.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -39,6 +42,7 @@ from sgl.backend.kernels import (
     token_bitmask,
     triton_compat,
 )
+from sgl.errors import InvalidConfigError
 
 TRITON_HERE = triton_runs_here(attention_decode._decode_stage1)
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
@@ -86,12 +90,6 @@ def test_rmsnorm(impl: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     close(summed, exp_summed, dtype)
     close(normed, exp_normed, dtype)
     assert normed.shape == summed.shape == x.shape and normed.dtype == dtype
-
-
-def test_rmsnorm_reference_matches_torch() -> None:
-    x, w = torch.randn(5, 64, generator=gen(1)), torch.randn(64, generator=gen(2))
-    torch.testing.assert_close(rmsnorm.rmsnorm_reference(x, w, 1e-5),
-                               F.rms_norm(x, (64,), w, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -334,7 +332,7 @@ def test_triton_backend(dtype: torch.dtype, mode: ForwardMode) -> None:
     else:
         prefix_lens, ext_lens = [0, 40, 99, 16], [30, 1, 1, 20]  # prefill + decode rows
     fb = make_forward_batch(mode, prefix_lens, ext_lens, dtype, 16, g)
-    backend = TritonAttentionBackend(num_sms=4)
+    backend = TritonAttentionBackend(dispatch.resolve_kernels("triton", DEVICE, dtype), num_sms=4)
     fb.attn_backend = backend
     heads, (kv_heads, head_dim) = 6, fb.kv_pool.k_buffer[1].shape[1:]
     q = randn(fb.num_tokens, heads, head_dim, dtype=dtype, g=g)
@@ -358,7 +356,8 @@ def test_triton_backend(dtype: torch.dtype, mode: ForwardMode) -> None:
 
 def test_triton_backend_decode_metadata_is_shape_only() -> None:
     """DECODE launch parameters must not depend on lengths (CUDA-graph replay)."""
-    backend = TritonAttentionBackend(num_sms=132)
+    backend = TritonAttentionBackend(dispatch.resolve_kernels("reference", DEVICE, torch.float32),
+                                     num_sms=132)
     metas = []
     for seq_lens in ([5, 7], [3000, 1]):
         fb = make_forward_batch(ForwardMode.DECODE, [n - 1 for n in seq_lens], [1, 1],
@@ -368,36 +367,85 @@ def test_triton_backend_decode_metadata_is_shape_only() -> None:
     assert metas[0] == metas[1] and metas[0].num_kv_splits > 1
 
 
-def test_dispatch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv("SGL_KERNELS", raising=False)
-    assert dispatch.kernel_impl(cpu) == "reference"
-    assert dispatch.kernel_impl(cuda) == ("triton" if triton_compat.HAS_TRITON else "reference")
-    monkeypatch.setenv("SGL_KERNELS", "reference")
-    assert dispatch.kernel_impl(cuda) == "reference"
-    monkeypatch.setenv("SGL_KERNELS", "bogus")
-    with pytest.raises(ValueError):
-        dispatch.kernel_impl(cpu)
+def test_kernel_set_triton_mode_off_cuda_needs_the_interpreter() -> None:
+    if not triton_compat.HAS_TRITON:
+        with pytest.raises(InvalidConfigError, match="needs the `triton` package"):
+            dispatch.resolve_kernels("triton", DEVICE, torch.float32)
+    elif DEVICE.type == "cpu" and not triton_compat.is_interpreted(rmsnorm._rmsnorm_kernel):
+        with pytest.raises(InvalidConfigError, match="TRITON_INTERPRET=1"):
+            dispatch.resolve_kernels("triton", DEVICE, torch.float32)
+    else:
+        ks = dispatch.resolve_kernels("triton", DEVICE, torch.float32)
+        assert ks.rmsnorm is rmsnorm.rmsnorm_triton and ks.attention == "triton"
 
 
-@pytest.mark.parametrize("mode", ["auto", "reference", "triton"])
-def test_dispatch_ops_agree(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if mode == "triton" and not TRITON_HERE:
-        pytest.skip(NO_TRITON)
-    monkeypatch.setenv("SGL_KERNELS", mode)
+def _agree_case(op: str, ks: dispatch.KernelSet) -> list[torch.Tensor]:
+    """Run `op` of `ks` on fixed inputs (a copy of everything it writes); return its outputs."""
     g = gen(11)
-    x, r, w = (randn(3, 64, dtype=torch.float32, g=g) for _ in range(3))
-    w = w[0]
-    close(dispatch.rmsnorm(x, w), rmsnorm.rmsnorm_reference(x, w), torch.float32)
-    close(dispatch.fused_add_rmsnorm(x, r, w)[0],
-          rmsnorm.fused_add_rmsnorm_reference(x, r, w)[0], torch.float32)
-    close(dispatch.silu_and_mul(x), activation.silu_and_mul_reference(x), torch.float32)
-    fb = make_forward_batch(ForwardMode.DECODE, [9, 20], [1, 1], torch.float32, 1, g)
-    q = randn(2, 4, 32, dtype=torch.float32, g=g)
-    kb, vb = fb.kv_pool.k_buffer[1], fb.kv_pool.v_buffer[1]
-    args = (fb.req_to_token, fb.req_pool_indices, fb.seq_lens, 0.2)
-    close(dispatch.decode_attention(q, kb, vb, *args, 2),
-          attention_decode.decode_attention_reference(q, kb, vb, *args), torch.float32)
+    x, r = randn(3, 64, dtype=torch.float32, g=g), randn(3, 64, dtype=torch.float32, g=g)
+    w = randn(64, dtype=torch.float32, g=g)
+    if op == "rmsnorm":
+        return [ks.rmsnorm(x, w, 1e-6)]
+    if op == "fused_add_rmsnorm":
+        return list(ks.fused_add_rmsnorm(x, r, w, 1e-6))
+    if op == "silu_and_mul":
+        return [ks.silu_and_mul(x)]
+    if op == "linear":
+        x1, w16 = x[:1].bfloat16(), randn(40, 64, dtype=torch.bfloat16, g=g)  # one row: GEMV
+        return [ks.linear(x1, w16, None).float(), ks.linear(x, w, None)]
+    if op == "apply_token_bitmask":
+        logits = x.clone()
+        bitmask = torch.tensor([[5, -1], [0, 3], [-7, 9]], dtype=torch.int32, device=DEVICE)
+        ks.apply_token_bitmask(logits, bitmask, None)
+        return [logits]
+    fb = make_forward_batch(ForwardMode.EXTEND, [9, 20], [3, 1], torch.float32, 1, g)
+    q = randn(4, 4, 32, dtype=torch.float32, g=g)
+    kb, vb = fb.kv_pool.k_buffer[1].clone(), fb.kv_pool.v_buffer[1].clone()
+    table = (fb.req_to_token, fb.req_pool_indices, fb.seq_lens)
+    if op == "rotary_embedding":
+        cache = rotary.make_cos_sin_cache(64, 32, device=DEVICE)
+        k = randn(4, 2, 32, dtype=torch.float32, g=g)
+        return list(ks.rotary_embedding(fb.positions, q.clone(), k, cache, True))
+    if op == "kv_store":
+        ks.kv_store(kb, vb, q[:, :2], q[:, 2:], fb.out_cache_loc)
+        return [kb, vb]
+    if op == "decode_attention":
+        return [ks.decode_attention(q[:2], kb, vb, *table, 0.2, 2)]
+    assert op == "extend_attention", f"no agreement case for op {op!r}"
+    return [ks.extend_attention(q, kb, vb, *table, fb.extend_prefix_lens, fb.extend_seq_lens,
+                                fb.extend_start, 0.2, 3)]
+
+
+@needs_triton
+@pytest.mark.parametrize("op", dispatch.KernelSet.ops())
+def test_kernel_set_triton_ops_agree_with_reference_ops(op: str) -> None:
+    """Every op of the Triton set against the same op of the reference set, as the layers and
+    the attention backend call them."""
+    triton_set = dispatch.resolve_kernels("triton", DEVICE, torch.float32)
+    reference_set = dispatch.resolve_kernels("reference", DEVICE, torch.float32)
+    assert getattr(triton_set, op) is not getattr(reference_set, op)
+    for got, want in zip(_agree_case(op, triton_set), _agree_case(op, reference_set), strict=True):
+        close(got, want, torch.bfloat16 if op == "linear" else torch.float32)
+
+
+def test_triton_backend_runs_its_kernel_sets_attention_ops() -> None:
+    calls: list[str] = []
+    ref = dispatch.resolve_kernels("reference", DEVICE, torch.float32)
+
+    def spy(name: str) -> Callable[..., Any]:
+        fn = getattr(ref, name)
+        return lambda *args, **kwargs: calls.append(name) or fn(*args, **kwargs)
+
+    spied = dataclasses.replace(ref, **{n: spy(n) for n in
+                                        ("kv_store", "decode_attention", "extend_attention")})
+    backend = TritonAttentionBackend(spied, num_sms=4)
+    for mode, ext_lens in ((ForwardMode.EXTEND, [5, 1]), (ForwardMode.DECODE, [1, 1])):
+        fb = make_forward_batch(mode, [3, 7], ext_lens, torch.float32, 1, gen(12))
+        backend.prepare(fb)
+        q = randn(fb.num_tokens, 4, 32, dtype=torch.float32, g=gen(13))
+        kv = randn(fb.num_tokens, 2, 32, dtype=torch.float32, g=gen(14))
+        backend.forward(q, kv, kv, 1, 0.2, fb)
+    assert calls == ["kv_store", "extend_attention", "kv_store", "decode_attention"]
 
 
 @pytest.mark.gpu
@@ -412,13 +460,14 @@ def test_gpu_attention_realistic(batch: int, context: int) -> None:
     splits = attention_decode.decode_num_kv_splits(batch, kv_heads)
     args = (pool.req_to_token, pool.rows, lens, head_dim**-0.5)
     expected = attention_decode.decode_attention_reference(q, pool.k, pool.v, *args)
-    close(dispatch.decode_attention(q, pool.k, pool.v, *args, splits), expected, torch.bfloat16)
+    kernels = dispatch.resolve_kernels("triton", DEVICE, torch.bfloat16)
+    close(kernels.decode_attention(q, pool.k, pool.v, *args, splits), expected, torch.bfloat16)
     ext = min(context, 512)
     t = lambda xs: torch.tensor(xs, device=DEVICE)  # noqa: E731
     qe = randn(ext * batch, heads, head_dim, dtype=torch.bfloat16, g=g)
     ext_args = (pool.req_to_token, pool.rows, lens, t([context - ext] * batch), t([ext] * batch),
                 t([b * ext for b in range(batch)]), head_dim**-0.5, ext)
-    close(dispatch.extend_attention(qe, pool.k, pool.v, *ext_args),
+    close(kernels.extend_attention(qe, pool.k, pool.v, *ext_args),
           attention_extend.extend_attention_reference(qe, pool.k, pool.v, *ext_args),
           torch.bfloat16)
 
@@ -426,4 +475,4 @@ def test_gpu_attention_realistic(batch: int, context: int) -> None:
 @skip_unless_rerun_needed(TRITON_HERE)
 def test_triton_kernels_in_subprocess() -> None:
     """Triton was imported before this module could ask for its interpreter: rerun here."""
-    rerun_interpreted(__file__, "-k", "triton or backend or dispatch")
+    rerun_interpreted(__file__, "-k", "triton or backend or kernel_set")

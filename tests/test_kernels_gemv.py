@@ -91,14 +91,19 @@ def test_gemv_config_is_shape_only() -> None:
 @pytest.mark.parametrize("mode", ["auto", "reference", "triton"])
 @pytest.mark.parametrize("m,dtype", [(1, torch.bfloat16), (4, torch.bfloat16),
                                      (5, torch.bfloat16), (2, torch.float32)])
-def test_dispatch_linear(mode: str, m: int, dtype: torch.dtype,
-                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_set_linear(mode: str, m: int, dtype: torch.dtype,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
     if mode == "triton" and not TRITON_HERE:
         pytest.skip(NO_TRITON)
-    monkeypatch.setenv("SGL_KERNELS", mode)
+    calls: list[int] = []
+    real = gemv.gemv_triton
+    monkeypatch.setattr(gemv, "gemv_triton", lambda *a: calls.append(1) or real(*a))
     x, w, b = _inputs(m, 40, 72, dtype, bias=True)
-    y = dispatch.linear(x, w, b)
+    y = dispatch.resolve_kernels(mode, DEVICE, dtype).linear(x, w, b)
     torch.testing.assert_close(y.float(), _expected(x, w, b), **TOL[dtype])
+    triton_set = mode == "triton" or (mode == "auto" and DEVICE.type == "cuda")
+    # The Triton set's linear is the GEMV for one 16-bit row only; cuBLAS/F.linear otherwise.
+    assert bool(calls) == (triton_set and m == 1 and dtype == torch.bfloat16)
     if DEVICE.type == "cpu" and mode != "triton":
         assert torch.equal(y, F.linear(x, w, b))  # the CPU path is F.linear, bit for bit
 

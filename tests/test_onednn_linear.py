@@ -24,6 +24,7 @@ from sgl.backend.layers.linear import (
 )
 
 CPU = torch.device("cpu")
+KERNELS = dispatch.resolve_kernels("reference", CPU, torch.float32)  # the layers' unpacked path
 needs_onednn = pytest.mark.skipif(not onednn_linear.available(CPU, torch.float32),
                                   reason="this torch build has no oneDNN linear")
 
@@ -83,7 +84,7 @@ def test_packed_linear_bfloat16() -> None:
 
 @needs_onednn
 def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> None:
-    kw = {"device": CPU, "dtype": torch.float32}
+    kw = {"kernels": KERNELS, "device": CPU, "dtype": torch.float32}
     model = torch.nn.ModuleDict({
         "qkv": MergedLinear(16, {"q": 8, "k": 4, "v": 4}, bias=True, **kw),
         "out": Linear(16, 16, bias=False, **kw),
@@ -122,7 +123,7 @@ def test_pack_for_cpu_swaps_weights_in_place_and_packs_the_head_as_a_copy() -> N
 
 @needs_onednn
 def test_untied_head_is_packed_in_place() -> None:
-    head = Embedding(50, 16, device=CPU, dtype=torch.float32)
+    head = Embedding(50, 16, kernels=KERNELS, device=CPU, dtype=torch.float32)
     with torch.no_grad():
         head.weight.copy_(torch.randn(50, 16, generator=torch.Generator().manual_seed(3)))
     x = torch.randn(4, 16)
@@ -133,13 +134,11 @@ def test_untied_head_is_packed_in_place() -> None:
 
 
 @needs_onednn
-def test_dispatch_packs_on_cpu_in_auto_mode_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SGL_KERNELS", raising=False)
-    assert dispatch.pack_cpu_linears(CPU, torch.float32)
-    assert not dispatch.pack_cpu_linears(torch.device("cuda"), torch.bfloat16)
-    assert not dispatch.pack_cpu_linears(CPU, torch.float16)
-    monkeypatch.setenv("SGL_KERNELS", "reference")
-    assert not dispatch.pack_cpu_linears(CPU, torch.float32)
+def test_kernel_set_packs_on_cpu_in_auto_mode_only() -> None:
+    assert dispatch.resolve_kernels("auto", CPU, torch.float32).pack_linears
+    assert not dispatch.resolve_kernels("auto", torch.device("cuda"), torch.bfloat16).pack_linears
+    assert not dispatch.resolve_kernels("auto", CPU, torch.float16).pack_linears
+    assert not dispatch.resolve_kernels("reference", CPU, torch.float32).pack_linears
 
 
 @needs_onednn
@@ -149,9 +148,10 @@ def test_engine_packs_its_cpu_model_unless_reference(mode: str,
     from test_engine_core import make_engine
 
     monkeypatch.setenv("SGL_KERNELS", mode)
-    with make_engine() as engine:  # read the model before close() frees its weights
+    with make_engine() as engine:  # (closing it frees the weights: look inside)
         model = engine._rt.runner.model
         out = engine.generate_sync(input_ids=[1, 2, 3], max_new_tokens=4, temperature=0)
+        assert engine._rt.kernels.pack_linears == (mode == "auto")
         assert model.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn == (mode == "auto")
         head = model.lm_head  # untied in this model: packed in place
         assert (head.weight.is_mkldnn or head.packed_projection is not None) == (mode == "auto")

@@ -4,9 +4,9 @@ A model's attention layer computes q, k, v for the new tokens and hands them to 
 which (1) writes k and v into the KV pool at `fb.out_cache_loc` and (2) attends each new token
 to its request's whole sequence: the cached prefix plus the new tokens up to itself (causal).
 
-Implementations: `torch_backend.TorchAttentionBackend` (pure torch, the CPU path and the
-reference) and `triton_backend.TritonAttentionBackend` (GPU kernels). Both receive exactly the
-same arguments; tests run every backend against the torch one.
+Implementations: `torch_backend.TorchAttentionBackend` (pure torch, the CPU path) and
+`triton_backend.TritonAttentionBackend` (the Triton kernels of the engine's KernelSet). Both
+receive exactly the same arguments; tests run each against the kernels' torch references.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Pure-torch attention over the paged KV pool: the CPU path and the GPU kernels' reference.
+"""Pure-torch attention over the paged KV pool: the CPU path, and the backend that
+attention_backend "auto" means wherever the kernel set is not Triton's.
+
+It stores k/v with `kv_store_reference` and attends like `decode_attention_reference` /
+`extend_attention_reference` (the Triton kernels' references), batched through SDPA;
+tests/test_attention_torch.py checks it against those references.
 
 Per step, `prepare` splits the requests in two groups and builds their gather indices once
 (every layer reuses them):
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from sgl.backend.attention.base import AttentionBackend
 from sgl.backend.attention.decode_stage import DecodeStage, StagePlan
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
+from sgl.backend.kernels.kv_store import kv_store_reference
 
 
 @dataclass
@@ -150,8 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         k_buffer = fb.kv_pool.k_buffer[layer_id]  # [num_slots, kv_heads, head_dim]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
-        k_buffer[fb.out_cache_loc] = k.to(k_buffer.dtype)
-        v_buffer[fb.out_cache_loc] = v.to(v_buffer.dtype)
+        kv_store_reference(k_buffer, v_buffer, k, v, fb.out_cache_loc)
         meta: TorchAttentionMetadata = fb.attn_metadata
         if meta.decode is not None and not meta.extends and meta.decode.rows is None:
             return self._attend_decode(q, k_buffer, v_buffer, meta.decode, layer_id, scale)

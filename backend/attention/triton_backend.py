@@ -1,5 +1,9 @@
 """Attention on the GPU with our Triton kernels (backend/kernels), over the token-indexed pool.
 
+The kernels are the KernelSet's `kv_store`, `decode_attention` and `extend_attention`: the
+Triton ones (`resolve_kernels` gives them in "auto" mode on CUDA and in "triton" mode; the
+runtime builds this backend only with such a set).
+
 Per step, `prepare` decides the launch shapes from host data only (no device sync):
 
 - DECODE: the number of KV splits of flash-decoding, from the batch size and the KV head count
@@ -34,9 +38,8 @@ import torch
 
 from sgl.backend.attention.base import AttentionBackend
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
-from sgl.backend.kernels.attention_decode import decode_attention_triton, decode_num_kv_splits
-from sgl.backend.kernels.attention_extend import extend_attention_triton
-from sgl.backend.kernels.kv_store import kv_store_triton
+from sgl.backend.kernels.attention_decode import decode_num_kv_splits
+from sgl.backend.kernels.dispatch import KernelSet
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,9 @@ def _default_num_sms() -> int:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self, num_sms: int | None = None, max_kv_splits: int = 32) -> None:
+    def __init__(self, kernels: KernelSet, num_sms: int | None = None,
+                 max_kv_splits: int = 32) -> None:
+        self.kernels = kernels
         self.num_sms = num_sms if num_sms is not None else _default_num_sms()
         self.max_kv_splits = max_kv_splits
 
@@ -84,13 +89,13 @@ class TritonAttentionBackend(AttentionBackend):
         k_buffer = fb.kv_pool.k_buffer[layer_id]  # [num_slots, kv_heads, head_dim]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
         # Store first: the attention kernels then read every key, old or new, from the pool.
-        kv_store_triton(k_buffer, v_buffer, k, v, fb.out_cache_loc)
+        self.kernels.kv_store(k_buffer, v_buffer, k, v, fb.out_cache_loc)
         if fb.mode is ForwardMode.DECODE:
-            return decode_attention_triton(
+            return self.kernels.decode_attention(
                 q, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                 scale, meta.num_kv_splits,
             )
-        return extend_attention_triton(
+        return self.kernels.extend_attention(
             q, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start, scale,
             max_extend_len=meta.max_extend_len,

@@ -2,6 +2,9 @@
 
 The input is the fused gate_up projection: the first half of the last dim is the gate, the
 second half the up projection (the layout of a concatenated [gate; up] weight).
+
+The reference computes in the input dtype like transformers' LlamaMLP (`act(gate) * up`: the
+SiLU rounded, then the product); the Triton kernel stays in fp32 and rounds once.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from sgl.backend.kernels.triton_compat import cdiv, tl, triton
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    gate, up = x.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)
+    gate, up = x.chunk(2, dim=-1)  # [T, I] each, views
+    return F.silu(gate) * up
 
 
 @triton.jit

@@ -1,21 +1,34 @@
-"""One entry point per op: the Triton kernel on CUDA tensors, the pure-torch reference elsewhere.
+"""The kernel set: which implementation serves each op, chosen once when a model loads.
 
-`SGL_KERNELS` (read here and nowhere else) overrides the choice:
+    kernels = resolve_kernels(mode, device, dtype)   # the runtime, once per engine
+    kernels.rmsnorm(x, weight, eps)                  # the layers and the attention backend
 
-    auto       (default) Triton when the tensor is on CUDA and triton is installed; on the
-               CPU, linear layers with weights packed for oneDNN (`onednn_linear`)
-    reference  always the pure-torch reference (debugging, bisecting a numerical difference)
-    triton     always Triton; on the CPU that needs TRITON_INTERPRET=1 set before the kernel
-               modules are imported (Triton's interpreter; slow, for tests only)
+Every op has a pure-torch `<op>_reference` and a Triton `<op>_triton` of the same signature in
+its module under `sgl.backend.kernels` (the linear op: `gemv.gemv_reference`, which is
+`F.linear`, and `gemv.linear_triton`). tests/test_kernels*.py compare every Triton kernel
+against its reference, under Triton's interpreter when there is no GPU.
 
-Every op here has the signature of its `<op>_reference` / `<op>_triton` pair.
+`mode` is the `SGL_KERNELS` setting (the engine config's `kernels`). The runtime reads it and
+passes it here; this module never reads the environment:
+
+    auto       (default) with a CUDA device and triton installed: the Triton kernels (linears:
+               our GEMV for one-row 16-bit decode, cuBLAS otherwise), and attention_backend
+               "auto" means the Triton backend. Elsewhere the references, with the CPU's
+               fast paths: linear weights packed for oneDNN at load (`onednn_linear`;
+               `F.linear` on the plain weight is their reference) and xgrammar's bitmask
+               kernel when xgrammar is installed; attention "auto" means the torch backend.
+    reference  the pure-torch references on every device, nothing packed (debugging,
+               bisecting a numerical difference); attention "auto" means the torch backend.
+    triton     the Triton kernels on every device; on the CPU that needs TRITON_INTERPRET=1 set
+               before the kernel modules are imported (Triton's interpreter: slow, tests only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import os
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -23,121 +36,118 @@ from sgl.backend.kernels import (
     activation,
     attention_decode,
     attention_extend,
-    gemv as _gemv,
-    kv_store as _kv_store,
+    gemv,
+    kv_store,
     onednn_linear,
-    rmsnorm as _rmsnorm,
+    rmsnorm,
     rotary,
     token_bitmask,
 )
-from sgl.backend.kernels.triton_compat import HAS_TRITON
+from sgl.backend.kernels.triton_compat import HAS_TRITON, is_interpreted
+from sgl.errors import InvalidConfigError
 
 _HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None
 
-Impl = Literal["triton", "reference"]
+Mode = Literal["auto", "reference", "triton"]
+MODES: tuple[str, ...] = ("auto", "reference", "triton")
+Tensor = torch.Tensor
 
 
-def _mode() -> str:
-    mode = os.environ.get("SGL_KERNELS", "auto").strip().lower()
-    if mode not in ("auto", "reference", "triton"):
-        raise ValueError(f"SGL_KERNELS must be auto, reference or triton, got {mode!r}")
-    return mode
+@dataclass(frozen=True)
+class KernelSet:
+    """The implementation of every op for one engine (see the module docstring)."""
+
+    mode: Mode
+    device: torch.device
+    rmsnorm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps)
+    fused_add_rmsnorm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    silu_and_mul: Callable[[Tensor], Tensor]  # [T, 2I] -> [T, I]
+    rotary_embedding: Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor]]
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # plain (unpacked) weights
+    kv_store: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    decode_attention: Callable[..., Tensor]
+    extend_attention: Callable[..., Tensor]
+    apply_token_bitmask: Callable[[Tensor, Tensor, Tensor | None], None]
+    pack_linears: bool  # pack linear weights for oneDNN at load (the CPU's linear fast path)
+    attention: Literal["torch", "triton"]  # the attention backend that "auto" means
+
+    @classmethod
+    def ops(cls) -> tuple[str, ...]:
+        """Names of the op fields, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in _NOT_OPS)
 
 
-def kernel_impl(device: torch.device) -> Impl:
-    """Which implementation serves tensors on `device` (see the module docstring)."""
-    mode = _mode()
-    if mode == "reference":
-        return "reference"
-    if mode == "triton":
-        if not HAS_TRITON:
-            raise RuntimeError("SGL_KERNELS=triton but the `triton` package is not installed")
-        return "triton"
-    return "triton" if device.type == "cuda" and HAS_TRITON else "reference"
+_NOT_OPS = frozenset({"mode", "device", "pack_linears", "attention"})
 
 
-def pack_cpu_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on `device` gets its linear weights packed for oneDNN at load time
-    (the CPU's linear kernel, in `auto` mode; `F.linear` on the plain weight is its reference)."""
-    return _mode() == "auto" and onednn_linear.available(device, dtype)
+def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -> KernelSet:
+    """The kernel set of a model on `device` in `dtype` under `mode` (auto/reference/triton).
+
+    Raises InvalidConfigError for an unknown mode, and for "triton" where Triton cannot run.
+    """
+    device = torch.device(device)
+    normalized = mode.strip().lower()
+    if normalized not in MODES:
+        raise InvalidConfigError(
+            f"kernels (SGL_KERNELS) must be 'auto', 'reference' or 'triton', got {mode!r}")
+    if normalized == "triton":
+        _require_triton(device)
+    use_triton = normalized == "triton" or (
+        normalized == "auto" and device.type == "cuda" and HAS_TRITON)
+    ops = _triton_ops() if use_triton else _reference_ops()
+    if normalized == "auto" and device.type == "cpu" and _HAS_XGRAMMAR:
+        # Same layout and rule as the reference, about twice as fast on the CPU.
+        ops["apply_token_bitmask"] = token_bitmask.apply_token_bitmask_xgrammar
+    return KernelSet(
+        mode=normalized,  # type: ignore[arg-type]
+        device=device,
+        pack_linears=normalized == "auto" and onednn_linear.available(device, dtype),
+        attention="triton" if use_triton else "torch",
+        **ops,
+    )
 
 
-def _triton(x: torch.Tensor) -> bool:
-    return kernel_impl(x.device) == "triton"
+def _require_triton(device: torch.device) -> None:
+    if not HAS_TRITON:
+        raise InvalidConfigError(
+            "kernels='triton' (SGL_KERNELS) needs the `triton` package: install it, or use "
+            "'auto' or 'reference'")
+    if device.type != "cuda" and not is_interpreted(rmsnorm._rmsnorm_kernel):
+        raise InvalidConfigError(
+            f"kernels='triton' on device {str(device)!r} runs Triton's interpreter, which needs "
+            "TRITON_INTERPRET=1 set before sgl's kernels are imported; or use 'auto' or "
+            "'reference'")
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    fn = _rmsnorm.rmsnorm_triton if _triton(x) else _rmsnorm.rmsnorm_reference
-    return fn(x, weight, eps)
+# Looked up when a set is resolved, not at import: a test can swap a function for a spy.
+def _reference_ops() -> dict[str, Callable[..., Any]]:
+    return {
+        "rmsnorm": rmsnorm.rmsnorm_reference,
+        "fused_add_rmsnorm": rmsnorm.fused_add_rmsnorm_reference,
+        "silu_and_mul": activation.silu_and_mul_reference,
+        "rotary_embedding": rotary.rotary_embedding_reference,
+        "linear": gemv.gemv_reference,
+        "kv_store": kv_store.kv_store_reference,
+        "decode_attention": attention_decode.decode_attention_reference,
+        "extend_attention": attention_extend.extend_attention_reference,
+        "apply_token_bitmask": token_bitmask.apply_token_bitmask_reference,
+    }
 
 
-def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:  # (rmsnorm(x + residual), x + residual)
-    fn = _rmsnorm.fused_add_rmsnorm_triton if _triton(x) else _rmsnorm.fused_add_rmsnorm_reference
-    return fn(x, residual, weight, eps)
-
-
-def rotary_embedding(
-    positions: torch.Tensor,  # [T]
-    q: torch.Tensor,  # [T, heads, head_dim]
-    k: torch.Tensor,  # [T, kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] fp32
-    inplace: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = rotary.rotary_embedding_triton if _triton(q) else rotary.rotary_embedding_reference
-    return fn(positions, q, k, cos_sin_cache, inplace)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    fn = activation.silu_and_mul_triton if _triton(x) else activation.silu_and_mul_reference
-    return fn(x)
-
-
-def kv_store(
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-) -> None:
-    fn = _kv_store.kv_store_triton if _triton(k) else _kv_store.kv_store_reference
-    fn(k_buffer, v_buffer, k, v, out_cache_loc)
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_kv_splits: int = 1,
-) -> torch.Tensor:
-    fn = (attention_decode.decode_attention_triton if _triton(q)
-          else attention_decode.decode_attention_reference)
-    return fn(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
-              num_kv_splits)
-
-
-def extend_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    extend_start: torch.Tensor,
-    scale: float,
-    max_extend_len: int | None = None,
-) -> torch.Tensor:
-    fn = (attention_extend.extend_attention_triton if _triton(q)
-          else attention_extend.extend_attention_reference)
-    return fn(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-              extend_prefix_lens, extend_seq_lens, extend_start, scale, max_extend_len)
+def _triton_ops() -> dict[str, Callable[..., Any]]:
+    return {
+        "rmsnorm": rmsnorm.rmsnorm_triton,
+        "fused_add_rmsnorm": rmsnorm.fused_add_rmsnorm_triton,
+        "silu_and_mul": activation.silu_and_mul_triton,
+        "rotary_embedding": rotary.rotary_embedding_triton,
+        "linear": gemv.linear_triton,
+        "kv_store": kv_store.kv_store_triton,
+        "decode_attention": attention_decode.decode_attention_triton,
+        "extend_attention": attention_extend.extend_attention_triton,
+        # Our own small kernel rather than xgrammar's on CUDA: same layout and rule, one fewer
+        # dependency on the GPU path, and `indices` stays a device tensor (no host list).
+        "apply_token_bitmask": token_bitmask.apply_token_bitmask_triton,
+    }
 
 
 def apply_token_bitmask(
@@ -145,45 +155,15 @@ def apply_token_bitmask(
     bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32, on logits' device
     indices: torch.Tensor | None = None,
 ) -> None:
-    # On CUDA our own small Triton kernel rather than xgrammar's: same layout and rule, one
-    # fewer dependency on the GPU path, and `indices` stays a device tensor (no host list).
-    if _triton(logits):
+    """The "auto" bitmask kernel for logits' device, for the sampler and the grammar adapter,
+    which the runtime builds without a KernelSet (they do not follow SGL_KERNELS yet)."""
+    if logits.device.type == "cuda" and HAS_TRITON:
         fn = token_bitmask.apply_token_bitmask_triton
-    elif logits.device.type == "cpu" and _mode() == "auto" and _HAS_XGRAMMAR:
+    elif logits.device.type == "cpu" and _HAS_XGRAMMAR:
         fn = token_bitmask.apply_token_bitmask_xgrammar
     else:
         fn = token_bitmask.apply_token_bitmask_reference
     fn(logits, bitmask, indices)
 
 
-def linear(
-    x: torch.Tensor,  # [..., K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [..., N]
-    """y = x @ W^T (+ b). Our Triton GEMV for single-row decode (16-bit weights), where
-    cuBLAS streams the weights below the copy bandwidth; F.linear (cuBLAS, or the CPU's)
-    everywhere else. At 2-4 rows the GEMV measured slower than cuBLAS on the H200
-    (bench/gemv_bench.py), so it serves one row only. The row count is static inside a CUDA
-    graph, so the choice is fixed at capture."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows == 1 and weight.dtype in (torch.float16, torch.bfloat16)
-            and x.dtype == weight.dtype and _triton(x)):
-        return _gemv.gemv_triton(x, weight, bias)
-    return _gemv.gemv_reference(x, weight, bias)
-
-
-__all__ = [
-    "Impl",
-    "kernel_impl",
-    "linear",
-    "pack_cpu_linears",
-    "rmsnorm",
-    "fused_add_rmsnorm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "kv_store",
-    "decode_attention",
-    "extend_attention",
-    "apply_token_bitmask",
-]
+__all__ = ["KernelSet", "MODES", "Mode", "apply_token_bitmask", "resolve_kernels"]

@@ -13,8 +13,9 @@ BLOCK_K]; the cross-lane reduction over K happens once, after the loop. No split
 for every projection we serve (k and v are fused into qkv), which already gives hundreds of
 programs. The config depends on (M, N, K) only, never on data: the launch is graph-safe.
 
-The kernel takes up to MAX_ROWS rows, but dispatch.linear sends it one row only: at 2-4 rows
-it measured slower than cuBLAS on the H200 (bench/gemv_bench.py).
+The kernel takes up to MAX_ROWS rows, but the linear op of the Triton kernel set
+(`linear_triton`) sends it one row only: at 2-4 rows it measured slower than cuBLAS on the
+H200 (bench/gemv_bench.py).
 """
 
 from __future__ import annotations
@@ -153,3 +154,19 @@ def gemv_triton(
             num_warps=cfg.num_warps,
         )
     return y.reshape(*x.shape[:-1], n)
+
+
+def linear_triton(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N]
+    """The linear op of the Triton kernel set: this GEMV for single-row decode in 16 bits,
+    where cuBLAS streams the weights below the copy bandwidth; F.linear (cuBLAS) for every
+    other shape. At 2-4 rows the GEMV measured slower than cuBLAS on the H200
+    (bench/gemv_bench.py), so it serves one row only. The row count is static inside a CUDA
+    graph, so the choice is fixed at capture."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 1 and weight.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype:
+        return gemv_triton(x, weight, bias)
+    return gemv_reference(x, weight, bias)

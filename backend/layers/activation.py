@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
+
+from sgl.backend.kernels.dispatch import KernelSet
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 * inter] (gate | up) -> [T, inter] = silu(gate) * up."""
-    if gate_up.is_cuda:
-        from sgl.backend.kernels import dispatch  # lazy: the CPU path never imports triton
+class SiluAndMul(nn.Module):
+    """[T, 2 * inter] (gate | up) -> [T, inter] = silu(gate) * up, the set's `silu_and_mul`."""
 
-        return dispatch.silu_and_mul(gate_up)  # one fused kernel, fp32 inside
-    inter = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    def __init__(self, *, kernels: KernelSet) -> None:
+        super().__init__()
+        self.kernels = kernels
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_and_mul(gate_up)

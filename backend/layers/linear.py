@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgl.backend.kernels import onednn_linear
-from sgl.backend.kernels.dispatch import linear
+from sgl.backend.kernels.dispatch import KernelSet
 
 
 def empty_param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -24,13 +24,18 @@ def empty_param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Par
 
 
 class Linear(nn.Module):
-    """y = x @ W^T (+ b). `weight` is [out_features, in_features], the HF layout."""
+    """y = x @ W^T (+ b). `weight` is [out_features, in_features], the HF layout.
+
+    A plain weight goes through the set's `linear`; a weight packed by `pack_for_cpu` through
+    oneDNN (the packed layout is the choice, made once at load when the set says to pack).
+    """
 
     def __init__(
-        self, in_features: int, out_features: int, *, bias: bool, device: torch.device,
-        dtype: torch.dtype,
+        self, in_features: int, out_features: int, *, bias: bool, kernels: KernelSet,
+        device: torch.device, dtype: torch.dtype,
     ) -> None:
         super().__init__()
+        self.kernels = kernels
         self.in_features = in_features
         self.out_features = out_features
         self.weight = empty_param(out_features, in_features, device=device, dtype=dtype)
@@ -39,7 +44,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_mkldnn:  # packed by pack_for_cpu
             return onednn_linear.packed_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)  # one-row decode: our GEMV on CUDA
+        return self.kernels.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -49,11 +54,11 @@ class MergedLinear(Linear):
     """
 
     def __init__(
-        self, in_features: int, shard_sizes: dict[str, int], *, bias: bool,
+        self, in_features: int, shard_sizes: dict[str, int], *, bias: bool, kernels: KernelSet,
         device: torch.device, dtype: torch.dtype,
     ) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, device=device,
-                         dtype=dtype)
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, kernels=kernels,
+                         device=device, dtype=dtype)
         self.shard_slices: dict[str, slice] = {}
         start = 0
         for name, size in shard_sizes.items():
@@ -76,9 +81,10 @@ class MergedLinear(Linear):
 class Embedding(nn.Module):
     """Token embedding table [vocab, hidden]; also the LM head when embeddings are tied."""
 
-    def __init__(self, vocab_size: int, dim: int, *, device: torch.device,
+    def __init__(self, vocab_size: int, dim: int, *, kernels: KernelSet, device: torch.device,
                  dtype: torch.dtype) -> None:
         super().__init__()
+        self.kernels = kernels
         self.weight = empty_param(vocab_size, dim, device=device, dtype=dtype)
         # On the CPU (pack_for_cpu), the table packed for oneDNN when this embedding is both
         # the input embedding and the LM head: a copy, since the lookup needs the plain table.
@@ -93,7 +99,7 @@ class Embedding(nn.Module):
             return onednn_linear.packed_linear(hidden, self.weight)
         if self.packed_projection is not None:
             return onednn_linear.packed_linear(hidden, self.packed_projection)
-        return linear(hidden, self.weight)
+        return self.kernels.linear(hidden, self.weight, None)
 
 
 def pack_for_cpu(model: nn.Module, head: Embedding | None, *, tied: bool = False) -> None:

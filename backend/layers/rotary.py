@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from sgl.backend.kernels.dispatch import KernelSet
+from sgl.backend.kernels.rotary import make_cos_sin_cache, rope_inv_freq
+
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """theta and scaling from a config of any transformers version.
@@ -31,9 +34,7 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 
 def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    theta = float(params["rope_theta"])
-    # [head_dim / 2]: one frequency per rotated pair
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = rope_inv_freq(head_dim, float(params["rope_theta"]))  # [head_dim / 2]
     rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq
@@ -60,36 +61,22 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tenso
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their token's position with the set's `rotary_embedding`."""
+
     def __init__(
-        self, head_dim: int, max_positions: int, params: dict[str, Any], *,
+        self, head_dim: int, max_positions: int, params: dict[str, Any], *, kernels: KernelSet,
         device: torch.device, dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.half = head_dim // 2
-        inv_freq = _inv_freq(head_dim, params)  # [head_dim / 2]
-        # Positions times frequencies in float32 like the reference, then cast once.
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        # [max_positions, 2, head_dim / 2]: cos and sin side by side, one gather per step
-        cache = torch.stack([freqs.cos(), freqs.sin()], dim=1)
-        self.register_buffer("cos_sin", cache.to(device=device, dtype=dtype), persistent=False)
+        self.kernels = kernels
+        # [max_positions, head_dim]: cos | sin, computed in float32 and kept in the model's
+        # dtype, as transformers rounds them before rotating.
+        cache = make_cos_sin_cache(max_positions, head_dim, inv_freq=_inv_freq(head_dim, params),
+                                   device=device, dtype=dtype)
+        self.register_buffer("cos_sin", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x [T, heads, head_dim] by its token's position.
-
-        CPU: returns new tensors. CUDA with (q, k): one Triton launch rotates both *in place*
-        (they are views of the fused qkv output, which nothing else reads) and returns them.
-        """
-        if len(xs) == 2 and xs[0].is_cuda:
-            from sgl.backend.kernels import dispatch  # lazy: the CPU path never imports triton
-
-            # [P, 2, half] -> [P, head_dim]: cos | sin, the kernels' cache layout
-            cache = self.cos_sin.view(self.cos_sin.shape[0], -1)
-            return dispatch.rotary_embedding(positions, xs[0], xs[1], cache, inplace=True)
-        cos_sin = self.cos_sin[positions]  # [T, 2, head_dim / 2]
-        cos = cos_sin[:, 0].unsqueeze(1)  # [T, 1, head_dim / 2]
-        sin = cos_sin[:, 1].unsqueeze(1)  # [T, 1, head_dim / 2]
-        return tuple(self._rotate(x, cos, sin) for x in xs)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., : self.half], x[..., self.half :]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated *in place* (they are
+        views of the fused qkv output, which nothing else reads); returns them."""
+        return self.kernels.rotary_embedding(positions, q, k, self.cos_sin, True)

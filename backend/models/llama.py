@@ -4,6 +4,10 @@ Differences from the HF module tree, all for speed: q/k/v are one projection (`q
 and gate/up are one (`gate_up_proj`); the residual add is fused into the next RMSNorm call;
 attention goes through the step's attention backend, which owns the KV cache. Variants set
 three switches: `qkv_bias`, `o_bias`, `qk_norm` (per-head RMSNorm on q and k before RoPE).
+
+Every layer runs the ops of one KernelSet (kernels/dispatch.py). A model is built on the
+torch references unless given a set; the runtime resolves the engine's set once and hands it
+over with `use_kernels`, after the weights are loaded.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import torch
 from torch import nn
 
 from sgl.backend.forward_batch import ForwardBatch
-from sgl.backend.layers.activation import silu_and_mul
-from sgl.backend.layers.linear import Embedding, Linear, MergedLinear
+from sgl.backend.kernels.dispatch import KernelSet, resolve_kernels
+from sgl.backend.layers.activation import SiluAndMul
+from sgl.backend.layers.linear import Embedding, Linear, MergedLinear, pack_for_cpu
 from sgl.backend.layers.norm import RMSNorm
 from sgl.backend.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -30,13 +35,18 @@ _FUSED = {
 }
 
 
+# The layers that call kernels (each holds the model's KernelSet).
+_KERNEL_LAYERS = (Linear, Embedding, RMSNorm, RotaryEmbedding, SiluAndMul)
+
+
 def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: Any, layer_id: int, rotary: RotaryEmbedding, *, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool, device: torch.device, dtype: torch.dtype) -> None:
+                 o_bias: bool, qk_norm: bool, kernels: KernelSet, device: torch.device,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = cfg.num_attention_heads
@@ -46,7 +56,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.rotary = rotary  # shared by all layers (one cos/sin cache)
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"kernels": kernels, "device": device, "dtype": dtype}
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
             bias=qkv_bias, **kw,
@@ -70,24 +80,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, *, bias: bool, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, *, bias: bool, kernels: KernelSet, device: torch.device,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"kernels": kernels, "device": device, "dtype": dtype}
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter},
                                          bias=bias, **kw)
+        self.act = SiluAndMul(kernels=kernels)
         self.down_proj = Linear(inter, cfg.hidden_size, bias=bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_id: int, rotary: RotaryEmbedding, *, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool, mlp_bias: bool, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 o_bias: bool, qk_norm: bool, mlp_bias: bool, kernels: KernelSet,
+                 device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"kernels": kernels, "device": device, "dtype": dtype}
         self.self_attn = Attention(cfg, layer_id, rotary, qkv_bias=qkv_bias, o_bias=o_bias,
                                    qk_norm=qk_norm, **kw)
         self.mlp = MLP(cfg, bias=mlp_bias, **kw)
@@ -109,9 +121,10 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, *, max_positions: int, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, mlp_bias: bool, device: torch.device, dtype: torch.dtype) -> None:
+                 qk_norm: bool, mlp_bias: bool, kernels: KernelSet, device: torch.device,
+                 dtype: torch.dtype) -> None:
         super().__init__()
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"kernels": kernels, "device": device, "dtype": dtype}
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, rope_parameters(cfg), **kw)
         self.layers = nn.ModuleList(
@@ -134,20 +147,33 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, *, device: torch.device, dtype: torch.dtype,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, kernels: KernelSet | None = None) -> None:
         super().__init__()
         self.config = hf_config
+        if kernels is None:  # built by the loader: the references until `use_kernels`
+            kernels = resolve_kernels("reference", device, dtype)
+        self.kernels = kernels
         switches = self._variant(hf_config)
         self.model = LlamaModel(
             hf_config, max_positions=max_positions or hf_config.max_position_embeddings,
-            device=device, dtype=dtype, **switches,
+            kernels=kernels, device=device, dtype=dtype, **switches,
         )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # same Parameter, loaded once
         else:
-            self.lm_head = Embedding(hf_config.vocab_size, hf_config.hidden_size, device=device,
-                                     dtype=dtype)
+            self.lm_head = Embedding(hf_config.vocab_size, hf_config.hidden_size,
+                                     kernels=kernels, device=device, dtype=dtype)
+
+    def use_kernels(self, kernels: KernelSet) -> None:
+        """Run every layer on `kernels`, and pack the linear weights for oneDNN when the set
+        says so (one-way: call once, after the weights are loaded)."""
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, _KERNEL_LAYERS):
+                module.kernels = kernels
+        if kernels.pack_linears:
+            pack_for_cpu(self, self.lm_head, tied=self.tie_word_embeddings)
 
     @staticmethod
     def _variant(cfg: Any) -> dict[str, bool]:
