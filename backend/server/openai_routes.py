@@ -21,7 +21,7 @@ from sgl.backend.server.context import ServerContext, context_of
 from sgl.backend.server.driver import failed_before_start, run_or_abort
 from sgl.backend.server.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from sgl.backend.server.protocol import (SSE_DONE, ApiError, TokenTexts, error_from_exception, finite,
-                                         json_response, read_json, sse)
+                                         json_response, sse)
 
 __all__ = ["routes_spec"]
 
@@ -120,8 +120,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     route = "chat" if chat else "completions"
     start = time.monotonic()
     try:
-        body = await read_json(request)
-        reqs = (parse_chat if chat else parse_completion)(body, ctx.engine)
+        body = await ctx.read_body(request)
+        reqs = (parse_chat if chat else parse_completion)(body, ctx.engine, ctx.options)
     except Exception as exc:  # noqa: BLE001 - ApiError or an engine validation error
         ctx.metrics.count_request(route, "invalid")
         return _error(exc, chat).response()
