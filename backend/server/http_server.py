@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import socket
 from typing import Any, Callable
@@ -35,7 +36,11 @@ __all__ = ["serve", "BoundedH11Protocol", "connection_cap"]
 
 logger = logging.getLogger("sgl.server")
 
-_RESERVED_FDS = 128  # model files, pipes, threads' descriptors, the listening socket
+# Connections accepted in one go: asyncio accepts up to `backlog` sockets in one callback, and
+# their connection_made (where the cap acts) and the closing of the evicted ones each run one
+# loop iteration later, so up to three bursts' descriptors can be open beyond the cap.
+_BACKLOG = 64
+_SPARE_FDS = 64  # files the engine may still open (grammar cache, logs), the listening socket
 _REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
 
@@ -84,10 +89,12 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()  # no request head in time: a stalled or idle socket
 
     def _enforce_cap(self) -> None:
-        conns = self.server_state.connections
-        if len(conns) <= self.max_connections:
+        # Closing connections stay in the set until connection_lost runs (next loop iteration):
+        # they neither count nor can be evicted twice.
+        live = [c for c in self.server_state.connections if not c.transport.is_closing()]
+        if len(live) <= self.max_connections:
             return
-        idle = [c for c in conns if c is not self and isinstance(c, BoundedH11Protocol) and not c._busy()]
+        idle = [c for c in live if c is not self and isinstance(c, BoundedH11Protocol) and not c._busy()]
         if idle:
             min(idle, key=lambda c: c._idle_since).transport.close()
         else:  # every other connection is serving a request: this one cannot be served now
@@ -105,7 +112,8 @@ def connection_cap(requested: int) -> int:
     return the cap that fits (fewer when the hard limit is lower): running out of descriptors
     stalls accept() for every client, /health included."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = requested + _RESERVED_FDS
+    reserve = _open_fds() + 3 * _BACKLOG + _SPARE_FDS
+    want = requested + reserve
     if soft != resource.RLIM_INFINITY and soft < want:
         target = want if hard == resource.RLIM_INFINITY else min(want, hard)
         try:
@@ -115,11 +123,18 @@ def connection_cap(requested: int) -> int:
             pass
     if soft == resource.RLIM_INFINITY:
         return requested
-    cap = max(1, min(requested, soft - _RESERVED_FDS))
+    cap = max(1, min(requested, soft - reserve))
     if cap < requested:
         logger.warning("max_connections lowered from %d to %d to fit the open-file limit (%d); "
                        "raise it with `ulimit -n`", requested, cap, soft)
     return cap
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: a generous guess
+        return 128
 
 
 class _Server(uvicorn.Server):
@@ -159,7 +174,7 @@ async def serve(engine: Any, host: str = "127.0.0.1", port: int = 30000, api_key
     cap = connection_cap(options.max_connections)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             http=_protocol_class(options, cap), timeout_keep_alive=options.timeout_keep_alive,
-                            timeout_graceful_shutdown=3, lifespan="off")
+                            backlog=_BACKLOG, timeout_graceful_shutdown=3, lifespan="off")
     server = _Server(config, engine, on_started)
     try:
         await server.serve()
