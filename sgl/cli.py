@@ -200,8 +200,10 @@ def _serve(args: dict[str, Any]) -> int:
         print(f"sgl serve: {exc}", file=sys.stderr)
         return 1
 
+    what = server["model"] or ("dummy weights" if args.get("load_format") == "dummy" else "the default model")
+
     def announce(url: str) -> None:  # called once the socket is bound
-        print(f"sgl: serving {server['model'] or 'the default model'} on {url}"
+        print(f"sgl: serving {what} on {url}"
               + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
 
     try:

@@ -171,3 +171,11 @@ def test_help_describes_every_engine_and_server_option_with_its_default() -> Non
                                            "--no-disable-overlap-schedule", "--header-timeout", "2.5"]))
     assert args["max_n"] == 8 and args["allowed_origins"] == "a,b" and args["header_timeout"] == 2.5
     assert args["disable_overlap_schedule"] is False and "max_batch" not in args
+
+
+def test_operations_doc_lists_every_server_option() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    for f in dataclasses.fields(ServerOptions):
+        assert f"`{ServerOptions.flag(f.name)}`" in doc, f"docs/operations.md does not list {f.name}"
