@@ -132,9 +132,13 @@ def _engine_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any
 
 
 def _server_option_flags(group: argparse._ArgumentGroup) -> None:
+    """A flag per server option, except those the engine also has (one limit, one flag: the
+    engine's, whose value the server's edge then applies too)."""
     from sgl.backend.server import ServerOptions  # starlette and uvicorn, but no torch
 
     for name, (default, about) in ServerOptions.field_help().items():
+        if name in EngineConfig.option_names():
+            continue
         shown = ",".join(default) or "none" if isinstance(default, tuple) else default
         kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS,
                                       help=f"{about} (default: {shown})".replace("%", "%%"))
@@ -184,7 +188,7 @@ def _serve(args: dict[str, Any]) -> int:
     from sgl.backend.server import ServerOptions, serve
 
     server = {k: args.pop(k) for k in _SERVER_KEYS}
-    server_fields = {f.name for f in dataclasses.fields(ServerOptions)}
+    server_fields = {f.name for f in dataclasses.fields(ServerOptions)} - EngineConfig.option_names()
     try:
         options = ServerOptions(**{k: args.pop(k) for k in list(args) if k in server_fields})
     except ValueError as exc:

@@ -10,8 +10,9 @@ from typing import Any, Iterator
 import pytest
 from starlette.testclient import TestClient
 
+import sgl
 from sgl.backend.server import ServerOptions, create_app
-from test_server_support import get_tiny_engine
+from test_server_support import get_tiny_engine, split_limits, tiny_engine_options
 
 CHAT = [{"role": "user", "content": "hi"}]
 JSON = {"content-type": "application/json"}
@@ -140,25 +141,25 @@ LIMITS = [  # (path, payload, param, flag)
     ("/generate", {"text": ["hi"] * 300}, "text", "--max-batch"),
     ("/generate", {"text": ["hi"] * 5, "sampling_params": {"n": 60}}, "text", "--max-batch"),
     ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num",
-     "--max-top-logprobs"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop": ["x"] * 17}}, "sampling_params.stop",
-     "--max-stop-sequences"),
+     "--max-top-logprobs-num"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": ["x"] * 33}}, "sampling_params.stop",
+     "--max-stop-strings"),
     ("/generate", {"text": "hi", "sampling_params": {"stop": ["y" * 257]}}, "sampling_params.stop[0]",
-     "--max-stop-length"),
+     "--max-stop-string-len"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [1] * 257}},
      "sampling_params.stop_token_ids", "--max-stop-token-ids"),
-    ("/generate", {"text": "hi", "sampling_params": {"regex": "a" * 40000}}, "sampling_params.regex",
-     "--max-constraint-bytes"),
-    ("/generate", {"text": "hi", "sampling_params": {"json_schema": {"enum": ["v" * 40000]}}},
-     "sampling_params.json_schema", "--max-constraint-bytes"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "a" * 70000}}, "sampling_params.regex",
+     "--max-grammar-bytes"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": {"enum": ["v" * 70000]}}},
+     "sampling_params.json_schema", "--max-grammar-bytes"),
     ("/v1/completions", {"prompt": "hi", "n": 65}, "n", "--max-n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "--max-top-logprobs"),
-    ("/v1/completions", {"prompt": "hi", "ebnf": "root ::= " + '"a" ' * 9000}, "ebnf", "--max-constraint-bytes"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "--max-top-logprobs-num"),
+    ("/v1/completions", {"prompt": "hi", "ebnf": "root ::= " + '"a" ' * 17000}, "ebnf", "--max-grammar-bytes"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
-     "--max-top-logprobs"),
+     "--max-top-logprobs-num"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"enum": ["v" * 40000]}}}}, "response_format.json_schema.schema",
-     "--max-constraint-bytes"),
+        "name": "x", "schema": {"enum": ["v" * 70000]}}}}, "response_format.json_schema.schema",
+     "--max-grammar-bytes"),
 ]
 
 
@@ -169,15 +170,22 @@ def test_request_bounds_are_400_naming_the_limit(client: TestClient, path: str, 
     assert body["param"] == param and flag in body["message"] and body["code"] == "limit_exceeded", body
 
 
-def test_bounds_follow_the_server_options() -> None:
-    options = ServerOptions(max_n=2, max_top_logprobs=1, max_stop_sequences=1)
-    with TestClient(create_app(get_tiny_engine(), options=options)) as c:
-        assert "limit of 2" in _error(c.post("/v1/completions", json={"prompt": "hi", "n": 3}))["message"]
-        _error(c.post("/generate", json={"text": "hi", "return_logprob": True, "top_logprobs_num": 2}))
-        _error(c.post("/generate", json={"text": "hi", "sampling_params": {"stop": ["a", "b"]}}))
-        ok = c.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 1, "stop": ["a"],
-                                             "logprobs": 1})
-        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+def test_bounds_follow_the_options() -> None:
+    """Each bound is an option: the server's, or the engine's where the engine has the same one."""
+    engine_side, server_side = split_limits(max_n=2, max_top_logprobs_num=1, max_stop_strings=1, max_batch=4)
+    engine = sgl.Engine(**tiny_engine_options(), **engine_side) if engine_side else get_tiny_engine()
+    try:
+        with TestClient(create_app(engine, options=ServerOptions(**server_side))) as c:
+            assert "limit of 2" in _error(c.post("/v1/completions", json={"prompt": "hi", "n": 3}))["message"]
+            _error(c.post("/generate", json={"text": "hi", "return_logprob": True, "top_logprobs_num": 2}))
+            _error(c.post("/generate", json={"text": "hi", "sampling_params": {"stop": ["a", "b"]}}))
+            assert "--max-batch" in _error(c.post("/v1/completions", json={"prompt": ["a"] * 3, "n": 2}))["message"]
+            ok = c.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 1, "stop": ["a"],
+                                                 "logprobs": 1})
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    finally:
+        if engine_side:
+            engine.close()
 
 
 def test_well_formed_requests_still_pass(client: TestClient) -> None:

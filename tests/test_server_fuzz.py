@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 import sgl
 from sgl.backend.server import ServerOptions, create_app
 from sgl.backend.server.validate import SAMPLING_KINDS
-from test_server_support import tiny_engine_options
+from test_server_support import split_limits, tiny_engine_options
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -107,8 +107,9 @@ PROMPTS = words | token_ids | st.lists(token_ids, min_size=1, max_size=2) | st.l
 @pytest.fixture(scope="module")
 def fuzz_client() -> Iterator[tuple[TestClient, sgl.Engine]]:
     # A request timeout bounds whatever a fuzzed max_tokens asks for; small limits keep n cheap.
-    engine = sgl.Engine(**tiny_engine_options(), request_timeout=1.0)
-    options = ServerOptions(max_n=3, max_batch=6, max_top_logprobs=5)
+    engine_side, server_side = split_limits(max_n=3, max_batch=6, max_top_logprobs_num=5)
+    engine = sgl.Engine(**tiny_engine_options(), **engine_side, request_timeout=1.0)
+    options = ServerOptions(**server_side)
     try:
         with TestClient(create_app(engine, options=options), raise_server_exceptions=False) as c:
             yield c, engine

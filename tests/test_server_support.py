@@ -127,6 +127,16 @@ def tiny_engine_options() -> dict[str, Any]:
                 device="cpu", max_total_tokens=4096)
 
 
+def split_limits(**limits: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine options, server options): a bound the engine's config has (once the engine's own
+    request limits exist: max_n, max_stop_strings, ...) is set on the engine, where the server
+    reads it; the others are server options."""
+    from sgl.config import EngineConfig
+
+    engine = {k: v for k, v in limits.items() if k in EngineConfig.option_names()}
+    return engine, {k: v for k, v in limits.items() if k not in engine}
+
+
 def tiny_server_args() -> list[str]:
     """`sgl serve` flags for the tiny model (the CLI's JSON form of model_config)."""
     import json

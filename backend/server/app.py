@@ -69,10 +69,11 @@ def create_app(engine: Any, api_key: str | None = None, model_name: str | None =
     `api_key`: when set, every route but /health needs `Authorization: Bearer <api_key>`;
     without one, requests from other web pages and foreign Host names are refused (guard.py).
     `model_name`: the name /v1/models reports (default: the model folder or file name).
-    `options`: request bounds and safety lists (`ServerOptions`; its defaults when omitted).
+    `options`: request bounds and safety lists (`ServerOptions`; its defaults when omitted); a
+    bound the engine's config also has is the engine's (`ServerOptions.for_engine`).
     The engine is not closed by the app; whoever created it owns it.
     """
-    options = options or ServerOptions()
+    options = (options or ServerOptions()).for_engine(engine.config)
     metrics = Metrics(engine.stats)
     path = _model_path(engine)
     name = model_name or (Path(path).stem if path != "default" else "default")

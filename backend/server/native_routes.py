@@ -85,8 +85,8 @@ def _prompts(f: Fields) -> tuple[list[Any], bool]:
 
 def _bounded_top(value: Any, name: str, options: ServerOptions) -> int:
     top = as_int(value, name, lo=0)
-    if top > options.max_top_logprobs:
-        raise over_limit(name, f"{top} top logprobs", options.max_top_logprobs, "max_top_logprobs")
+    if top > options.max_top_logprobs_num:
+        raise over_limit(name, f"{top} top logprobs", options.max_top_logprobs_num, "max_top_logprobs_num")
     return top
 
 

@@ -8,6 +8,11 @@ Why bounds at the HTTP edge when the engine validates too: one JSON number (`n`,
 top-logprobs count, a stop list) multiplies the work or the response size of a request, and a
 server shared by several users must refuse that before any of it happens, with a 4xx that names
 the limit and the flag that raises it.
+
+One limit, one option: a bound the engine enforces as well has the same name here as in
+`EngineConfig` (`max_n`, `max_grammar_bytes`, ...). When the hosted engine's config has that
+field, its value is the one the edge applies (`for_engine`) and `sgl serve` has a single flag
+for it, the engine's; the field here is the value for an engine without that option.
 """
 
 from __future__ import annotations
@@ -28,13 +33,13 @@ class ServerOptions:
     # -- request bounds (400 naming the limit) --------------------------------------------------
     max_n: int = _opt(64, "most samples per prompt (`n`)")
     max_batch: int = _opt(256, "most outputs one request may ask for: prompts x n")
-    max_top_logprobs: int = _opt(20, "most alternatives per token: native `top_logprobs_num`, "
-                                     "OpenAI `top_logprobs` / completions `logprobs` (OpenAI's own cap)")
-    max_stop_sequences: int = _opt(16, "most stop strings per request (`stop`)")
-    max_stop_length: int = _opt(256, "longest stop string, in characters")
+    max_top_logprobs_num: int = _opt(20, "most alternatives per token: native `top_logprobs_num`, "
+                                         "OpenAI `top_logprobs` / completions `logprobs` (OpenAI's own cap)")
+    max_stop_strings: int = _opt(32, "most stop strings per request (`stop`)")
+    max_stop_string_len: int = _opt(256, "longest stop string, in characters")
     max_stop_token_ids: int = _opt(256, "most entries in `stop_token_ids`")
-    max_constraint_bytes: int = _opt(32768, "largest regex, EBNF grammar or JSON schema, in bytes "
-                                            "(`regex`, `ebnf`, `json_schema`, `response_format`)")
+    max_grammar_bytes: int = _opt(64 * 1024, "largest regex, EBNF grammar or JSON schema, in UTF-8 bytes "
+                                             "(`regex`, `ebnf`, `json_schema`, `response_format`)")
     max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body, in bytes (413 beyond)")
     max_json_depth: int = _opt(64, "deepest nesting of arrays and objects in a request body")
     # -- HTTP server ------------------------------------------------------------------------------
@@ -64,6 +69,15 @@ class ServerOptions:
                 raise ValueError(f"server option {f.name}: must be a list of strings")
         if self.max_n > self.max_batch:
             raise ValueError(f"server option max_n={self.max_n} must be <= max_batch={self.max_batch}")
+
+    def for_engine(self, engine_config: Any) -> ServerOptions:
+        """These options with every bound the engine's config also has taken from the engine."""
+        if not dataclasses.is_dataclass(engine_config):
+            return self
+        names = {f.name for f in dataclasses.fields(self)}
+        shared = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)
+                  if f.name in names}
+        return dataclasses.replace(self, **shared) if shared else self
 
     @staticmethod
     def flag(name: str) -> str:

@@ -44,7 +44,7 @@ def bad(name: str, what: str, value: Any) -> ApiError:
 
 def over_limit(name: str, what: str, limit: int, option: str) -> ApiError:
     return ApiError(400, f"{name}: {what} exceeds this server's limit of {limit} "
-                         f"(the server option {ServerOptions.flag(option)})", name, code="limit_exceeded")
+                         f"(option {ServerOptions.flag(option)})", name, code="limit_exceeded")
 
 
 # -- one checker per kind -----------------------------------------------------------------------
@@ -139,19 +139,18 @@ def check_sampling(name: str, value: Any, param: str, options: ServerOptions) ->
         if checked > options.max_n:
             raise over_limit(param, f"n={checked}", options.max_n, "max_n")
     elif name == "stop":
-        if len(checked) > options.max_stop_sequences:
-            raise over_limit(param, f"{len(checked)} stop strings", options.max_stop_sequences,
-                             "max_stop_sequences")
+        if len(checked) > options.max_stop_strings:
+            raise over_limit(param, f"{len(checked)} stop strings", options.max_stop_strings, "max_stop_strings")
         for i, s in enumerate(checked):
-            if len(s) > options.max_stop_length:
+            if len(s) > options.max_stop_string_len:
                 raise over_limit(f"{param}[{i}]", f"a stop string of {len(s)} characters",
-                                 options.max_stop_length, "max_stop_length")
+                                 options.max_stop_string_len, "max_stop_string_len")
     elif name == "stop_token_ids" and len(checked) > options.max_stop_token_ids:
         raise over_limit(param, f"{len(checked)} stop token ids", options.max_stop_token_ids,
                          "max_stop_token_ids")
-    elif name in _CONSTRAINTS and len(checked.encode()) > options.max_constraint_bytes:
-        raise over_limit(param, f"a {name} of {len(checked.encode())} bytes", options.max_constraint_bytes,
-                         "max_constraint_bytes")
+    elif name in _CONSTRAINTS and len(checked.encode()) > options.max_grammar_bytes:
+        raise over_limit(param, f"a {name} of {len(checked.encode())} bytes", options.max_grammar_bytes,
+                         "max_grammar_bytes")
     return checked
 
 
@@ -210,9 +209,9 @@ class Fields:
 
     def top_logprobs(self, key: str) -> int:
         value = self.integer(key, 0, lo=0)
-        if value > self.options.max_top_logprobs:
-            raise over_limit(self.name(key), f"{value} top logprobs", self.options.max_top_logprobs,
-                             "max_top_logprobs")
+        if value > self.options.max_top_logprobs_num:
+            raise over_limit(self.name(key), f"{value} top logprobs", self.options.max_top_logprobs_num,
+                             "max_top_logprobs_num")
         return value
 
     def ignore(self, *keys: str) -> None:
