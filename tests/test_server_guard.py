@@ -146,7 +146,7 @@ def test_a_non_boolean_flag_no_longer_kills_the_engine(keyless: TestClient) -> N
 
 def test_server_options_are_validated() -> None:
     for bad in (dict(max_n=0), dict(max_batch=-1), dict(header_timeout="10"), dict(max_n=True),
-                dict(max_connections=2.5), dict(max_n=100, max_batch=10), dict(allowed_hosts=(1,))):
+                dict(max_connections=2.5), dict(allowed_hosts=(1,))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerOptions(**bad)
     assert ServerOptions(allowed_origins=" http://a , http://b ").allowed_origins == ("http://a", "http://b")

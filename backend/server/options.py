@@ -67,8 +67,6 @@ class ServerOptions:
                 object.__setattr__(self, f.name, split_list(value))
             elif not all(isinstance(v, str) for v in value):
                 raise ValueError(f"server option {f.name}: must be a list of strings")
-        if self.max_n > self.max_batch:
-            raise ValueError(f"server option max_n={self.max_n} must be <= max_batch={self.max_batch}")
 
     def for_engine(self, engine_config: Any) -> ServerOptions:
         """These options with every bound the engine's config also has taken from the engine."""
