@@ -203,6 +203,9 @@ def _serve(args: dict[str, Any]) -> int:
     except SglError as exc:
         print(f"sgl serve: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        print("sgl: interrupted", file=sys.stderr)
+        return 130
 
     what = server["model"] or ("dummy weights" if args.get("load_format") == "dummy" else "the default model")
 

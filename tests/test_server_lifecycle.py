@@ -35,10 +35,13 @@ def _stream_events(url: str, path: str, payload: dict[str, Any], started: thread
 
 
 def test_announces_only_once_bound_and_refuses_a_taken_port() -> None:
-    server = start_tiny_server()
+    server = start_tiny_server("--max-connections", "2")
     try:
-        # The "serving ... on URL" line was just read: the socket must already accept.
+        # The line names the port the OS picked for --port 0, so it can only have been written
+        # after the bind; and the socket must accept at once.
+        assert server.port != 0
         assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        _refuses_a_third_connection_while_two_are_busy(server)
         taken = subprocess.run([sys.executable, "-m", "sgl", "serve", "--port", str(server.port),
                                 *tiny_server_args()], capture_output=True, text=True, timeout=120)
         assert taken.returncode == 1, taken.stderr
@@ -84,6 +87,24 @@ def test_ctrl_c_ends_every_open_stream_with_abort_and_done_then_exits() -> None:
         reason = (final["meta_info"]["finish_reason"]["type"] if name == "native"
                   else final["choices"][0]["finish_reason"])
         assert reason == "abort", (name, final)
+
+
+def _refuses_a_third_connection_while_two_are_busy(server: TinyServer) -> None:
+    """At the cap with every connection running a request, a newcomer gets 503 (there is no
+    idle one to evict); the running streams are untouched."""
+    outs: list[list[str]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+    payload = {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    threads = [threading.Thread(target=_stream_events, args=(server.url, "/generate", payload, started[i], outs[i]))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started)
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+    for t in threads:
+        t.join(60)
+    assert all(out[-1] == "[DONE]" for out in outs)
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
 
 
 def _raise_own_file_limit(need: int) -> None:

@@ -115,7 +115,7 @@ class LocalGuard:
         return None
 
     def _host_ok(self, scope: Scope, host: str) -> bool:
-        if "*" in self.hosts:
+        if "*" in self.hosts or not host:  # no Host at all (HTTP/1.0 probes): not a browser
             return True
         name, _ = split_host(host)
         bound = str((scope.get("server") or ("",))[0]).lower()
