@@ -221,6 +221,7 @@ class Fields:
         """Accept `key` only with one of the harmless values (absent, null, empty, ...)."""
         self._seen.add(key)
         value = self.body.get(key)
+        # Compared with their types: `0` must not pass as `False`, nor `1.0` as an allowed `1`.
         if any(value is a or (type(value) is type(a) and value == a) for a in allowed) or value in ({}, []):
             return
         raise ApiError(400, f"{self.name(key)} is not supported by this server{why}", self.name(key))
