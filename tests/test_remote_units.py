@@ -81,7 +81,8 @@ def test_openai_backend_capabilities_without_a_server() -> None:
 
 def test_server_helpers() -> None:
     from sgl.backend.server.metrics import Histogram
-    from sgl.backend.server.protocol import ApiError, Fields, finite
+    from sgl.backend.server.protocol import ApiError, finite
+    from sgl.backend.server.validate import Fields
 
     h = Histogram("x_seconds", "help", (0.1, 1.0))
     for v in (0.05, 0.5, 5.0):
@@ -91,7 +92,7 @@ def test_server_helpers() -> None:
     assert "x_seconds_count 3" in lines
     f = Fields({"n": True, "typo": 1})
     with pytest.raises(ApiError) as info:
-        f.typed("n", int)
+        f.integer("n")
     assert info.value.param == "n"
     with pytest.raises(ApiError) as info:
         f.reject_unknown()

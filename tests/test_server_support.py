@@ -1,8 +1,13 @@
-"""One real `sgl serve` process (and one in-process engine) shared by the server and remote tests.
+"""One real `sgl serve` process (and one in-process engine) shared by the server and remote tests,
+plus a tiny random-weight model for the fast server tests.
 
 The server runs the default model on loopback with an API key (so the 401 tests need no
 second process); it starts on first use, and an atexit hook always terminates it. The
 in-process engine is the reference that greedy outputs are compared against.
+
+The tiny model (`TINY_ARGS`, `get_tiny_engine`) has random weights and the default model's
+tokenizer, so text, chat and token-id requests all work while each step costs about a
+millisecond: what the HTTP edge does, not what the model says, is under test there.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Any
 import httpx
 
 API_KEY = "test-key-123"
+TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128, vocab_size=49152, max_position_embeddings=1024, eos_token_id=0)
+_tiny: Any = None
 SERVER_ARGS = ["--max-total-tokens", "8192", "--log-level", "warning"]
 _lock = threading.Lock()
 _server: Server | None = None
@@ -110,3 +118,87 @@ def get_engine() -> Any:
             _engine = sgl.Engine(max_total_tokens=8192)
             atexit.register(_engine.close)
         return _engine
+
+
+def tiny_engine_options() -> dict[str, Any]:
+    from sgl.backend.model_loader import resolve_model_path
+
+    return dict(load_format="dummy", model_config=TINY_CONFIG, tokenizer=str(resolve_model_path(None)),
+                device="cpu", max_total_tokens=4096)
+
+
+def split_limits(**limits: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine options, server options): a bound the engine's config has (once the engine's own
+    request limits exist: max_n, max_stop_strings, ...) is set on the engine, where the server
+    reads it; the others are server options."""
+    from sgl.config import EngineConfig
+
+    engine = {k: v for k, v in limits.items() if k in EngineConfig.option_names()}
+    return engine, {k: v for k, v in limits.items() if k not in engine}
+
+
+def tiny_server_args() -> list[str]:
+    """`sgl serve` flags for the tiny model (the CLI's JSON form of model_config)."""
+    import json
+
+    opts = tiny_engine_options()
+    return ["--load-format", "dummy", "--model-config", json.dumps(opts["model_config"]),
+            "--tokenizer", opts["tokenizer"], "--device", "cpu", "--max-total-tokens", "4096"]
+
+
+def get_tiny_engine() -> Any:
+    """One tiny in-process engine shared by the fast server tests (never closed by them)."""
+    global _tiny
+    with _lock:
+        if _tiny is None:
+            import sgl
+
+            _tiny = sgl.Engine(**tiny_engine_options())
+            atexit.register(_tiny.close)
+        return _tiny
+
+
+@dataclass
+class TinyServer:
+    """A `python -m sgl serve` subprocess on the tiny model, on a free port it chose itself."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: str
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        _stop(self.process)
+
+
+def start_tiny_server(*flags: str, preexec_fn: Any = None, timeout: float = 120) -> TinyServer:
+    """Start the server with `--port 0` and wait for its "serving ... on URL" line, which it
+    prints only once the socket is bound. Its output goes to a file (a pipe nobody reads
+    would fill up and block the server)."""
+    import re
+    import tempfile
+
+    log_path = tempfile.mktemp(prefix="sgl-tiny-server-", suffix=".log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "sgl", "serve", "--port", "0", *tiny_server_args(),
+                                    *flags], stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "SGL_API_KEY": ""}, preexec_fn=preexec_fn)
+    atexit.register(_stop, process)
+    server = TinyServer(process, "", log_path)
+    deadline = time.monotonic() + timeout
+    while True:
+        found = re.search(r"serving .* on (http://\S+)", server.log())
+        if found:
+            server.url = found.group(1)
+            return server
+        if process.poll() is not None or time.monotonic() > deadline:
+            _stop(process)
+            raise RuntimeError(f"the tiny server did not start: {server.log()[-3000:]}")
+        time.sleep(0.1)

@@ -1,7 +1,7 @@
 """The HTTP server: a Starlette app hosting one in-process `sgl.Engine`.
 
     app = create_app(engine, api_key="secret")        # any ASGI server can run it
-    await serve(engine, host="127.0.0.1", port=30000)  # or uvicorn, in this event loop
+    await serve(engine, host="127.0.0.1", port=30000)  # or uvicorn with our limits (http_server.py)
 
 The engine computes on its own thread; the routes only validate, submit and relay, so one
 event loop serves many concurrent requests. Cancelling a route's task (client disconnect)
@@ -24,10 +24,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sgl.backend.server import native_routes, openai_routes
 from sgl.backend.server.context import ServerContext
 from sgl.backend.server.driver import Driver
+from sgl.backend.server.guard import LocalGuard
 from sgl.backend.server.metrics import Metrics
+from sgl.backend.server.options import ServerOptions
 from sgl.backend.server.protocol import ApiError, TokenTexts
 
-__all__ = ["create_app", "serve"]
+__all__ = ["create_app"]
 
 logger = logging.getLogger("sgl.server")
 
@@ -60,18 +62,24 @@ def _model_path(engine: Any) -> str:
     return str(engine.config.model) if engine.config.model else "default"
 
 
-def create_app(engine: Any, api_key: str | None = None, model_name: str | None = None) -> Starlette:
+def create_app(engine: Any, api_key: str | None = None, model_name: str | None = None,
+               options: ServerOptions | None = None) -> Starlette:
     """A Starlette app serving `engine` with the OpenAI and SGLang native protocols.
 
-    `api_key`: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+    `api_key`: when set, every route but /health needs `Authorization: Bearer <api_key>`;
+    without one, requests from other web pages and foreign Host names are refused (guard.py).
     `model_name`: the name /v1/models reports (default: the model folder or file name).
+    `options`: request bounds and safety lists (`ServerOptions`; its defaults when omitted); a
+    bound the engine's config also has is the engine's (`ServerOptions.for_engine`).
     The engine is not closed by the app; whoever created it owns it.
     """
+    options = (options or ServerOptions()).for_engine(engine.config)
     metrics = Metrics(engine.stats)
     path = _model_path(engine)
     name = model_name or (Path(path).stem if path != "default" else "default")
     ctx = ServerContext(engine=engine, model_name=name, model_path=path, metrics=metrics,
-                        driver=Driver(engine, metrics), texts=TokenTexts(engine.tokenizer), api_key=api_key)
+                        driver=Driver(engine, metrics), texts=TokenTexts(engine.tokenizer), api_key=api_key,
+                        options=options)
 
     async def metrics_route(request: Request) -> Response:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
@@ -95,15 +103,7 @@ def create_app(engine: Any, api_key: str | None = None, model_name: str | None =
     app.state.sgl = ctx
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    # Added last, so it runs first: a CORS preflight carries no key and must be answered here.
+    app.add_middleware(LocalGuard, protect=not api_key, allowed_origins=options.allowed_origins,
+                       allowed_hosts=options.allowed_hosts)
     return app
-
-
-async def serve(engine: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-                model_name: str | None = None, log_level: str = "info") -> None:
-    """Run the server in the current event loop until it is stopped (Ctrl-C / SIGTERM)."""
-    import uvicorn
-
-    app = create_app(engine, api_key=api_key, model_name=model_name)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
-    await uvicorn.Server(config).serve()

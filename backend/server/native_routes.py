@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
@@ -22,10 +21,13 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from sgl.outputs import GenerateOutput, TokenLogprob
 from sgl.sampling import LogprobOptions, SamplingParams
 
-from sgl.backend.server.context import ServerContext, context_of
+from sgl.backend.server.context import ServerContext, context_of, engine_problem
 from sgl.backend.server.driver import Job, failed_before_start, run_or_abort
-from sgl.backend.server.protocol import (SSE_DONE, ApiError, Fields, TokenTexts, error_from_exception,
-                                         finite, json_response, read_json, sse)
+from sgl.backend.server.options import ServerOptions
+from sgl.backend.server.protocol import (SSE_DONE, ApiError, TokenTexts, error_from_exception, finite,
+                                         json_response, sse)
+from sgl.backend.server.validate import (Fields, as_bool, as_int, as_str, bad, check_batch, check_sampling,
+                                         check_token_ids, over_limit)
 
 __all__ = ["routes_spec"]
 
@@ -40,37 +42,31 @@ class _Options:
     text_in_logprobs: bool
 
 
-def _per_prompt(f: Fields, key: str, types: type | tuple[type, ...], default: Any, count: int) -> list[Any]:
+def _per_prompt(f: Fields, key: str, check: Callable[[Any, str], Any], default: Any, count: int) -> list[Any]:
     """SGLang lets per-request options be one value or a list with one value per prompt."""
     value = f.raw(key, default)
-    values = value if isinstance(value, list) else [value] * count
-    if len(values) != count:
-        raise ApiError(400, f"{key} has {len(values)} entries for {count} prompts", key)
-    for v in values:
-        if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)) \
-                or not isinstance(v, types):
-            raise ApiError(400, f"{key} has a value of the wrong type: {json.dumps(v)[:60]}", key)
-    return values
+    if not isinstance(value, list):
+        return [check(value, key)] * count
+    if len(value) != count:
+        raise ApiError(400, f"{key} has {len(value)} entries for {count} prompts", key)
+    return [check(v, f"{key}[{i}]") for i, v in enumerate(value)]
 
 
-def _sampling(raw: Any, where: str) -> dict[str, Any]:
+def _sampling(raw: Any, where: str, options: ServerOptions) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise ApiError(400, f"{where} must be an object", where)
+        raise bad(where, "an object of sampling parameters", raw)
     params = {k: v for k, v in raw.items() if v is not None}  # SGLang clients send nulls
     if "sampling_seed" in params:  # newer SGLang's name for the seed
         params["seed"] = params.pop("sampling_seed")
-    if isinstance(params.get("json_schema"), (dict, list)):
-        params["json_schema"] = json.dumps(params["json_schema"])
     unknown = sorted(set(params) - SamplingParams.field_names())
     if unknown:
         raise ApiError(400, f"unknown sampling parameter(s) {unknown}; known: "
                             f"{sorted(SamplingParams.field_names())}", f"{where}.{unknown[0]}")
-    return params
+    return {k: check_sampling(k, v, f"{where}.{k}", options) for k, v in params.items()}
 
 
-def parse_generate(body: dict[str, Any]) -> tuple[list[Job], list[_Options], bool, bool]:
-    """-> jobs, per-job output options, single (answer with an object, not a list), stream."""
-    f = Fields(body)
+def _prompts(f: Fields) -> tuple[list[Any], bool]:
+    """-> prompts, single (one prompt given bare: answer with an object, not a list)."""
     text, ids = f.raw("text"), f.raw("input_ids")
     if text is not None and ids is not None:
         raise ApiError(400, "give either text or input_ids, not both", "input_ids")
@@ -78,45 +74,54 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[Job], list[_Options], boo
         raise ApiError(400, "text or input_ids is required", "text")
     if text is not None:
         if isinstance(text, str):
-            prompts, single = [text], True
-        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            prompts, single = list(text), False
-        else:
-            raise ApiError(400, "text must be a string or a non-empty list of strings", "text")
-    else:
-        if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            prompts, single = [ids], True
-        elif isinstance(ids, list) and ids and all(isinstance(p, list) and p for p in ids):
-            prompts, single = list(ids), False
-        else:
-            raise ApiError(400, "input_ids must be a list of token ids or a list of such lists", "input_ids")
+            return [text], True
+        if not isinstance(text, list) or not text:
+            raise bad("text", "a string or a non-empty list of strings", text)
+        return [as_str(t, f"text[{i}]") for i, t in enumerate(text)], False
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return [check_token_ids(p, f"input_ids[{i}]") for i, p in enumerate(ids)], False
+    return [check_token_ids(ids, "input_ids")], True
+
+
+def _bounded_top(value: Any, name: str, options: ServerOptions) -> int:
+    top = as_int(value, name, lo=0)
+    if top > options.max_top_logprobs_num:
+        raise over_limit(name, f"{top} top logprobs", options.max_top_logprobs_num, "max_top_logprobs_num")
+    return top
+
+
+def parse_generate(body: dict[str, Any], options: ServerOptions) -> tuple[list[Job], list[_Options], bool, bool]:
+    """-> jobs, per-job output options, single (answer with an object, not a list), stream."""
+    f = Fields(body, options=options)
+    prompts, single = _prompts(f)
     count = len(prompts)
     sp = f.raw("sampling_params", {})
     sps = sp if isinstance(sp, list) else [sp] * count
     if len(sps) != count:
         raise ApiError(400, f"sampling_params has {len(sps)} entries for {count} prompts", "sampling_params")
-    want = _per_prompt(f, "return_logprob", bool, False, count)
-    starts = _per_prompt(f, "logprob_start_len", int, -1, count)
-    tops = _per_prompt(f, "top_logprobs_num", int, 0, count)
-    text_in = f.typed("return_text_in_logprobs", bool, False)
-    stream = f.typed("stream", bool, False)
-    timeout = f.typed("timeout", (int, float), None)
+    params = [_sampling(p, "sampling_params" if not isinstance(sp, list) else f"sampling_params[{i}]", options)
+              for i, p in enumerate(sps)]
+    check_batch(sum(p.get("n", 1) for p in params), options, "sampling_params.n" if single else "text")
+    want = _per_prompt(f, "return_logprob", as_bool, False, count)
+    starts = _per_prompt(f, "logprob_start_len", lambda v, k: as_int(v, k, lo=-1), -1, count)
+    tops = _per_prompt(f, "top_logprobs_num", lambda v, k: _bounded_top(v, k, options), 0, count)
+    text_in = f.boolean("return_text_in_logprobs")
+    stream = f.boolean("stream")
+    timeout = f.number("timeout")
     f.ignore("rid", "stream_options", "log_metrics")
     f.unsupported("return_hidden_states", allowed=(None, False))
     for key in _OFF_FIELDS:
         f.unsupported(key)
     f.reject_unknown()
-    jobs, options = [], []
+    jobs, opts = [], []
     for i, prompt in enumerate(prompts):
-        where = "sampling_params" if not isinstance(sp, list) else f"sampling_params[{i}]"
-        params = _sampling(sps[i], where)
         try:
             lp = LogprobOptions(want[i], starts[i], tops[i])
         except Exception as exc:  # noqa: BLE001 - InvalidSamplingParamsError with .field
             raise error_from_exception(exc) from None
-        jobs.append(Job(prompt, params, lp, timeout))
-        options.append(_Options(lp, text_in))
-    return jobs, options, single, stream
+        jobs.append(Job(prompt, params[i], lp, timeout))
+        opts.append(_Options(lp, text_in))
+    return jobs, opts, single, stream
 
 
 def _rows(entries: list[TokenLogprob], opts: _Options, texts: TokenTexts) -> list[list[Any]]:
@@ -160,7 +165,7 @@ async def generate(request: Request) -> Response:
     ctx = context_of(request)
     start = time.monotonic()
     try:
-        jobs, options, single, stream = parse_generate(await read_json(request))
+        jobs, options, single, stream = parse_generate(await ctx.read_body(request), ctx.options)
     except ApiError as exc:
         ctx.metrics.count_request("generate", "invalid")
         return exc.response()
@@ -267,6 +272,11 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 while the engine can serve; 503 once it is closed or its thread died, so that a
+    supervisor (systemd, Kubernetes) restarts the process instead of routing to a dead one."""
+    problem = engine_problem(context_of(request).engine)
+    if problem is not None:
+        return ApiError(503, f"unhealthy: {problem}", type="unhealthy").response()
     return Response(status_code=200)
 
 
@@ -286,7 +296,7 @@ def routes_spec() -> list[tuple[str, Any, list[str]]]:
         ("/get_model_info", get_model_info, ["GET"]),
         ("/get_server_info", get_server_info, ["GET"]),
         ("/server_info", get_server_info, ["GET"]),
-        ("/flush_cache", flush_cache, ["POST", "GET"]),
+        ("/flush_cache", flush_cache, ["POST"]),  # changes state: never by GET
         ("/health", health, ["GET"]),
         ("/health_generate", health_generate, ["GET"]),
     ]

@@ -2,8 +2,9 @@
 
 OpenAI names map to the engine's SGLang names: max_tokens -> max_new_tokens, min_tokens ->
 min_new_tokens, logprobs/top_logprobs -> return_logprob/top_logprobs_num, response_format ->
-json_schema. SGLang's extra fields (regex, ebnf, json_schema, top_k, min_p, ...) pass through,
-as they do on SGLang's and vLLM's OpenAI servers.
+json_schema. Every other engine sampling field (regex, ebnf, json_schema, top_k, min_p,
+stop_token_ids, jump_forward, ...) is accepted under its SGLang name, as on SGLang's and vLLM's
+OpenAI servers; the list is read from `SamplingParams`, so new engine fields pass through too.
 """
 
 from __future__ import annotations
@@ -15,19 +16,25 @@ from typing import Any
 from sgl.sampling import LogprobOptions
 
 from sgl.backend.server.driver import Job
-from sgl.backend.server.protocol import ApiError, Fields
+from sgl.backend.server.options import ServerOptions
+from sgl.backend.server.protocol import ApiError
+from sgl.backend.server.validate import (SAMPLING_KINDS, Fields, as_bool, as_str, bad, check_batch,
+                                         check_sampling, check_token_ids)
 
-__all__ = ["OpenAIRequest", "parse_completion", "parse_chat"]
+__all__ = ["OpenAIRequest", "parse_completion", "parse_chat", "ROLES"]
 
-# Extra sampling fields accepted on both endpoints, with the engine's name for each.
-_EXTRA = {"top_k": ("top_k", int), "min_p": ("min_p", (int, float)),
-          "repetition_penalty": ("repetition_penalty", (int, float)),
-          "min_tokens": ("min_new_tokens", int), "ignore_eos": ("ignore_eos", bool),
-          "stop_token_ids": ("stop_token_ids", list), "skip_special_tokens": ("skip_special_tokens", bool),
-          "spaces_between_special_tokens": ("spaces_between_special_tokens", bool),
-          "no_stop_trim": ("no_stop_trim", bool), "regex": ("regex", str), "ebnf": ("ebnf", str)}
-_NUMBER = (int, float)
-_IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options")
+# OpenAI name -> engine name for the fields whose names differ or that OpenAI defines.
+_MAPPED = {"temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+           "stop": "stop", "min_tokens": "min_new_tokens"}
+# Engine fields reached through another OpenAI field (max_tokens, response_format).
+_NOT_EXTRA = {"max_new_tokens", "min_new_tokens", "json_schema", *_MAPPED.values()}
+_EXTRA = sorted(set(SAMPLING_KINDS) - _NOT_EXTRA)
+_IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# The roles the chat templates render; "developer" is OpenAI's newer name for "system".
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# Message keys the OpenAI client echoes back from earlier answers; harmless when null or empty.
+_NULL_MESSAGE_KEYS = ("tool_calls", "function_call", "refusal", "audio", "annotations")
 
 
 @dataclass
@@ -44,31 +51,21 @@ class OpenAIRequest:
 def _common(f: Fields) -> dict[str, Any]:
     """Sampling fields both endpoints share -> engine kwargs."""
     params: dict[str, Any] = {}
-    for key, engine_key, types in (("temperature", "temperature", _NUMBER), ("top_p", "top_p", _NUMBER),
-                                   ("n", "n", int), ("seed", "seed", int),
-                                   ("presence_penalty", "presence_penalty", _NUMBER),
-                                   ("frequency_penalty", "frequency_penalty", _NUMBER)):
-        value = f.typed(key, types)
+    for key, engine_key in _MAPPED.items():
+        value = f.sampling(key, engine_key)
         if value is not None:
             params[engine_key] = value
-    stop = f.raw("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise ApiError(400, "stop must be a string or a list of strings", "stop")
-        params["stop"] = stop
-    for key, (engine_key, types) in _EXTRA.items():
-        value = f.typed(key, types)
+    for key in _EXTRA:
+        value = f.sampling(key)
         if value is not None:
-            params[engine_key] = value
+            params[key] = value
     schema = _response_format(f)
-    extra_schema = f.raw("json_schema")
+    extra_schema = f.sampling("json_schema")
     if extra_schema is not None:
-        schema = extra_schema if isinstance(extra_schema, str) else json.dumps(extra_schema)
+        schema = extra_schema
     if schema is not None:
         params["json_schema"] = schema
-    best_of = f.typed("best_of", int)
+    best_of = f.integer("best_of")
     if best_of is not None and best_of != params.get("n", 1):
         raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
     f.unsupported("logit_bias")
@@ -77,10 +74,10 @@ def _common(f: Fields) -> dict[str, Any]:
 
 
 def _response_format(f: Fields) -> str | None:
-    fmt = f.raw("response_format")
+    fmt = f.obj("response_format")
     if fmt is None:
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -91,16 +88,16 @@ def _response_format(f: Fields) -> str | None:
         if not isinstance(schema, (dict, bool)):
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
                            "response_format.json_schema.schema")
-        return json.dumps(schema)
+        return check_sampling("json_schema", schema, "response_format.json_schema.schema", f.options)
     raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'",
                    "response_format.type")
 
 
 def _stream_flags(f: Fields) -> tuple[bool, bool]:
-    stream = bool(f.typed("stream", bool, False))
-    opts = f.raw("stream_options")
-    include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-    return stream, include_usage
+    stream = f.boolean("stream")
+    opts = f.obj("stream_options") or {}
+    usage = opts.get("include_usage")
+    return stream, usage is not None and as_bool(usage, "stream_options.include_usage")
 
 
 def _room(engine: Any, prompt_len: int) -> int:
@@ -108,24 +105,45 @@ def _room(engine: Any, prompt_len: int) -> int:
     return max(1, min(engine.context_length, engine.config.max_total_tokens) - prompt_len)
 
 
-def parse_completion(body: dict[str, Any], engine: Any) -> list[OpenAIRequest]:
-    f = Fields(body)
-    prompt = f.raw("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and p) for p in prompt):
-        prompts = list(prompt)
-    else:
-        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids "
-                            "or a list of such lists", "prompt")
+def _prompts(prompt: Any) -> list[Any]:
+    """OpenAI's four prompt shapes: a string, token ids, a list of strings, a list of id lists.
+    The first element decides which list shape is meant; the error names the element at fault."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt", "a string, a list of strings, a list of token ids or a list of such lists",
+                  prompt)
+    first = prompt[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        return [check_token_ids(prompt, "prompt")]
+    if isinstance(first, str):
+        return [as_str(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    if isinstance(first, list):
+        return [check_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise bad("prompt[0]", "a string, a token id or a list of token ids", first)
+
+
+def _echo_text(engine: Any, prompt: Any, index: int) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    vocab = engine.model_config.vocab_size  # decoding an id outside it would raise in the tokenizer
+    for j, t in enumerate(prompt):
+        if t >= vocab:
+            raise bad(f"prompt[{index}][{j}]" if index >= 0 else f"prompt[{j}]",
+                      f"a token id below the vocabulary size {vocab}", t)
+    return engine.decode(prompt)
+
+
+def parse_completion(body: dict[str, Any], engine: Any, options: ServerOptions) -> list[OpenAIRequest]:
+    f = Fields(body, options=options)
+    prompts = _prompts(f.raw("prompt"))
     params = _common(f)
-    params["max_new_tokens"] = f.typed("max_tokens", int, 16)  # OpenAI's default for completions
-    logprobs = f.typed("logprobs", int)
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise ApiError(400, "logprobs must be between 0 and 20", "logprobs")
-    echo = bool(f.typed("echo", bool, False))
+    check_batch(len(prompts) * params.get("n", 1), options, "n" if len(prompts) == 1 else "prompt")
+    params["max_new_tokens"] = f.sampling("max_tokens", "max_new_tokens")
+    if params["max_new_tokens"] is None:
+        params["max_new_tokens"] = 16  # OpenAI's default for completions
+    logprobs = f.top_logprobs("logprobs") if f.raw("logprobs") is not None else None
+    echo = f.boolean("echo")
     stream, include_usage = _stream_flags(f)
     f.unsupported("suffix", allowed=(None, ""))
     f.reject_unknown()
@@ -134,55 +152,62 @@ def parse_completion(body: dict[str, Any], engine: Any) -> list[OpenAIRequest]:
     lp = LogprobOptions(return_logprob=logprobs is not None,
                         logprob_start_len=0 if echo and logprobs is not None else -1,
                         top_logprobs_num=logprobs or 0)
-    reqs = []
-    for p in prompts:
-        text = "" if not echo else (p if isinstance(p, str) else engine.decode(p))
-        reqs.append(OpenAIRequest(Job(p, dict(params), lp), chat=False, stream=stream,
-                                  include_usage=include_usage, echo=echo, top_logprobs=logprobs or 0,
-                                  prompt_text=text))
-    return reqs
+    single = len(prompts) == 1
+    return [OpenAIRequest(Job(p, dict(params), lp), chat=False, stream=stream, include_usage=include_usage,
+                          echo=echo, top_logprobs=logprobs or 0,
+                          prompt_text=_echo_text(engine, p, -1 if single else i) if echo else "")
+            for i, p in enumerate(prompts)]
 
 
-def _messages(raw: Any) -> list[dict[str, Any]]:
+def _content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content", "a string or a list of text parts", content)
+    texts = []
+    for j, part in enumerate(content):  # content parts: text only
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": "
+                                f"...}}) are supported, got {json.dumps(part)[:60]}", f"{where}.content[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _message(m: Any, where: str) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise bad(where, "an object with a role and a content", m)
+    role = m.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"{where}.role must be one of {list(ROLES)}, got {json.dumps(role)[:40]}",
+                       f"{where}.role")
+    for key, value in m.items():
+        if key in _NULL_MESSAGE_KEYS and value not in (None, [], ""):
+            raise ApiError(400, f"{where}.{key} is not supported by this server (no tool calling)",
+                           f"{where}.{key}")
+        if key not in ("role", "content", "name", "tool_call_id", *_NULL_MESSAGE_KEYS):
+            raise ApiError(400, f"{where} has an unknown field {key!r}", f"{where}.{key}")
+    message = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)}
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            message[key] = as_str(m[key], f"{where}.{key}")
+    return message
+
+
+def parse_chat(body: dict[str, Any], engine: Any, options: ServerOptions) -> list[OpenAIRequest]:
+    f = Fields(body, options=options)
+    raw = f.raw("messages")
     if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"{where} must be an object with a role", where)
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"{where}.content[{j}]: only text parts are supported",
-                                   f"{where}.content")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        role = "system" if m["role"] == "developer" else m["role"]
-        message = {"role": role, "content": content}
-        if isinstance(m.get("name"), str):
-            message["name"] = m["name"]
-        out.append(message)
-    return out
-
-
-def parse_chat(body: dict[str, Any], engine: Any) -> list[OpenAIRequest]:
-    f = Fields(body)
-    messages = _messages(f.raw("messages"))
+        raise bad("messages", "a non-empty list of messages", raw)
+    messages = [_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
     params = _common(f)
-    max_tokens = f.typed("max_completion_tokens", int)
-    legacy = f.typed("max_tokens", int)
+    check_batch(params.get("n", 1), options, "n")
+    max_tokens = f.sampling("max_completion_tokens", "max_new_tokens")
+    legacy = f.sampling("max_tokens", "max_new_tokens")
     max_tokens = legacy if max_tokens is None else max_tokens
-    want = bool(f.typed("logprobs", bool, False))
-    top = f.typed("top_logprobs", int, 0)
-    if not 0 <= top <= 20:
-        raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
+    want = f.boolean("logprobs")
+    top = f.top_logprobs("top_logprobs")
     if top and not want:
         raise ApiError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     stream, include_usage = _stream_flags(f)

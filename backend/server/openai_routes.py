@@ -21,7 +21,7 @@ from sgl.backend.server.context import ServerContext, context_of
 from sgl.backend.server.driver import failed_before_start, run_or_abort
 from sgl.backend.server.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from sgl.backend.server.protocol import (SSE_DONE, ApiError, TokenTexts, error_from_exception, finite,
-                                         json_response, read_json, sse)
+                                         json_response, sse)
 
 __all__ = ["routes_spec"]
 
@@ -120,8 +120,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     route = "chat" if chat else "completions"
     start = time.monotonic()
     try:
-        body = await read_json(request)
-        reqs = (parse_chat if chat else parse_completion)(body, ctx.engine)
+        body = await ctx.read_body(request)
+        reqs = (parse_chat if chat else parse_completion)(body, ctx.engine, ctx.options)
     except Exception as exc:  # noqa: BLE001 - ApiError or an engine validation error
         ctx.metrics.count_request(route, "invalid")
         return _error(exc, chat).response()
@@ -152,6 +152,30 @@ async def _handle(request: Request, chat: bool) -> Response:
         "system_fingerprint": None})
 
 
+def _stream_choice(req: OpenAIRequest, slot: int, chunk: StreamChunk, started: bool,
+                   texts: TokenTexts) -> dict[str, Any]:
+    """One choice of a streamed chunk (the first one of a chat slot opens the assistant role)."""
+    chat, out = req.chat, chunk.output
+    logprobs = None
+    if req.job.logprob.return_logprob and chunk.logprobs:
+        if chat:
+            logprobs = _chat_logprobs(chunk.logprobs, [], 0, texts)
+        else:
+            logprobs = _completion_logprobs(chunk.logprobs, [], 0, texts, 0)
+    if chat:
+        delta: dict[str, Any] = {} if out is not None and not chunk.text else {"content": chunk.text}
+        if not started:
+            delta = {"role": "assistant", **delta, "content": delta.get("content", "")}
+        body: dict[str, Any] = {"index": slot, "delta": delta, "logprobs": logprobs}
+    else:
+        text = chunk.text if started or not req.echo else req.prompt_text + chunk.text
+        body = {"index": slot, "text": text, "logprobs": logprobs}
+    body["finish_reason"] = _finish(out.finish_reason) if out is not None else None
+    if out is not None:
+        body["matched_stop"] = out.matched_stop
+    return body
+
+
 async def _stream(request: Request, ctx: ServerContext, reqs: list[OpenAIRequest], rid: str,
                   route: str, start: float) -> Response:
     chat, n = reqs[0].chat, reqs[0].job.n
@@ -168,26 +192,7 @@ async def _stream(request: Request, ctx: ServerContext, reqs: list[OpenAIRequest
                     "choices": choices, "usage": usage})
 
     def choice(slot: int, chunk: StreamChunk, started: bool) -> dict[str, Any]:
-        req = reqs[slot // n]
-        out = chunk.output
-        logprobs = None
-        if req.job.logprob.return_logprob and chunk.logprobs:
-            if chat:
-                logprobs = _chat_logprobs(chunk.logprobs, [], 0, ctx.texts)
-            else:
-                logprobs = _completion_logprobs(chunk.logprobs, [], 0, ctx.texts, 0)
-        if chat:
-            delta: dict[str, Any] = {} if out is not None and not chunk.text else {"content": chunk.text}
-            if not started:
-                delta = {"role": "assistant", **delta, "content": delta.get("content", "")}
-            body: dict[str, Any] = {"index": slot, "delta": delta, "logprobs": logprobs}
-        else:
-            text = chunk.text if started or not req.echo else req.prompt_text + chunk.text
-            body = {"index": slot, "text": text, "logprobs": logprobs}
-        body["finish_reason"] = _finish(out.finish_reason) if out is not None else None
-        if out is not None:
-            body["matched_stop"] = out.matched_stop
-        return body
+        return _stream_choice(reqs[slot // n], slot, chunk, started, ctx.texts)
 
     async def body() -> AsyncIterator[bytes]:
         started: set[int] = set()

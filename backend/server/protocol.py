@@ -1,4 +1,4 @@
-"""Wire-level helpers shared by the OpenAI and SGLang routes: errors, JSON, SSE, field checks.
+"""Wire-level helpers shared by the OpenAI and SGLang routes: errors, the JSON body, SSE.
 
 Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` (OpenAI's
 shape, which SGLang also uses), with `param` naming the offending request field so a client
@@ -8,9 +8,10 @@ can point at it. Engine exceptions are mapped in `error_from_exception`: validat
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,7 +31,6 @@ __all__ = [
     "read_json",
     "sse",
     "SSE_DONE",
-    "Fields",
     "finite",
     "TokenTexts",
 ]
@@ -102,69 +102,65 @@ def sse(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, allow_nan=False).encode() + b"\n\n"
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+async def read_json(request: Request, max_bytes: int, max_depth: int, timeout: float) -> dict[str, Any]:
+    """The request body as a JSON object, read within `timeout` seconds, at most `max_bytes`
+    long (413 beyond) and nested at most `max_depth` deep. NaN and Infinity, which Python's
+    parser would accept, are not JSON and are refused."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
     try:
-        body = json.loads(raw) if raw else None
+        raw = await asyncio.wait_for(_read_capped(request, max_bytes), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s "
+                            "(the server option --header-timeout)", type="timeout_error") from None
+    try:
+        body = json.loads(raw, parse_constant=_no_constant) if raw else None
+    except RecursionError:  # the C parser recurses per nesting level
+        raise _too_deep(max_depth) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if _depth_exceeds(body, max_depth):
+        raise _too_deep(max_depth)
     return body
 
 
-class Fields:
-    """Typed access to a request body that reports the field at fault and rejects unknown ones.
-
-    Reading a field marks it known; `reject_unknown()` then names any field nobody read, so a
-    misspelt option (`max_token`) fails loudly instead of being silently ignored.
-    """
-
-    def __init__(self, body: Mapping[str, Any], where: str = "") -> None:
-        self.body, self.where, self._seen = body, where, set()
-
-    def _name(self, key: str) -> str:
-        return f"{self.where}.{key}" if self.where else key
-
-    def raw(self, key: str, default: Any = None) -> Any:
-        self._seen.add(key)
-        value = self.body.get(key, default)
-        return default if value is None else value
-
-    def typed(self, key: str, types: type | tuple[type, ...], default: Any = None, what: str = "") -> Any:
-        value = self.raw(key, default)
-        if value is default:
-            return value
-        # bool is an int in Python, but `"max_tokens": true` is a client bug, not 1.
-        bad_bool = isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
-        if bad_bool or not isinstance(value, types):
-            raise ApiError(400, f"{self._name(key)} must be {what or _type_name(types)}, "
-                                f"got {json.dumps(value)[:80]}", self._name(key))
-        return value
-
-    def ignore(self, *keys: str) -> None:
-        self._seen.update(keys)
-
-    def unsupported(self, key: str, allowed: Iterable[Any] = (None,), why: str = "") -> None:
-        """Accept `key` only with one of the harmless values (absent, null, empty, ...)."""
-        self._seen.add(key)
-        value = self.body.get(key)
-        if value in list(allowed) or value in ({}, []):
-            return
-        raise ApiError(400, f"{self._name(key)} is not supported by this server{why}", self._name(key))
-
-    def reject_unknown(self) -> None:
-        unknown = sorted(set(self.body) - self._seen)
-        if unknown:
-            raise ApiError(400, f"unknown field(s) {unknown}; check the spelling or remove them",
-                           self._name(unknown[0]))
+async def _read_capped(request: Request, max_bytes: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:  # a body sent without (or with a false) Content-Length
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _type_name(types: type | tuple[type, ...]) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-             list: "a list", dict: "an object"}
-    seq = types if isinstance(types, tuple) else (types,)
-    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in seq))
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value; send a finite number")
+
+
+def _depth_exceeds(root: Any, max_depth: int) -> bool:
+    """Iterative, so it cannot itself overflow; scalars are skipped without a visit."""
+    stack = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {max_bytes} bytes "
+                         "(the server option --max-body-bytes)", code="limit_exceeded")
+
+
+def _too_deep(max_depth: int) -> ApiError:
+    return ApiError(400, f"the request body nests arrays/objects deeper than this server's limit of "
+                         f"{max_depth} (the server option --max-json-depth)", code="limit_exceeded")
 
 
 class TokenTexts:
