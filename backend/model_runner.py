@@ -139,7 +139,6 @@ class ModelRunner:
         packed, lengths = inputs.pack(pin=self.is_cuda)
         return PreparedStep(
             batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
-            has_placeholders=bool((np.asarray(inputs.input_ids) < 0).any()),
             sampling=self.sampler.build_for(batch),
             vocab_mask=self._grammar_masks(batch) if batch.has_constraints else None,
             table_check=self._table_check(batch) if self.verify_table else None,
@@ -175,6 +174,8 @@ class ModelRunner:
         values = np.asarray(torch.cat(slots) if len(slots) > 1 else slots[0], dtype=np.int64)
         if int(lens.max()) == 1:
             index = bases
+            if len(set(bases.tolist())) == bases.size:  # one slot per position (steady decode)
+                return index, values
         else:
             # flat[j] = base of its write + its offset inside that write
             offsets = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
@@ -218,7 +219,7 @@ class ModelRunner:
     def _forward_eager(self, step: PreparedStep, inputs: StepInputs[torch.Tensor],
                        table: torch.Tensor) -> torch.Tensor | None:
         input_ids = inputs.input_ids
-        if step.has_placeholders:  # decided on the host: no device read
+        if step.plan.has_placeholders:  # decided on the host: no device read
             input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids).clamp(min=0)],
                                     input_ids)
         plan = step.plan
@@ -280,6 +281,7 @@ class StepPlan:
     want_logprobs: bool
     top_logprobs_num: int
     prompt_top_logprobs_num: int
+    has_placeholders: bool = False  # some input id is a future-token placeholder (< 0)
 
 
 @dataclass
@@ -292,7 +294,6 @@ class PreparedStep:
     lengths: tuple[int, ...]
     plan: StepPlan
     graph_bs: int | None  # DECODE replayed by the CUDA graph of this (padded) batch size
-    has_placeholders: bool  # some input id is a future-token placeholder (< 0)
     sampling: Any  # the sampler's SamplingBatchInfo
     vocab_mask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 grammar bitmask (CPU)
     # debug mode: (row, host slots of its first seq_len columns) for each request of the step
@@ -307,7 +308,11 @@ def _flatten(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
     for it in batch.items:
         r, n, prefix, start = it.req, it.extend_len, it.prefix_len, plan.num_tokens
         x.input_ids.extend(it.input_ids)
-        x.positions.extend(range(prefix, prefix + n))
+        if n == 1:  # (decode: most items of most steps)
+            x.positions.append(prefix)
+            plan.has_placeholders |= it.input_ids[0] < 0
+        else:
+            x.positions.extend(range(prefix, prefix + n))
         x.req_pool_indices.append(r.req_pool_idx)
         x.seq_lens.append(prefix + n)
         x.extend_prefix_lens.append(prefix)

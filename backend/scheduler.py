@@ -127,8 +127,11 @@ class Scheduler:
     # -- schedule ----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduleBatch | None:
-        decoding = [r for r in self.running if r.extend_len == 1 and r.kv_len >= len(r.prompt_ids)]
-        prefilling = [r for r in self.running if not (r.extend_len == 1 and r.kv_len >= len(r.prompt_ids))]
+        decoding: list[Req] = []
+        prefilling: list[Req] = []
+        for r in self.running:
+            decodes = r.extend_len == 1 and r.kv_len >= len(r.prompt_ids)
+            (decoding if decodes else prefilling).append(r)
         decoding = self._make_room_for_decode(decoding)
         items: list[ScheduledReq] = []
         locs: list[torch.Tensor] = []
@@ -137,7 +140,8 @@ class Scheduler:
             assert slots is not None, "room for decode was ensured above"
             locs.append(slots)  # one slot per decoding request, in `decoding` order
             items.extend(self._item(r, 1) for r in decoding)
-        self._fill_prefill_budget(prefilling, items, locs, len(decoding))
+        if prefilling or self.waiting:
+            self._fill_prefill_budget(prefilling, items, locs, len(decoding))
         if not items:
             return None
         self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)

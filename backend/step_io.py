@@ -69,8 +69,7 @@ class StepInputs(Generic[A]):
 
     def pack(self, pin: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One int64 host tensor holding every field (each padded to ALIGN), and the lengths."""
-        arrays = [np.asarray(getattr(self, f.name), dtype=np.int64).reshape(-1)
-                  for f in dataclasses.fields(self)]
+        arrays = [np.asarray(getattr(self, name), dtype=np.int64).reshape(-1) for name in _INPUT_FIELDS]
         parts = []
         for a in arrays:
             parts.append(a)
@@ -87,10 +86,13 @@ class StepInputs(Generic[A]):
     def unpack(cls, flat: torch.Tensor, lengths: tuple[int, ...]) -> StepInputs[torch.Tensor]:
         """Views of a packed tensor (usually its device copy), field by field."""
         views, start = {}, 0
-        for f, n in zip(dataclasses.fields(cls), lengths, strict=True):
-            views[f.name] = flat[start : start + n]
+        for name, n in zip(_INPUT_FIELDS, lengths, strict=True):
+            views[name] = flat[start : start + n]
             start += aligned(n)
         return cls(**views)
+
+
+_INPUT_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs))  # packing order
 
 
 @dataclass
