@@ -250,3 +250,20 @@ def test_engine_survives_every_bad_request(client: TestClient) -> None:
     engine.check_integrity()
     stats = engine.stats()
     assert stats.running == 0 and stats.waiting == 0
+
+
+@pytest.mark.parametrize("path, payload, param", [
+    ("/generate", {"text": "\x04"}, "text"),
+    ("/generate", {"text": ["hi", "\x04\x06"]}, "text[1]"),
+    ("/generate", {"text": ""}, "text"),
+    ("/v1/completions", {"prompt": "\x13"}, "prompt"),
+    ("/v1/completions", {"prompt": ["hi", "\x1d"]}, "prompt[1]"),
+])
+def test_text_without_tokens_is_400_not_an_engine_crash(client: TestClient, path: str, payload: dict,
+                                                        param: str) -> None:
+    """A text of characters the tokenizer drops became an empty prompt, and the scheduler's
+    admission crashed the engine thread on it (IndexError); every later request got 503."""
+    body = _error(client.post(path, json=payload))
+    message = body["message"]
+    assert body["param"] == param and ("tokenizes to at least one token" in message or "non-empty" in message), body
+    _still_serving(client)

@@ -27,7 +27,7 @@ from sgl.backend.server.options import ServerOptions
 from sgl.backend.server.protocol import (SSE_DONE, ApiError, TokenTexts, error_from_exception, finite,
                                          json_response, sse)
 from sgl.backend.server.validate import (Fields, as_bool, as_int, as_str, bad, check_batch, check_sampling,
-                                         check_token_ids, over_limit)
+                                         check_token_ids, encode_text, over_limit)
 
 __all__ = ["routes_spec"]
 
@@ -90,7 +90,8 @@ def _bounded_top(value: Any, name: str, options: ServerOptions) -> int:
     return top
 
 
-def parse_generate(body: dict[str, Any], options: ServerOptions) -> tuple[list[Job], list[_Options], bool, bool]:
+def parse_generate(body: dict[str, Any], engine: Any, options: ServerOptions
+                   ) -> tuple[list[Job], list[_Options], bool, bool]:
     """-> jobs, per-job output options, single (answer with an object, not a list), stream."""
     f = Fields(body, options=options)
     prompts, single = _prompts(f)
@@ -115,6 +116,8 @@ def parse_generate(body: dict[str, Any], options: ServerOptions) -> tuple[list[J
     f.reject_unknown()
     jobs, opts = [], []
     for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):  # tokenized here, last: the engine then gets the ids
+            prompt = encode_text(engine, prompt, "text" if single else f"text[{i}]")
         try:
             lp = LogprobOptions(want[i], starts[i], tops[i])
         except Exception as exc:  # noqa: BLE001 - InvalidSamplingParamsError with .field
@@ -165,7 +168,7 @@ async def generate(request: Request) -> Response:
     ctx = context_of(request)
     start = time.monotonic()
     try:
-        jobs, options, single, stream = parse_generate(await ctx.read_body(request), ctx.options)
+        jobs, options, single, stream = parse_generate(await ctx.read_body(request), ctx.engine, ctx.options)
     except ApiError as exc:
         ctx.metrics.count_request("generate", "invalid")
         return exc.response()

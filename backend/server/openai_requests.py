@@ -19,7 +19,7 @@ from sgl.backend.server.driver import Job
 from sgl.backend.server.options import ServerOptions
 from sgl.backend.server.protocol import ApiError
 from sgl.backend.server.validate import (SAMPLING_KINDS, Fields, as_bool, as_str, bad, check_batch,
-                                         check_sampling, check_token_ids)
+                                         check_sampling, check_token_ids, encode_text)
 
 __all__ = ["OpenAIRequest", "parse_completion", "parse_chat", "ROLES"]
 
@@ -123,14 +123,13 @@ def _prompts(prompt: Any) -> list[Any]:
     raise bad("prompt[0]", "a string, a token id or a list of token ids", first)
 
 
-def _echo_text(engine: Any, prompt: Any, index: int) -> str:
+def _echo_text(engine: Any, prompt: str | list[int], param: str) -> str:
     if isinstance(prompt, str):
         return prompt
     vocab = engine.model_config.vocab_size  # decoding an id outside it would raise in the tokenizer
     for j, t in enumerate(prompt):
         if t >= vocab:
-            raise bad(f"prompt[{index}][{j}]" if index >= 0 else f"prompt[{j}]",
-                      f"a token id below the vocabulary size {vocab}", t)
+            raise bad(f"{param}[{j}]", f"a token id below the vocabulary size {vocab}", t)
     return engine.decode(prompt)
 
 
@@ -152,11 +151,17 @@ def parse_completion(body: dict[str, Any], engine: Any, options: ServerOptions) 
     lp = LogprobOptions(return_logprob=logprobs is not None,
                         logprob_start_len=0 if echo and logprobs is not None else -1,
                         top_logprobs_num=logprobs or 0)
-    single = len(prompts) == 1
-    return [OpenAIRequest(Job(p, dict(params), lp), chat=False, stream=stream, include_usage=include_usage,
-                          echo=echo, top_logprobs=logprobs or 0,
-                          prompt_text=_echo_text(engine, p, -1 if single else i) if echo else "")
-            for i, p in enumerate(prompts)]
+    # Texts are tokenized here, last (the engine then gets the ids: nothing is tokenized twice).
+    raw = body["prompt"]
+    flat = isinstance(raw, str) or not isinstance(raw[0], (str, list))  # one text or one id list
+    reqs = []
+    for i, p in enumerate(prompts):
+        param = "prompt" if flat else f"prompt[{i}]"
+        ids = encode_text(engine, p, param) if isinstance(p, str) else p
+        reqs.append(OpenAIRequest(Job(ids, dict(params), lp), chat=False, stream=stream, include_usage=include_usage,
+                                  echo=echo, top_logprobs=logprobs or 0,
+                                  prompt_text=_echo_text(engine, p, param) if echo else ""))
+    return reqs
 
 
 def _content(content: Any, where: str) -> str:

@@ -17,13 +17,14 @@ import types
 import typing
 from typing import Any, Iterable, Literal, Mapping
 
+from sgl.errors import InvalidRequestError
 from sgl.sampling import SamplingParams
 
 from sgl.backend.server.options import ServerOptions
 from sgl.backend.server.protocol import ApiError
 
 __all__ = ["Fields", "SAMPLING_KINDS", "check_sampling", "check_token_ids", "show", "over_limit",
-           "as_bool", "as_int", "as_number", "as_str", "check_batch"]
+           "as_bool", "as_int", "as_number", "as_str", "check_batch", "encode_text"]
 
 _INT64 = 2**63
 Kind = Literal["bool", "int", "number", "str", "str_list", "int_list", "any"]
@@ -108,6 +109,22 @@ def check_token_ids(value: Any, name: str) -> list[int]:
         if not 0 <= item < _INT64:
             raise bad(f"{name}[{i}]", "a token id >= 0", item)
     return value
+
+
+def encode_text(engine: Any, text: str, name: str) -> list[int]:
+    """A text prompt as the token ids the engine would make of it (the engine then receives
+    the ids, so nothing is tokenized twice). A text of only characters the tokenizer drops
+    (e.g. "\\x04") has no tokens: the engine must never see an empty prompt (its scheduler
+    crashed on one), so that is a 400 here."""
+    if not text:
+        raise bad(name, "a non-empty string", text)
+    try:
+        ids = engine.encode(text)
+    except InvalidRequestError as exc:  # e.g. a model without a tokenizer
+        raise ApiError(400, str(exc), name) from None
+    if not ids:
+        raise bad(name, "text that tokenizes to at least one token", text)
+    return ids
 
 
 # -- sampling fields: kinds from SamplingParams ---------------------------------------------------
