@@ -224,6 +224,13 @@ class Runtime:
         self.core.submit(reqs)
         return rid
 
+    def problem(self) -> str | None:
+        """Why the engine thread cannot serve, or None when it is running."""
+        if self.core.alive:
+            return None
+        cause = self.core.fatal_error
+        return "the engine thread stopped" + (f" after a crash: {cause!r}" if cause is not None else "")
+
     def abort(self, rid: str, reason: str) -> None:
         self.core.abort(rid, reason)
 

@@ -99,6 +99,14 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     @property
+    def problem(self) -> str | None:
+        """Why this engine cannot serve (closed, or its thread stopped after a crash), or None
+        when it can: what a health check reports."""
+        if self._closed:
+            return "the engine is closed"
+        return self._rt.problem()
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -300,9 +308,10 @@ class Engine:
 
     def _tokenize(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty", field="prompt")
-            return self.encode(prompt)
+            ids = self.encode(prompt) if prompt else []
+            if not ids:  # (a text of only characters the tokenizer drops, e.g. "\x04")
+                raise InvalidRequestError("the prompt is empty (it has no tokens)", field="prompt")
+            return ids
         if is_messages(prompt):
             return list(self.apply_chat_template(prompt, tokenize=True))
         if is_ids(prompt):

@@ -185,3 +185,13 @@ def test_tiny_temperatures_are_greedy() -> None:
             assert out.token_ids == greedy, (t, out.token_ids, greedy)
     finally:
         eng.close()
+
+
+
+def test_a_text_without_tokens_is_refused_not_an_engine_crash(engine: Any) -> None:
+    """"\x04" tokenizes to nothing: admitting it crashed the engine thread (an IndexError in
+    the scheduler); it is refused up front and the engine keeps serving."""
+    _refused(engine, sgl.InvalidRequestError, "prompt", ("no tokens",), prompt="\x04")
+    assert engine._rt.core.alive
+    out = asyncio.run(asyncio.wait_for(engine.generate("Hi", max_new_tokens=3, temperature=0), 30))
+    assert len(out.token_ids) == 3

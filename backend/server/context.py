@@ -39,17 +39,6 @@ def context_of(request: Request) -> ServerContext:
 
 
 def engine_problem(engine: Any) -> str | None:
-    """Why the engine cannot serve (closed, or its thread died), or None when it can.
-
-    `sgl.Engine` has no public liveness property, so this reads the engine core's through
-    the runtime the server is hosted on (`engine._rt.core`): a dead engine thread must turn
-    /health red so a supervisor restarts the process, and `engine.closed` alone stays False
-    after a crash.
-    """
-    if engine.closed:
-        return "the engine is closed"
-    core = getattr(getattr(engine, "_rt", None), "core", None)
-    if core is not None and not core.alive:
-        cause = getattr(core, "fatal_error", None)
-        return "the engine thread stopped" + (f" after a crash: {cause!r}" if cause is not None else "")
-    return None
+    """Why the engine cannot serve (closed, or its thread died), or None when it can: a dead
+    engine thread must turn /health red so a supervisor restarts the process."""
+    return engine.problem
