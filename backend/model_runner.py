@@ -174,13 +174,12 @@ class ModelRunner:
         values = np.asarray(torch.cat(slots) if len(slots) > 1 else slots[0], dtype=np.int64)
         if int(lens.max()) == 1:
             index = bases
-            if len(set(bases.tolist())) == bases.size:  # one slot per position (steady decode)
-                return index, values
         else:
             # flat[j] = base of its write + its offset inside that write
             offsets = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
             index = np.repeat(bases, lens) + offsets
-        return last_write_wins(index, values)
+        # (deduplicating sorts every written position: a prefill step can write ~10^5)
+        return last_write_wins(index, values) if _writes_overlap(writes) else (index, values)
 
     # -- execute (device order) --------------------------------------------------------------
 
@@ -346,6 +345,19 @@ def _pad_decode_rows(x: StepInputs[Any], pad: int) -> None:
     x.out_cache_loc = np.concatenate([x.out_cache_loc, np.zeros(pad, dtype=np.int64)])
     x.req_pool_indices = x.req_pool_indices + [0] * pad
     x.seq_lens = x.seq_lens + [1] * pad
+
+
+def _writes_overlap(writes: list[tuple[int, int, Any]]) -> bool:
+    """Whether two writes of one batch cover the same req_to_token position."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for row, col, slots in writes:
+        spans.setdefault(row, []).append((col, col + slots.shape[0]))
+    for row_spans in spans.values():
+        if len(row_spans) > 1:
+            row_spans.sort()
+            if any(a_end > b_start for (_, a_end), (b_start, _) in zip(row_spans, row_spans[1:])):
+                return True
+    return False
 
 
 def last_write_wins(index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

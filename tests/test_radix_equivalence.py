@@ -234,3 +234,13 @@ def test_last_write_wins_keeps_the_last_of_duplicates() -> None:
     i, v = last_write_wins(index, values)
     assert dict(zip(i.tolist(), v.tolist())) == {10: 4, 11: 5, 12: 3, 20: 6}
     assert len(set(i.tolist())) == len(i)
+
+
+def test_only_overlapping_writes_are_deduplicated() -> None:
+    import torch
+
+    from sgl.backend.model_runner import _writes_overlap
+
+    s = lambda n: torch.arange(n)  # noqa: E731
+    assert not _writes_overlap([(1, 0, s(4)), (2, 0, s(4)), (1, 4, s(2))])  # rows apart, spans apart
+    assert _writes_overlap([(1, 0, s(4)), (2, 0, s(4)), (1, 3, s(2))])  # row 1 column 3 twice
