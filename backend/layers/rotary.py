@@ -73,10 +73,12 @@ class RotaryEmbedding(nn.Module):
         # dtype, as transformers rounds them before rotating.
         cache = make_cos_sin_cache(max_positions, head_dim, inv_freq=_inv_freq(head_dim, params),
                                    device=device, dtype=dtype)
-        self.register_buffer("cos_sin", cache, persistent=False)
+        # Kept as [max_positions, 2, head_dim / 2]: cos and sin of each position side by side.
+        self.register_buffer("cos_sin", cache.view(max_positions, 2, -1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated *in place* (they are
         views of the fused qkv output, which nothing else reads); returns them."""
-        return self.kernels.rotary_embedding(positions, q, k, self.cos_sin, True)
+        cache = self.cos_sin.view(self.cos_sin.shape[0], -1)  # [P, head_dim]: the kernels' layout
+        return self.kernels.rotary_embedding(positions, q, k, cache, True)
