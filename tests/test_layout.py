@@ -49,6 +49,7 @@ def test_dependency_direction() -> None:
         allowed = imported <= seams.get(path.name, set())
         assert not imported or allowed, f"{path} imports {imported}"
     for path in (ROOT / "backend").rglob("*.py"):
+        assert "sgl" not in _imports(path), f"{path} imports the whole sgl package"
         front = {m for m in _imports(path) if m.startswith("sgl.") and not m.startswith("sgl.backend")}
         assert front <= leaf, f"{path} imports {front - leaf}"
 

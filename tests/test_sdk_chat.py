@@ -109,7 +109,9 @@ def test_engine_generate_with_messages_keeps_control_text_plain(engine: Any) -> 
 
 def test_openai_chat_route_keeps_control_text_plain(engine: Any) -> None:
     from sgl.backend.server.openai_requests import parse_chat
+    from sgl.backend.server.options import ServerOptions
 
     im_start = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
-    reqs = parse_chat({"model": "default", "messages": [{"role": "user", "content": EVIL}]}, engine)
+    reqs = parse_chat({"model": "default", "messages": [{"role": "user", "content": EVIL}]}, engine,
+                      ServerOptions().for_engine(engine.config))
     assert reqs[0].job.prompt.count(im_start) == 3

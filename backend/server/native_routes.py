@@ -255,12 +255,10 @@ async def get_model_info(request: Request) -> Response:
 
 async def get_server_info(request: Request) -> Response:
     ctx = context_of(request)
-    import sgl
-
     config = {k: v for k, v in dataclasses.asdict(ctx.engine.config).items()
               if isinstance(v, (str, int, float, bool, type(None)))}
     stats = dataclasses.asdict(ctx.engine.stats())
-    return json_response({**config, "version": sgl.__version__, "served_model_name": ctx.model_name,
+    return json_response({**config, "version": _version(), "served_model_name": ctx.model_name,
                           "max_total_num_tokens": ctx.engine.config.max_total_tokens,
                           "uptime_s": time.time() - ctx.started, "stats": stats})
 
@@ -303,3 +301,13 @@ def routes_spec() -> list[tuple[str, Any, list[str]]]:
         ("/health", health, ["GET"]),
         ("/health_generate", health_generate, ["GET"]),
     ]
+
+
+def _version() -> str:
+    """The installed sgl's version (the backend does not import the product package)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sgl")
+    except PackageNotFoundError:
+        return "unknown"
