@@ -22,6 +22,7 @@ from sgl.backend.grammar import GrammarBackend
 from sgl.backend.grammar_forcing import forced_text_bound
 from sgl.constraints import ConstraintLimits, build_constraint, load_grammar
 from sgl.errors import InvalidConstraintError, RequestTimeoutError
+from tiny_engines import start_ticker
 
 VOCAB = 49152
 RECURSIVE_SCHEMA = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
@@ -280,16 +281,7 @@ def test_async_compile_leaves_the_event_loop_running(default_tokenizer: Any) -> 
 
     async def scenario() -> tuple[float, float]:
         gaps: list[float] = []
-
-        async def tick() -> None:
-            last = time.monotonic()
-            while True:
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(tick())
+        ticker = start_ticker(gaps)
         start = time.monotonic()
         await fresh.compile_async("json_schema", slow_schema(), timeout=60)
         took = time.monotonic() - start

@@ -21,6 +21,7 @@ import pytest
 import sgl
 from sgl.backend.model_loader import resolve_model_path
 from sgl.errors import InvalidConstraintError
+from tiny_engines import start_ticker
 
 pytestmark = pytest.mark.anyio
 
@@ -116,16 +117,7 @@ def test_never_ending_forced_text_runs_to_length_without_growing() -> None:
 
 async def test_a_slow_compile_does_not_block_the_loop_or_other_requests(engine: sgl.Engine) -> None:
     gaps: list[float] = []
-
-    async def tick() -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.01)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    ticker = asyncio.create_task(tick())
+    ticker = start_ticker(gaps)
     await asyncio.sleep(0.05)
     start = time.monotonic()
     slow = asyncio.create_task(engine.generate("Pick", max_new_tokens=8, temperature=0,

@@ -18,10 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sgl
-from sgl.backend.model_loader import resolve_model_path
-
-TOKENIZED_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=49152, max_position_embeddings=1024, eos_token_id=0)
+from tiny_engines import tokenized_tiny_engine
 
 JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
@@ -47,8 +44,7 @@ REQUESTS = st.fixed_dictionaries({}, optional={k: st.one_of(v, JUNK) for k, v in
 
 @pytest.fixture(scope="module")
 def engine() -> Any:
-    eng = sgl.Engine(model_config=TOKENIZED_TINY, load_format="dummy", device="cpu", max_total_tokens=4096,
-                     tokenizer=str(resolve_model_path(None)))
+    eng = tokenized_tiny_engine()
     yield eng
     eng.close()
 
