@@ -130,8 +130,7 @@ class ModelRunner:
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         num_reqs = len(batch.items)
         graph_bs = None
-        if (mode is ForwardMode.DECODE and self.graphs is not None
-                and plan.num_samples == num_reqs and not plan.num_prompt_rows):
+        if mode is ForwardMode.DECODE and self.graphs is not None and plan.num_tokens == num_reqs:
             graph_bs = self.graphs.padded_size(num_reqs)
         if graph_bs is not None and graph_bs > num_reqs:
             _pad_decode_rows(inputs, graph_bs - num_reqs)
@@ -204,6 +203,8 @@ class ModelRunner:
             if step.graph_bs is not None:
                 assert self.graphs is not None
                 logits = self.graphs.replay(flat, step.graph_bs, len(step.batch.items))  # [B, vocab]
+                if not step.plan.rows_in_order:
+                    logits = logits[inputs.logits_indices]  # [S + P, vocab]
             else:
                 logits = self._forward_eager(step, inputs, table)
             result = StepResult() if logits is None else self._sample_and_score(step, logits, inputs)
@@ -234,9 +235,9 @@ class ModelRunner:
         )  # fmt: skip
         self.attn_backend.prepare(fb)
         hidden = self.model.forward(fb)  # [T, hidden]
-        if plan.num_samples + plan.num_prompt_rows == 0:
+        if plan.num_samples + plan.num_score_rows == 0:
             return None
-        if step.mode is ForwardMode.DECODE and plan.num_samples == plan.num_tokens:
+        if plan.rows_in_order:
             rows = hidden  # every token is sampled, in order: skip the gather
         else:
             rows = hidden[fb.logits_indices]  # [S + P, hidden]
@@ -256,14 +257,14 @@ class ModelRunner:
                 result.logprobs = res.next_logprobs
                 if plan.top_logprobs_num:
                     result.top_ids, result.top_vals = res.top_ids, res.top_vals
-        if plan.num_prompt_rows:
+        if plan.num_score_rows:
             from sgl.backend.sampler import gather_logprobs
 
-            lp, top_ids, top_vals = gather_logprobs(logits[S:], inputs.prompt_targets,
-                                                    plan.prompt_top_logprobs_num)
-            result.prompt_logprobs = lp
-            if plan.prompt_top_logprobs_num:
-                result.prompt_top_ids, result.prompt_top_vals = top_ids, top_vals
+            lp, top_ids, top_vals = gather_logprobs(logits[S:], inputs.score_targets,
+                                                    plan.score_top_logprobs_num)
+            result.score_logprobs = lp
+            if plan.score_top_logprobs_num:
+                result.score_top_ids, result.score_top_vals = top_ids, top_vals
         return result
 
 
@@ -276,11 +277,16 @@ class StepPlan:
     extend_lens: list[int]
     num_tokens: int
     num_samples: int
-    num_prompt_rows: int
+    num_score_rows: int
     want_logprobs: bool
     top_logprobs_num: int
-    prompt_top_logprobs_num: int
+    score_top_logprobs_num: int
     has_placeholders: bool = False  # some input id is a future-token placeholder (< 0)
+
+    @property
+    def rows_in_order(self) -> bool:
+        """Every token is sampled, in order (plain decode): the logits need no gather."""
+        return self.num_samples == self.num_tokens and not self.num_score_rows
 
 
 @dataclass
@@ -302,7 +308,7 @@ class PreparedStep:
 def _flatten(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
     """The batch's tokens laid end to end, request by request (forward_batch.py)."""
     x: StepInputs[list[int]] = StepInputs(*([] for _ in dataclasses.fields(StepInputs)))
-    prompt_rows: list[int] = []
+    score_rows: list[int] = []
     plan = StepPlan([], [], [], 0, 0, 0, False, 0, 0)
     for it in batch.items:
         r, n, prefix, start = it.req, it.extend_len, it.prefix_len, plan.num_tokens
@@ -323,16 +329,16 @@ def _flatten(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
         if r.logprob.return_logprob:
             plan.want_logprobs = True
             plan.top_logprobs_num = max(plan.top_logprobs_num, r.logprob.top_logprobs_num)
-        first, count = it.prompt_logprob_span
+        first, count = it.score_span
         if count:
-            plan.prompt_top_logprobs_num = max(plan.prompt_top_logprobs_num, r.logprob.top_logprobs_num)
-            prompt_rows.extend(range(start + first - prefix, start + first - prefix + count))
-            x.prompt_targets.extend(r.prompt_ids[first + 1 : first + 1 + count])
+            plan.score_top_logprobs_num = max(plan.score_top_logprobs_num, r.logprob.top_logprobs_num)
+            score_rows.extend(range(start + first - prefix, start + first - prefix + count))
+            x.score_targets.extend(r.fill_ids()[first + 1 : first + 1 + count])
         plan.num_tokens += n
-    plan.num_samples, plan.num_prompt_rows = len(x.logits_indices), len(prompt_rows)
+    plan.num_samples, plan.num_score_rows = len(x.logits_indices), len(score_rows)
     plan.seq_lens, plan.prefix_lens, plan.extend_lens = (
         list(x.seq_lens), list(x.extend_prefix_lens), list(x.extend_seq_lens))
-    x.logits_indices.extend(prompt_rows)  # sampled rows first, then prompt rows
+    x.logits_indices.extend(score_rows)  # sampled rows first, then score rows
     x.out_cache_loc = batch.out_cache_loc.to(torch.int64).numpy()
     return x, plan
 

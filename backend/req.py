@@ -14,7 +14,8 @@ A request's token sequence is `prompt_ids + output_ids`. Its KV lives in pool sl
   loop a step may still be computing, which is safe because steps execute in order.
 * In decode the newest token has no KV yet: `kv_len == len(seq) - 1` between steps.
 * Jump-forward appends forced tokens straight to `output_ids` (after rolling back the last few
-  tokens when the tokenizer would merge them): the next extend step computes their KV.
+  tokens when the tokenizer would merge them); their KV is computed by the following decode
+  steps: all in one step with jump-forward on, one per step with it off (`jump_backlog`).
 * Only prompt tokens are inserted into the radix tree while a request runs; outputs join the
   tree when it finishes or is retracted. So a jump-forward rollback never cuts cached KV.
 * With the overlap loop a sampled token may be in flight: `pending_future` is the index in the
@@ -66,6 +67,9 @@ class Req:
     cached_len: int = 0
     last_node: Any = None
     pending_future: Optional[int] = None
+    # Uncomputed tokens beyond the next one that a jump appended: the request still decodes
+    # while extend_len <= 1 + jump_backlog (a resumed retraction prefills instead).
+    jump_backlog: int = 0
     # Prompt tokens served from the radix cache on first admission (for usage and stats).
     num_cached_prompt_tokens: int = 0
     admitted_once: bool = False
@@ -126,9 +130,10 @@ class ScheduledReq:
     samples: bool  # whether the step samples a token for it (last chunk, or decode)
     input_ids: list[int]  # known ids of the new tokens; placeholders (<0) for in-flight samples
     future_index: Optional[int] = None  # where the device writes the sampled token
-    # prompt logprob rows this step covers: (first prompt position whose logprob is computed,
-    # number of such positions); the logits of row r give the logprob of token r+1.
-    prompt_logprob_span: tuple[int, int] = (0, 0)
+    # score rows this step covers: (first sequence position scored, number of positions); the
+    # logits at position p give the logprob of the known token p+1, a prompt token (prompt
+    # logprobs) or an output token appended by jump-forward (its output logprob).
+    score_span: tuple[int, int] = (0, 0)
 
 
 @dataclass

@@ -209,9 +209,7 @@ class Runtime:
         deadline = time.monotonic() + timeout if timeout is not None else None
         jump = spec.params.jump_forward
         jump = (not self.config.disable_jump_forward) if jump is None else jump
-        # Forced tokens are not sampled, so they have no logprobs: a request that asks for
-        # logprobs decodes every token (its token_ids and logprobs then line up).
-        jump = jump and spec.constraint is not None and not spec.logprob.return_logprob
+        jump = jump and spec.constraint is not None
         reqs = []
         for i, sink in enumerate(spec.sinks):
             params = spec.params

@@ -130,16 +130,17 @@ class Scheduler:
         decoding: list[Req] = []
         prefilling: list[Req] = []
         for r in self.running:
-            decodes = r.extend_len == 1 and r.kv_len >= len(r.prompt_ids)
+            decodes = 1 <= r.extend_len <= 1 + r.jump_backlog and r.kv_len >= len(r.prompt_ids)
             (decoding if decodes else prefilling).append(r)
         decoding = self._make_room_for_decode(decoding)
         items: list[ScheduledReq] = []
         locs: list[torch.Tensor] = []
         if decoding:
-            slots = self.kv.extend(decoding, [1] * len(decoding))
+            lens = [_decode_len(r) for r in decoding]
+            slots = self.kv.extend(decoding, lens)
             assert slots is not None, "room for decode was ensured above"
-            locs.append(slots)  # one slot per decoding request, in `decoding` order
-            items.extend(self._item(r, 1) for r in decoding)
+            locs.append(slots)  # the decoding requests' slots, in `decoding` order
+            items.extend(self._item(r, n) for r, n in zip(decoding, lens))
         if prefilling or self.waiting:
             self._fill_prefill_budget(prefilling, items, locs, len(decoding))
         if not items:
@@ -197,7 +198,7 @@ class Scheduler:
                 r.pending_future = it.future_index
         return ScheduleBatch(
             items=items, out_cache_loc=out_cache_loc,
-            is_decode=all(it.extend_len == 1 and not it.req.is_prefilling for it in items),
+            is_decode=all(it.extend_len == 1 and it.prefix_len >= len(it.req.prompt_ids) for it in items),
             has_constraints=any(it.req.constraint is not None for it in items),
             table_writes=self.kv.take_table_writes(),
         )  # fmt: skip
@@ -210,14 +211,7 @@ class Scheduler:
         else:
             ids = r.fill_ids()[prefix : prefix + n]
         samples = prefix + n == r.seq_len and r.params.max_new_tokens > 0
-        span = (0, 0)
-        if r.logprob.wants_prompt_logprobs:
-            # logits row at position p scores prompt token p+1; cover prompt rows in this chunk
-            first = max(r.logprob.logprob_start_len - 1, 0, prefix)
-            last = min(prefix + n, len(r.prompt_ids) - 1)
-            if last > first:
-                span = (first, last - first)
-        return ScheduledReq(r, n, prefix, samples, ids, prompt_logprob_span=span)
+        return ScheduledReq(r, n, prefix, samples, ids, score_span=_score_span(r, prefix, n))
 
     def _ordered_waiting(self) -> list[Req]:
         queue = list(self.waiting)
@@ -256,8 +250,9 @@ class Scheduler:
         return int(min(remaining, RESERVE_CAP) * self.new_token_ratio)
 
     def _make_room_for_decode(self, decoding: list[Req]) -> list[Req]:
-        """Retract decoding requests until one new slot (page) for each of the rest fits."""
-        while decoding and not self.kv.make_room(len(decoding) * self.cfg.page_size):
+        """Retract decoding requests until the new slots (pages) of the rest fit."""
+        page = self.cfg.page_size
+        while decoding and not self.kv.make_room(sum(-(-_decode_len(r) // page) * page for r in decoding)):
             victim = min(decoding, key=lambda r: (r.output_len, -len(r.prompt_ids)))
             decoding.remove(victim)
             self.retract(victim)
@@ -266,6 +261,7 @@ class Scheduler:
     def retract(self, r: Req) -> None:
         """Free a running request's KV into the prefix cache and put it back in the queue."""
         self._release(r, cache=True)
+        r.jump_backlog = 0  # resumed by a prefill from the cache
         r.status = ReqStatus.WAITING
         r.num_retractions += 1
         self.counters.retractions += 1
@@ -293,10 +289,9 @@ class Scheduler:
                 k += 1
                 if r.pending_future == it.future_index:
                     r.pending_future = None
-            first, count = it.prompt_logprob_span
+            first, count = it.score_span
             if count and not r.finished:
-                r.prompt_logprobs.extend(zip(out.prompt_logprobs[p : p + count], r.prompt_ids[first + 1 :]))
-                r.prompt_top_logprobs.extend(out.prompt_top[p : p + count])
+                _record_scores(r, first, out.score_logprobs[p : p + count], out.score_top[p : p + count])
             p += count
             if r.finished:
                 continue  # finished in the previous step; this extra token is discarded
@@ -344,7 +339,7 @@ class Scheduler:
             self._finish(r, "stop")
         elif ro.at_length_limit(r, self.cfg.context_length):
             self._finish(r, "length")
-        elif jump and r.constraint is not None and r.jump_forward:
+        elif jump and r.constraint is not None:
             self._jump_forward(r)
 
     def _push_text(self, r: Req, ids: list[int]) -> str:
@@ -360,21 +355,37 @@ class Scheduler:
         return ""
 
     def _jump_forward(self, r: Req) -> None:
-        plan = r.constraint.jump_forward(r.output_ids, max_new_tokens=r.params.max_new_tokens - len(r.output_ids))
+        """Append the grammar's forced text as the tokenizer's own tokens, in both modes.
+
+        Planned after every sampled token whether jump-forward is on or off, so the tokens are
+        the same; the mode only decides how many of them one decode step computes
+        (`_decode_len`). Their logprobs come from the steps that compute them (score rows); a
+        rollback then also recomputes the last kept token, whose row scores the first jumped
+        token."""
+        budget = r.params.max_new_tokens - len(r.output_ids)
+        # With logprobs the request ends on a sampled token: the score rows of jumped tokens
+        # run in the steps after the jump, so a jump must not reach the length limit.
+        budget -= r.logprob.return_logprob
+        plan = r.constraint.jump_forward(r.output_ids, max_new_tokens=budget)
         if plan is None or not plan.append_ids:
             return
+        kept = len(r.prompt_ids) + len(r.output_ids) - plan.rollback
+        rescore = plan.rollback > 0 and r.logprob.return_logprob
         # Never cut into KV that belongs to the tree (only possible after a retraction).
-        if len(r.prompt_ids) + len(r.output_ids) - plan.rollback < r.cached_len:
+        if kept - rescore < r.cached_len:
             return
         r.constraint.apply(plan)
         if plan.rollback:
             assert r.pending_future is None and plan.rollback <= len(r.output_ids)
             del r.output_ids[len(r.output_ids) - plan.rollback :]
-            self.kv.truncate(r, min(r.kv_len, r.seq_len))
+            del r.output_logprobs[len(r.output_ids) :], r.output_top_logprobs[len(r.output_ids) :]
+            self.kv.truncate(r, min(r.kv_len, kept - rescore))
             if r.detokenizer is not None:
                 r.detokenizer.rollback(plan.rollback)
         r.output_ids.extend(plan.append_ids)
-        self.counters.jump_forward_tokens += len(plan.append_ids) - plan.rollback  # net gained
+        r.jump_backlog = r.extend_len - 1
+        if r.jump_forward:
+            self.counters.jump_forward_tokens += len(plan.append_ids) - plan.rollback  # steps saved
         delta = self._push_text(r, plan.append_ids)
         if r.finished:
             return
@@ -412,3 +423,51 @@ class Scheduler:
     def owned_slots(self) -> list[torch.Tensor]:
         """Slots owned by running requests (not by the tree), for the integrity check."""
         return [self.kv.req_slots(r)[r.cached_len :] for r in self.running]
+
+
+def _decode_len(r: Req) -> int:
+    """Tokens a decoding request computes this step: its jumped tokens all at once with
+    jump-forward on, one per step with it off (the same tokens, so the same answer)."""
+    return r.extend_len if r.jump_forward else 1
+
+
+def _score_span(r: Req, prefix: int, n: int) -> tuple[int, int]:
+    """Positions of this chunk whose logits score a known next token: prompt tokens from
+    `logprob_start_len` (prompt logprobs), and output tokens that no sample scored (appended by
+    jump-forward) when output logprobs are asked for."""
+    first, last = prefix, prefix + n  # positions p in [first, last) score token p+1
+    P = len(r.prompt_ids)
+    if r.logprob.return_logprob:
+        known = P + len(r.output_ids) - 1  # the last known token is scored by its own sample
+        unscored = P + len(r.output_logprobs) - 1  # first output target without a logprob
+        if not r.logprob.wants_prompt_logprobs:
+            first = max(first, unscored)
+        else:
+            first = max(first, r.logprob.logprob_start_len - 1, 0)
+        last = min(last, known)
+    elif r.logprob.wants_prompt_logprobs:
+        first = max(first, r.logprob.logprob_start_len - 1, 0)
+        last = min(last, P - 1)
+    else:
+        return (0, 0)
+    return (first, last - first) if last > first else (0, 0)
+
+
+def _record_scores(r: Req, first: int, lps: list[float], tops: list[list[tuple[float, int]]]) -> None:
+    """File the logprobs of score rows starting at position `first` under the prompt or the
+    outputs, by where each row's target token lies."""
+    fill = r.fill_ids()
+    P = len(r.prompt_ids)
+    for j, lp in enumerate(lps):
+        t = first + 1 + j  # the scored token's position
+        top = tops[j] if tops else None
+        if t < P:
+            if t - max(r.logprob.logprob_start_len, 1) != len(r.prompt_logprobs):
+                continue  # recomputed after a retraction: already recorded
+            r.prompt_logprobs.append((lp, fill[t]))
+            if top is not None:
+                r.prompt_top_logprobs.append(top)
+        elif t - P == len(r.output_logprobs) and t < len(fill):
+            r.output_logprobs.append((lp, fill[t]))
+            if top is not None:
+                r.output_top_logprobs.append(top)

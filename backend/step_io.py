@@ -49,8 +49,8 @@ def aligned(n: int) -> int:
 
 @dataclass
 class StepInputs(Generic[A]):
-    """Every integer input of one step (T new tokens, B requests, S sampled rows, P prompt
-    logprob rows, W table writes). The first five fields are the decode CUDA graph's static
+    """Every integer input of one step (T new tokens, B requests, S sampled rows, P score
+    rows, W table writes). The first five fields are the decode CUDA graph's static
     inputs: for a (padded) decode batch of bs rows, `flat[:5 * aligned(bs)].view(5, -1)`."""
 
     input_ids: A  # [T] known ids; -k = the sample the device writes into future slot k
@@ -61,9 +61,9 @@ class StepInputs(Generic[A]):
     extend_prefix_lens: A  # [B]
     extend_seq_lens: A  # [B]
     extend_start: A  # [B] offset of request b's first new token
-    logits_indices: A  # [S + P] hidden rows whose logits are needed: samples, then prompt rows
+    logits_indices: A  # [S + P] hidden rows whose logits are needed: samples, then score rows
     future_indices: A  # [S] future-token slot of each sample
-    prompt_targets: A  # [P] the prompt token each prompt row scores
+    score_targets: A  # [P] the known next token each score row scores (prompt or jumped)
     table_index: A  # [W] flat index into req_to_token
     table_value: A  # [W] the slot written there
 
@@ -102,8 +102,8 @@ class StepOutput:
     next_token_ids: list[int] = field(default_factory=list)  # one per sampled item, in batch order
     next_logprobs: list[float] | None = None
     next_top: list[list[tuple[float, int]]] | None = None  # (logprob, id) pairs per sample
-    prompt_logprobs: list[float] = field(default_factory=list)  # one per prompt row
-    prompt_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    score_logprobs: list[float] = field(default_factory=list)  # one per score row
+    score_top: list[list[tuple[float, int]]] = field(default_factory=list)
 
     def sample(self, k: int) -> tuple[int, float | None, list[tuple[float, int]] | None]:
         """The k-th sampled token with its logprob and top logprobs (None when not asked)."""
@@ -121,9 +121,9 @@ class StepResult:
     logprobs: torch.Tensor | None = None  # [S] float32
     top_ids: torch.Tensor | None = None  # [S, k]
     top_vals: torch.Tensor | None = None  # [S, k]
-    prompt_logprobs: torch.Tensor | None = None  # [P]
-    prompt_top_ids: torch.Tensor | None = None  # [P, k]
-    prompt_top_vals: torch.Tensor | None = None  # [P, k]
+    score_logprobs: torch.Tensor | None = None  # [P]
+    score_top_ids: torch.Tensor | None = None  # [P, k]
+    score_top_vals: torch.Tensor | None = None  # [P, k]
     event: Any = None  # a CUDA event recorded after the copies, or None
 
     def to_host(self) -> StepResult:
@@ -149,10 +149,10 @@ class StepResult:
             out.next_logprobs = self.logprobs.tolist()
             if self.top_ids is not None:
                 out.next_top = _pairs(self.top_vals, self.top_ids)
-        if self.prompt_logprobs is not None:
-            out.prompt_logprobs = self.prompt_logprobs.tolist()
-            if self.prompt_top_ids is not None:
-                out.prompt_top = _pairs(self.prompt_top_vals, self.prompt_top_ids)
+        if self.score_logprobs is not None:
+            out.score_logprobs = self.score_logprobs.tolist()
+            if self.score_top_ids is not None:
+                out.score_top = _pairs(self.score_top_vals, self.score_top_ids)
         return out
 
 

@@ -284,7 +284,14 @@ EXTRACTION_CASES = [
     for i, (model, text, truth) in enumerate(EXTRACTION)
 ]
 
-ALL_CASES = SCHEMA_CASES + REGEX_CASES + GRAMMAR_CASES + EXTRACTION_CASES
+# The same texts with prompts that do not name the keys: the model wants other keys, so the
+# forced key text is where masked decoding would spell non-canonical pieces ("f" "ir" "st").
+UNNAMED_CASES = [
+    Case(f"unnamed_{i}", _ask("Extract the data from the text as JSON.", text),
+         {"schema": model}, 60, _schema_check(model))
+    for i, (model, text, _) in enumerate(EXTRACTION)
+]
+ALL_CASES = SCHEMA_CASES + REGEX_CASES + GRAMMAR_CASES + EXTRACTION_CASES + UNNAMED_CASES
 JUMP_MODES = (True, False)
 
 
@@ -541,8 +548,6 @@ def test_jumped_tokens_are_the_tokenizers_own(runs, engine) -> None:
     for (name, jump), run in runs.items():
         if run.output is None:
             continue
-        if not jump:
-            assert run.jumps == [], f"{run.label}: jumped with jump_forward=False"
         counts = check_jumped_tokens(tokenizer, run)
         totals[jump] = [a + b for a, b in zip(totals[jump], counts)]
     for jump, (jumped, sampled, odd) in totals.items():
@@ -552,6 +557,46 @@ def test_jumped_tokens_are_the_tokenizers_own(runs, engine) -> None:
     print(f"{len(jumps)} jumps, {sum(rollback > 0 for _, rollback, _ in jumps)} of them rolled back "
           f"sampled tokens to re-merge the left boundary")
     assert totals[True][0] > 100, "jump-forward placed almost no tokens: is it on?"
+
+
+def test_jump_forward_changes_only_speed(runs) -> None:
+    """Greedy outputs have the same token ids with jump-forward on and off: forced text is
+    the tokenizer's own tokens in both modes (off computes them one per step), so the model's
+    later free choices follow the same history. Prompts that do not name the keys included."""
+    compared = 0
+    for case in ALL_CASES:
+        on, off = runs[(case.name, True)].output, runs[(case.name, False)].output
+        if on is None or off is None:
+            continue
+        compared += 1
+        assert on.token_ids == off.token_ids, (
+            f"{case.name}: jump-forward changed the answer:\n on={on.text!r}\noff={off.text!r}")
+        # Off also follows the plans (the same forced tokens), but computes them one per step.
+        assert runs[(case.name, False)].jumps == runs[(case.name, True)].jumps
+    assert compared >= len(ALL_CASES) - 2
+
+
+def test_jumped_tokens_have_logprobs_from_the_same_pass(engine) -> None:
+    """Logprobs no longer turn jump-forward off: the steps that compute jumped tokens score
+    them, so on and off return the same tokens with one logprob (and top list) per token."""
+    case = UNNAMED_CASES[0]
+
+    async def go(jump: bool) -> sgl.GenerateOutput:
+        return await engine.generate(case.prompt, max_new_tokens=case.max_new_tokens, temperature=0,
+                                     jump_forward=jump, return_logprob=True, top_logprobs_num=2,
+                                     **case.options)
+
+    before = engine.stats().jump_forward_tokens
+    on = asyncio.run(go(True))
+    assert engine.stats().jump_forward_tokens > before, "logprobs turned jump-forward off"
+    off = asyncio.run(go(False))
+    assert on.token_ids == off.token_ids
+    for out in (on, off):
+        assert [t.token_id for t in out.logprobs.output] == out.token_ids
+        assert len(out.logprobs.output_top) == len(out.token_ids)
+        assert all(len(top) == 2 for top in out.logprobs.output_top)
+    for a, b in zip(on.logprobs.output, off.logprobs.output):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
 
 
 def test_jump_forward_saves_decode_steps(runs) -> None:
