@@ -134,8 +134,9 @@ class EngineCore:
     def _overlap_loop(self) -> None:
         prev: tuple[ScheduleBatch, StepHandle] | None = None
         while self._drain_inbox(block=not self.scheduler.has_work and prev is None):
-            if prev is not None and (prev[0].has_constraints or self.scheduler.num_constrained):
-                self._update(*prev)  # masks need the previous token accepted
+            if prev is not None and (prev[0].has_constraints or prev[0].has_drafts
+                                     or self.scheduler.needs_sync):
+                self._update(*prev)  # masks need the previous token accepted, drafts it known
                 prev = None
             batch = self.scheduler.schedule()
             handle = self._launch(batch) if batch is not None else None

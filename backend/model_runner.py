@@ -38,6 +38,7 @@ import torch
 
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.req import ScheduleBatch
+from sgl.backend.speculative import draft_states
 from sgl.backend.step_io import FutureRing, StepHandle, StepInputs, StepOutput, StepResult
 
 if TYPE_CHECKING:
@@ -148,7 +149,13 @@ class ModelRunner:
         # request's latest token, so the masks can be filled here on the CPU.
         from sgl.backend.grammar import allocate_bitmask
 
-        states = [it.req.constraint for it in batch.items if it.samples]
+        states = []
+        for it in batch.items:
+            if it.samples:
+                states.append(it.req.constraint)
+                if it.draft_ids:  # verify rows: the grammar state after each draft prefix
+                    c = it.req.constraint
+                    states.extend(draft_states(c, it.draft_ids) if c is not None else [None] * len(it.draft_ids))
         mask = allocate_bitmask(len(states), self.vocab_size)  # [S, ceil(V/32)] int32
         assert self.grammar is not None, "a constrained request builds the grammar backend"
         return mask if self.grammar.fill_bitmasks(states, mask) else None
@@ -250,7 +257,8 @@ class ModelRunner:
         if S:
             mask = step.vocab_mask.to(self.device, non_blocking=True) if step.vocab_mask is not None else None
             res = self.sampler.sample(logits[:S], step.sampling, mask)  # logits[:S]: [S, vocab]
-            self.future_tokens[inputs.future_indices] = res.next_token_ids
+            if not plan.has_drafts:
+                self.future_tokens[inputs.future_indices] = res.next_token_ids
             self.sampler.observe(step.sampling, res.next_token_ids)
             result.tokens = res.next_token_ids
             if plan.want_logprobs:
@@ -282,6 +290,7 @@ class StepPlan:
     top_logprobs_num: int
     score_top_logprobs_num: int
     has_placeholders: bool = False  # some input id is a future-token placeholder (< 0)
+    has_drafts: bool = False  # speculative rows: the step runs in sync, no future tokens
 
     @property
     def rows_in_order(self) -> bool:
@@ -323,9 +332,10 @@ def _flatten(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
         x.extend_prefix_lens.append(prefix)
         x.extend_seq_lens.append(n)
         x.extend_start.append(start)
-        if it.samples:
-            x.logits_indices.append(start + n - 1)
+        if it.samples:  # the last token's row, and one row per draft after it
+            x.logits_indices.extend(range(start + n - 1 - len(it.draft_ids), start + n))
             x.future_indices.append(it.future_index)
+            plan.has_drafts |= bool(it.draft_ids)
         if r.logprob.return_logprob:
             plan.want_logprobs = True
             plan.top_logprobs_num = max(plan.top_logprobs_num, r.logprob.top_logprobs_num)

@@ -134,6 +134,9 @@ class ScheduledReq:
     # logits at position p give the logprob of the known token p+1, a prompt token (prompt
     # logprobs) or an output token appended by jump-forward (its output logprob).
     score_span: tuple[int, int] = (0, 0)
+    # speculative tokens appended to input_ids (after the known ones): every position from the
+    # last known token on is sampled, and update keeps the drafts the samples confirm
+    draft_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -144,6 +147,7 @@ class ScheduleBatch:
     out_cache_loc: Any  # int64 tensor [T], slots of the new tokens (CPU)
     is_decode: bool  # every item computes exactly one token
     has_constraints: bool = False
+    has_drafts: bool = False  # some item verifies speculative tokens (the step runs in sync)
     # (row, start, slots): req_to_token updates the runner applies before this step runs
     table_writes: list[tuple[int, int, Any]] = field(default_factory=list)
 

@@ -19,6 +19,7 @@ import torch
 
 from sgl._spec import RequestSpec
 from sgl.backend.req import Req
+from sgl.backend.speculative import NgramDrafter, SpecConfig
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
@@ -163,7 +164,7 @@ class Runtime:
                             policy=config.schedule_policy, conservativeness=config.schedule_conservativeness,
                             context_length=config.context_length, eos_token_ids=frozenset(mcfg.eos_token_ids)),
             KVManager(allocator, self.req_pool, self.tree, config.page_size), self.tree,
-            self.runner.futures, self.tokenizer,
+            self.runner.futures, self.tokenizer, drafter=_drafter(config),
         )  # fmt: skip
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
@@ -294,9 +295,24 @@ class Runtime:
             finished_requests=p.finished_requests,
             retractions=p.retractions,
             jump_forward_tokens=p.jump_forward_tokens,
+            **_spec_stats(self.scheduler.drafter),
             steps=self.core.num_steps,
             tokens_per_s=(sum(n for _, n in window) / span) if span > 0 else 0.0,
         )
 
     def close(self) -> None:
         self.core.shutdown()
+
+
+def _drafter(config: EngineConfig) -> NgramDrafter | None:
+    if config.speculative_algorithm is None:
+        return None
+    return NgramDrafter(SpecConfig(num_draft_tokens=config.speculative_num_draft_tokens,
+                                   min_window=config.speculative_ngram_min_match_window_size,
+                                   max_window=config.speculative_ngram_max_match_window_size))
+
+
+def _spec_stats(drafter: NgramDrafter | None) -> dict[str, int]:
+    st = drafter.stats if drafter is not None else None
+    return dict(spec_verify_steps=st.steps if st else 0, spec_draft_tokens=st.proposed if st else 0,
+                spec_accepted_tokens=st.accepted if st else 0)

@@ -334,8 +334,11 @@ class Sampler:
 
     def build_for(self, batch: Any) -> SamplingBatchInfo:
         """ScheduleBatch -> info for its sampled items, in order (on the scheduler thread)."""
-        reqs = [it.req for it in batch.items if it.samples]
-        lens = [r.output_len for r in reqs]  # includes an in-flight sample: the index drawn now
+        # One row per sample; a speculative item samples its last known token's row and one row
+        # per draft, each at the output index (seed step) decoding would draw it at.
+        reqs = [it.req for it in batch.items if it.samples for _ in range(1 + len(it.draft_ids))]
+        lens = [it.req.output_len + j for it in batch.items if it.samples
+                for j in range(1 + len(it.draft_ids))]  # includes an in-flight sample: the index drawn now
         rows = [r.req_pool_idx for r in reqs]
         # Logprob flags come from every item, as the runner decides from every item.
         lp = [it.req.logprob for it in batch.items if it.req.logprob.return_logprob]

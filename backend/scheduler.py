@@ -33,7 +33,9 @@ import torch
 from sgl._seq import common_prefix_len
 from sgl.backend import request_output as ro
 from sgl.backend.kv_manager import KVManager
+from sgl.backend.penalties import PenaltyPool
 from sgl.backend.req import Req, ReqStatus, ScheduleBatch, ScheduledReq
+from sgl.backend.speculative import NgramDrafter, accepted_len, cut_to_grammar
 from sgl.backend.step_io import FutureRing, StepOutput
 from sgl.errors import EngineError
 
@@ -84,7 +86,7 @@ class _Budget:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, tree: Any, futures: FutureRing,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, drafter: NgramDrafter | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
         self.tree = tree  # a prefix_cache.PrefixCache
@@ -95,6 +97,7 @@ class Scheduler:
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT * cfg.conservativeness
         self.num_constrained = 0  # unfinished requests with a grammar (the overlap loop syncs)
         self.counters = Counters()
+        self.drafter = drafter  # n-gram speculation when set (speculative.py)
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -121,6 +124,12 @@ class Scheduler:
             self.abort(it.req, f"model step failed: {exc!r}", error=err)
 
     @property
+    def needs_sync(self) -> bool:
+        """Whether the next step must wait for this one's tokens: grammar masks need them
+        accepted, drafts need them known."""
+        return bool(self.num_constrained) or (self.drafter is not None and bool(self.running))
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -136,11 +145,12 @@ class Scheduler:
         items: list[ScheduledReq] = []
         locs: list[torch.Tensor] = []
         if decoding:
-            lens = [_decode_len(r) for r in decoding]
+            drafts = [self._draft(r) for r in decoding]
+            lens = [_decode_len(r) + len(d) for r, d in zip(decoding, drafts)]
             slots = self.kv.extend(decoding, lens)
             assert slots is not None, "room for decode was ensured above"
             locs.append(slots)  # the decoding requests' slots, in `decoding` order
-            items.extend(self._item(r, n) for r, n in zip(decoding, lens))
+            items.extend(self._item(r, n, d) for r, n, d in zip(decoding, lens, drafts))
         if prefilling or self.waiting:
             self._fill_prefill_budget(prefilling, items, locs, len(decoding))
         if not items:
@@ -200,18 +210,36 @@ class Scheduler:
             items=items, out_cache_loc=out_cache_loc,
             is_decode=all(it.extend_len == 1 and it.prefix_len >= len(it.req.prompt_ids) for it in items),
             has_constraints=any(it.req.constraint is not None for it in items),
+            has_drafts=any(it.draft_ids for it in items),
             table_writes=self.kv.take_table_writes(),
         )  # fmt: skip
 
-    def _item(self, r: Req, n: int) -> ScheduledReq:
-        prefix = r.kv_len
+    def _item(self, r: Req, n: int, drafts: tuple[int, ...] = ()) -> ScheduledReq:
+        prefix, known = r.kv_len, n - len(drafts)
         if r.pending_future is not None:
             assert n == 1, "a request with an in-flight sample can only decode"
             ids = [-r.pending_future]
         else:
-            ids = r.fill_ids()[prefix : prefix + n]
-        samples = prefix + n == r.seq_len and r.params.max_new_tokens > 0
-        return ScheduledReq(r, n, prefix, samples, ids, score_span=_score_span(r, prefix, n))
+            ids = r.fill_ids()[prefix : prefix + known] + list(drafts)
+        samples = prefix + known == r.seq_len and r.params.max_new_tokens > 0
+        return ScheduledReq(r, n, prefix, samples, ids, score_span=_score_span(r, prefix, known),
+                            draft_ids=drafts)
+
+    def _draft(self, r: Req) -> tuple[int, ...]:
+        """Speculative tokens to verify after `r`'s next token (n-gram lookup), or ()."""
+        if (self.drafter is None or r.pending_future is not None or r.extend_len != 1
+                or PenaltyPool.needs(r.params)):
+            return ()
+        room = min(r.params.max_new_tokens - len(r.output_ids), self.cfg.context_length - r.seq_len) - 1
+        drafts = self.drafter.propose(r, min(self.drafter.cfg.num_draft_tokens, room))
+        stops = self.cfg.eos_token_ids | frozenset(r.params.stop_token_ids or ())
+        for i, token in enumerate(drafts):
+            if token in stops:  # a stop ends the request: verify up to it, not across it
+                drafts = drafts[:i]
+                break
+        if drafts and r.constraint is not None:
+            drafts = cut_to_grammar(r.constraint, drafts)
+        return tuple(drafts)
 
     def _ordered_waiting(self) -> list[Req]:
         queue = list(self.waiting)
@@ -274,6 +302,8 @@ class Scheduler:
         if r in self.waiting:
             self.waiting.remove(r)
         self.kv.release(r, cache)
+        if self.drafter is not None:
+            self.drafter.forget(r)
 
     # -- update ------------------------------------------------------------------------------
 
@@ -286,7 +316,9 @@ class Scheduler:
             sample = None
             if it.samples:
                 sample = out.sample(k)
-                k += 1
+                rows = 1 + len(it.draft_ids)
+                verified = [out.sample(k + j) for j in range(rows)] if it.draft_ids else None
+                k += rows
                 if r.pending_future == it.future_index:
                     r.pending_future = None
             first, count = it.score_span
@@ -303,12 +335,36 @@ class Scheduler:
                 continue
             if r.first_token_at is None:
                 r.first_token_at = now
+            if verified is not None:
+                kept += self._accept_drafts(r, it, verified)
+                continue
             kept += 1
             self.counters.output_tokens += 1  # before appending: a caller may read stats once done
             self._append(r, *sample)
         self.counters.recent.append((now, kept))
         if len(self.counters.recent) > 256:
             del self.counters.recent[:128]
+
+    def _accept_drafts(self, r: Req, it: ScheduledReq,
+                       samples: list[tuple[int, float | None, list[tuple[float, int]] | None]]) -> int:
+        """Keep the drafts the samples confirm, plus the sample after them; returns how many
+        tokens were appended. Appending stops early where decoding would have done something
+        else after a token: finish, or jump forward (the jump then owns what follows)."""
+        assert self.drafter is not None
+        a = accepted_len(it.draft_ids, [tok for tok, _, _ in samples])
+        self.drafter.stats.steps += 1
+        self.drafter.stats.proposed += len(it.draft_ids)
+        self.drafter.stats.accepted += a
+        self.kv.truncate(r, it.prefix_len + 1 + a)  # KV of the last token and the kept drafts
+        appended = 0
+        for sample in samples[: a + 1]:
+            before = len(r.output_ids)
+            appended += 1
+            self.counters.output_tokens += 1
+            self._append(r, *sample)
+            if r.finished or len(r.output_ids) != before + 1:
+                break
+        return appended
 
     def _append(self, r: Req, tok: int, lp: float | None, top: list[tuple[float, int]] | None) -> None:
         r.output_ids.append(tok)
@@ -370,7 +426,9 @@ class Scheduler:
         if plan is None or not plan.append_ids:
             return
         kept = len(r.prompt_ids) + len(r.output_ids) - plan.rollback
-        rescore = plan.rollback > 0 and r.logprob.return_logprob
+        # The row of the last kept token scores the first jumped token: recompute it when its
+        # KV exists already (after a rollback, or a verify step that computed it).
+        rescore = r.logprob.return_logprob and r.kv_len >= kept
         # Never cut into KV that belongs to the tree (only possible after a retraction).
         if kept - rescore < r.cached_len:
             return
@@ -379,9 +437,9 @@ class Scheduler:
             assert r.pending_future is None and plan.rollback <= len(r.output_ids)
             del r.output_ids[len(r.output_ids) - plan.rollback :]
             del r.output_logprobs[len(r.output_ids) :], r.output_top_logprobs[len(r.output_ids) :]
-            self.kv.truncate(r, min(r.kv_len, kept - rescore))
             if r.detokenizer is not None:
                 r.detokenizer.rollback(plan.rollback)
+        self.kv.truncate(r, min(r.kv_len, kept - rescore))
         r.output_ids.extend(plan.append_ids)
         r.jump_backlog = r.extend_len - 1
         if r.jump_forward:

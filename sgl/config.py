@@ -72,6 +72,12 @@ class EngineConfig:
     disable_jump_forward: bool = False
     schedule_conservativeness: float = 1.0  # reserve factor for future decode tokens
 
+    # -- speculative decoding: n-gram drafts from the request's own tokens (SGLang's names) --
+    speculative_algorithm: Literal["ngram", "NGRAM"] | None = None  # None: off
+    speculative_num_draft_tokens: int = 4  # drafts verified per step
+    speculative_ngram_min_match_window_size: int = 1  # shortest suffix matched
+    speculative_ngram_max_match_window_size: int = 4  # longest suffix matched (tried first)
+
     # -- execution ------------------------------------------------------------------------
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     kernels: Literal["auto", "reference", "triton"] = "auto"  # op implementations (kernels/dispatch.py)
@@ -173,6 +179,17 @@ class EngineConfig:
         if not self.schedule_conservativeness > 0:
             fail("schedule_conservativeness", "must be > 0")
         self._validate_grammar_limits(fail)
+        self._validate_speculative(fail)
+
+    def _validate_speculative(self, fail: Any) -> None:
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size"):
+            if getattr(self, name) < 1:
+                fail(name, "must be a positive integer")
+        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+            fail("speculative_ngram_max_match_window_size",
+                 "must be >= speculative_ngram_min_match_window_size")
+        if self.speculative_num_draft_tokens > 64:
+            fail("speculative_num_draft_tokens", "must be <= 64 (each draft is a verified row)")
 
     def _validate_grammar_limits(self, fail: Any) -> None:
         for name in ("max_grammar_bytes", "grammar_cache_bytes", "max_jump_forward_tokens"):

@@ -117,3 +117,18 @@ class EngineStats:
     jump_forward_tokens: int
     steps: int
     tokens_per_s: float  # output tokens per second over the last 10 s
+    # n-gram speculation (speculative_algorithm="ngram"): request-steps that verified drafts,
+    # drafts proposed, drafts accepted
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of proposed draft tokens that were accepted (0 when none were proposed)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens gained per verify step: accepted drafts plus the step's own sample."""
+        return 1 + self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0

@@ -1,0 +1,147 @@
+"""N-gram speculative decoding: drafts change the speed, never the answer.
+
+The drafter proposes what followed an earlier occurrence of the request's last tokens; the
+decode step verifies the drafts by sampling every position, and keeps a draft only where it
+equals the sample decoding would have drawn there. So greedy and seeded outputs, logprobs,
+stop conditions and grammar-constrained outputs are those of decoding without speculation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from pydantic import BaseModel
+
+import sgl
+from sgl.backend.speculative import NgramDrafter, SpecConfig, accepted_len
+
+# -- the drafter ------------------------------------------------------------------------------
+
+
+def _req(tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(prompt_ids=tokens[:3], output_ids=tokens[3:])
+
+
+def test_drafter_proposes_what_followed_the_longest_matching_suffix() -> None:
+    d = NgramDrafter(SpecConfig(num_draft_tokens=3, min_window=1, max_window=3))
+    # suffix (7, 8) occurred at positions 1-2, followed by 9, 10, 11; the single token 8 also
+    # occurred later (followed by 5) but the longer match wins.
+    r = _req([1, 7, 8, 9, 10, 11, 8, 5, 7, 8])
+    assert d.propose(r, 3) == [9, 10, 11]
+    assert d.propose(r, 2) == [9, 10]
+
+
+def test_drafter_indexes_incrementally_and_finds_nothing_without_a_repeat() -> None:
+    d = NgramDrafter(SpecConfig(num_draft_tokens=4, min_window=2, max_window=4))
+    r = _req([1, 2, 3, 4])
+    assert d.propose(r, 4) == []
+    r.output_ids += [1, 2]  # now the suffix (1, 2) repeats the start
+    assert d.propose(r, 4) == [3, 4, 1, 2]
+    r.output_ids[:] = [4]  # rolled back below the indexed length: rebuilt, still consistent
+    assert d.propose(r, 4) == []
+
+
+def test_accepted_len_stops_at_the_first_mismatch() -> None:
+    assert accepted_len([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accepted_len([5, 6], [5, 6, 8]) == 2
+    assert accepted_len([5], [4, 0]) == 0
+    assert accepted_len([], [3]) == 0
+
+
+# -- the engine: same outputs, fewer steps -------------------------------------------------------
+
+DOC = ("Invoice 4471 from Harbor Supplies Ltd, 18 Quay Road, Bristol. Contact: Dana Whitfield, "
+       "dana.whitfield@harbor-supplies.example, phone 0117 496 0321. Amount due: 1,284.50 GBP by "
+       "14 March 2025.")
+COPY_PROMPTS = [
+    f"Copy this text exactly, then stop.\n\n{DOC}\n\nCopy:",
+    f"{DOC}\n\nList the contact name, email and phone from the text above, one per line.",
+    "Repeat the word list twice: apple, river, stone, cloud, lamp.",
+]
+
+
+class Invoice(BaseModel):
+    number: int
+    company: str
+    contact: str
+    email: str
+
+
+@pytest.fixture(scope="module")
+def engines():
+    plain = sgl.Engine()
+    spec = sgl.Engine(speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    yield plain, spec
+    plain.close()
+    spec.close()
+
+
+def _run(engine: sgl.Engine, prompts: list[str], **kw) -> list[sgl.GenerateOutput]:
+    async def go() -> list[sgl.GenerateOutput]:
+        return list(await asyncio.gather(*(engine.generate(p, **kw) for p in prompts)))
+
+    return asyncio.run(go())
+
+
+def test_greedy_outputs_are_identical_and_drafts_are_accepted(engines) -> None:
+    plain, spec = engines
+    before = spec.stats()
+    want = _run(plain, COPY_PROMPTS, max_new_tokens=64, temperature=0)
+    got = _run(spec, COPY_PROMPTS, max_new_tokens=64, temperature=0)
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+    after = spec.stats()
+    assert after.spec_draft_tokens > before.spec_draft_tokens
+    assert after.spec_accepted_tokens > before.spec_accepted_tokens, "copying never accepted a draft"
+    # fewer steps than tokens: some steps produced several tokens
+    assert after.steps - before.steps < sum(len(o.token_ids) for o in got)
+
+
+def test_one_stream_alone_is_identical(engines) -> None:
+    plain, spec = engines
+    a = _run(plain, COPY_PROMPTS[:1], max_new_tokens=80, temperature=0)[0]
+    b = _run(spec, COPY_PROMPTS[:1], max_new_tokens=80, temperature=0)[0]
+    assert b.token_ids == a.token_ids
+
+
+def test_seeded_sampling_is_identical(engines) -> None:
+    plain, spec = engines
+    kw = dict(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=11)
+    for a, b in zip(_run(plain, COPY_PROMPTS, **kw), _run(spec, COPY_PROMPTS, **kw)):
+        assert b.token_ids == a.token_ids
+
+
+def test_logprobs_and_stops_are_identical(engines) -> None:
+    plain, spec = engines
+    kw = dict(max_new_tokens=64, temperature=0, return_logprob=True, top_logprobs_num=2, stop=["GBP"])
+    for a, b in zip(_run(plain, COPY_PROMPTS, **kw), _run(spec, COPY_PROMPTS, **kw)):
+        assert b.token_ids == a.token_ids and b.text == a.text and b.matched_stop == a.matched_stop
+        assert [t.token_id for t in b.logprobs.output] == b.token_ids
+        assert len(b.logprobs.output_top) == len(b.token_ids)
+        for x, y in zip(a.logprobs.output, b.logprobs.output):
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("jump", [True, False], ids=["jump_on", "jump_off"])
+def test_constrained_outputs_are_identical(engines, jump: bool) -> None:
+    """Drafts are cut where the grammar rejects them and each verify row samples under the
+    grammar state after the drafts before it; jump-forward composes with verification."""
+    plain, spec = engines
+    prompt = f"{DOC}\n\nExtract the invoice as JSON."
+    kw = dict(max_new_tokens=96, temperature=0, schema=Invoice, jump_forward=jump)
+    a = _run(plain, [prompt], **kw)[0]
+    b = _run(spec, [prompt], **kw)[0]
+    assert b.token_ids == a.token_ids and b.text == a.text
+    assert b.text.startswith('{') and '"number"' in b.text  # the schema was enforced
+
+
+def test_speculative_options_are_validated() -> None:
+    with pytest.raises(sgl.InvalidConfigError, match="speculative_algorithm"):
+        sgl.EngineConfig(speculative_algorithm="eagle")
+    with pytest.raises(sgl.InvalidConfigError, match="speculative_num_draft_tokens"):
+        sgl.EngineConfig(speculative_num_draft_tokens=0)
+    with pytest.raises(sgl.InvalidConfigError, match="max_match_window"):
+        sgl.EngineConfig(speculative_ngram_min_match_window_size=4,
+                         speculative_ngram_max_match_window_size=2)
