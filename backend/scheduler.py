@@ -227,7 +227,9 @@ class Scheduler:
 
     def _draft(self, r: Req) -> tuple[int, ...]:
         """Speculative tokens to verify after `r`'s next token (n-gram lookup), or ()."""
-        if (self.drafter is None or r.pending_future is not None or r.extend_len != 1
+        # Drafts follow the request's last known token, so only when this step computes all of
+        # its pending tokens (after a jump, with jump-forward on, that is several).
+        if (self.drafter is None or r.pending_future is not None or _decode_len(r) != r.extend_len
                 or PenaltyPool.needs(r.params)):
             return ()
         room = min(r.params.max_new_tokens - len(r.output_ids), self.cfg.context_length - r.seq_len) - 1
@@ -355,7 +357,8 @@ class Scheduler:
         self.drafter.stats.steps += 1
         self.drafter.stats.proposed += len(it.draft_ids)
         self.drafter.stats.accepted += a
-        self.kv.truncate(r, it.prefix_len + 1 + a)  # KV of the last token and the kept drafts
+        # KV of the known tokens and of the kept drafts
+        self.kv.truncate(r, it.prefix_len + it.extend_len - len(it.draft_ids) + a)
         appended = 0
         for sample in samples[: a + 1]:
             before = len(r.output_ids)
