@@ -1,0 +1,203 @@
+"""Structured generation at GPU batch sizes, and the cost of a speculative verify step (issue 13).
+
+    python bench/gpu_json.py [--batches 32,128,256] [--new-tokens 128] [--tokenizer PATH]
+
+Llama-3.1-8B shape with random weights (`llama3-8b`, load_format="dummy"), bf16, the default
+model's tokenizer (SmolLM2: its 49,152 tokens inside the model's 128,256-entry vocabulary, so
+masks are 128k wide), 200-word prompts, 128 new tokens, temperature 0.7, one seed per request.
+The schema has a nested object, an array of strings and a `pattern`.
+
+Table 1, per batch size (all requests submitted at once): plain decoding (no constraint, EOS
+ignored), JSON with jump-forward off, JSON with jump-forward on, and JSON with jump-forward on
+plus n-gram speculation (a second engine). Figures: output tokens/s, engine steps, wall ms per
+step, and the step time measured on the GPU split by step kind (CUDA events around every
+step: decode-graph steps vs extend steps). The floor for a constrained step is the plain step.
+
+Table 2, single stream: one request whose prompt repeats a sentence (so n-gram drafts are
+always proposed), 128 new tokens, greedy, on the plain and the speculative engine: ms per
+step, and the verify step (1 + 4 tokens) against the one-token step.
+
+Appends JSON lines to bench/results/gpu_json.jsonl (and $OUT/gpu_json.jsonl when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ensure_sgl_importable, record, table  # noqa: E402
+
+ensure_sgl_importable()
+
+import torch  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
+
+import sgl  # noqa: E402
+
+MODEL = "llama3-8b"
+OUT = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+WORDS = ("river stone cloud lamp apple market winter signal paper garden silver engine harbor "
+         "letter forest window planet yellow simple orange travel number spring castle bright "
+         "shadow mirror rocket island butter candle wonder thunder silent velvet marble").split()
+
+
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+class Profile(BaseModel):
+    name: str
+    age: int
+    address: Address
+    tags: list[str] = Field(max_length=4)
+    code: str = Field(pattern=r"^[A-Z]{3}-[0-9]{4}$")
+
+
+def prompts(n: int, words: int = 200, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return ["Extract a profile as JSON from this text: " + " ".join(rng.choice(WORDS) for _ in range(words))
+            for _ in range(n)]
+
+
+def emit(workload: str, figures: dict[str, Any]) -> None:
+    row = record("gpu_json", MODEL, workload, figures)
+    if OUT is not None:
+        with (OUT / "gpu_json.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def make_engine(tokenizer: str, **options: Any) -> sgl.Engine:
+    t0 = time.monotonic()
+    e = sgl.Engine(model=MODEL, load_format="dummy", device="cuda", tokenizer=tokenizer, **options)
+    print(f"  engine {options}: ready in {time.monotonic() - t0:.1f} s", flush=True)
+    return e
+
+
+def close(e: sgl.Engine) -> None:
+    e.close()
+    e._rt = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run(e: sgl.Engine, texts: list[str], **kw: Any) -> dict[str, Any]:
+    """All requests at once; wall time, steps and GPU step times by kind."""
+    e.flush_cache()
+    runner = e._rt.runner
+    runner.step_events = []
+    before = e.stats()
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(*(e.generate(t, seed=i + 1, **kw) for i, t in enumerate(texts)),
+                                    return_exceptions=True)
+
+    t0 = time.perf_counter()
+    outs = asyncio.run(go())
+    wall = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    after = e.stats()
+    events, runner.step_events = runner.step_events, None
+    failed = [o for o in outs if isinstance(o, BaseException)]
+    outs = [o for o in outs if not isinstance(o, BaseException)]
+    by_kind: dict[str, list[float]] = {}
+    for start, end, mode, _bs in events:
+        by_kind.setdefault(mode.name.lower(), []).append(start.elapsed_time(end))
+    tokens = sum(len(o.token_ids) for o in outs)
+    steps = after.steps - before.steps
+    return dict(
+        requests=len(texts), failed=len(failed), output_tokens=tokens, wall_s=round(wall, 2),
+        output_tok_s=round(tokens / wall, 1), steps=steps, wall_ms_per_step=round(1e3 * wall / max(steps, 1), 2),
+        gpu_ms={k: round(statistics.mean(v), 2) for k, v in by_kind.items()},
+        gpu_steps={k: len(v) for k, v in by_kind.items()},
+        jump_tokens=after.jump_forward_tokens - before.jump_forward_tokens,
+        drafts=after.spec_draft_tokens - before.spec_draft_tokens,
+        accepted=after.spec_accepted_tokens - before.spec_accepted_tokens,
+        invalid=sum(1 for o in outs if o.finish_reason == "stop" and not _valid(o)),
+    )
+
+
+def _valid(o: Any) -> bool:
+    try:
+        Profile.model_validate_json(o.text)
+        return True
+    except Exception:
+        return False
+
+
+def batch_table(e_plain: sgl.Engine, e_spec: sgl.Engine | None, batches: list[int], new: int) -> list[dict]:
+    rows = []
+    for bs in batches:
+        texts = prompts(bs, seed=bs)
+        common = dict(max_new_tokens=new, temperature=0.7)
+        modes = [("plain", e_plain, dict(ignore_eos=True)),
+                 ("json, jump off", e_plain, dict(schema=Profile, jump_forward=False)),
+                 ("json, jump on", e_plain, dict(schema=Profile, jump_forward=True))]
+        if e_spec is not None:
+            modes.append(("json, jump on, ngram", e_spec, dict(schema=Profile, jump_forward=True)))
+        base = None
+        for name, e, kw in modes:
+            res = run(e, texts, **common, **kw)
+            base = base or res["wall_ms_per_step"]
+            res["step_vs_plain"] = round(res["wall_ms_per_step"] / base, 2)
+            rows.append(dict(batch=bs, mode=name, **res))
+            emit(f"json batch {bs}: {name}", res)
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def verify_cost(e_plain: sgl.Engine, e_spec: sgl.Engine, new: int) -> list[dict]:
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    rows = []
+    for name, e in (("plain", e_plain), ("ngram, 4 drafts", e_spec)):
+        run(e, [text], max_new_tokens=8, temperature=0)  # warm
+        res = run(e, [text], max_new_tokens=new, temperature=0, ignore_eos=True)
+        rows.append(dict(mode=name, **res))
+        emit(f"single stream verify cost: {name}", res)
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="32,128,256")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--tokenizer", default=os.environ.get("SGL_TEST_MODEL"))
+    ap.add_argument("--no-spec", action="store_true")
+    args = ap.parse_args()
+    if args.tokenizer is None:
+        from sgl.backend.model_loader import resolve_model_path
+
+        args.tokenizer = str(resolve_model_path(None))
+    batches = [int(b) for b in args.batches.split(",") if b]
+    e_plain = make_engine(args.tokenizer)
+    run(e_plain, prompts(4), max_new_tokens=16, temperature=0.7, schema=Profile)  # compile, warm
+    e_spec = None
+    try:
+        if not args.no_spec:
+            e_spec = make_engine(args.tokenizer, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+            run(e_spec, prompts(4), max_new_tokens=16, temperature=0.7, schema=Profile)
+        rows = batch_table(e_plain, e_spec, batches, args.new_tokens)
+        print(table(rows, ["batch", "mode", "output_tok_s", "steps", "wall_ms_per_step", "step_vs_plain",
+                           "gpu_ms", "jump_tokens", "drafts", "accepted", "invalid", "failed"]))
+        if e_spec is not None:
+            rows = verify_cost(e_plain, e_spec, args.new_tokens)
+            print(table(rows, ["mode", "output_tok_s", "steps", "wall_ms_per_step", "gpu_ms", "drafts", "accepted"]))
+    finally:
+        for e in (e_plain, e_spec):
+            if e is not None:
+                close(e)
+
+
+if __name__ == "__main__":
+    main()
