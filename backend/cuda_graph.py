@@ -138,3 +138,97 @@ class DecodeGraphs:
         self.inputs[:, :bs].copy_(packed[: 5 * stride].view(5, stride)[:, :bs])
         self.graphs[bs].replay()
         return self.outputs[bs][:batch_size]
+
+
+class MultiTokenGraphs:
+    """CUDA graphs for decode steps where a request computes up to K tokens: jump-forward's
+    jumped tokens and speculative verification (1 + drafts), batch sizes up to `max_bs`.
+
+    Each request owns exactly K token rows (a uniform layout, so shapes are static): its n <= K
+    real tokens first, then K - n padding rows (id 0, KV written to the reserved slot 0). The
+    attention is the extend kernel with its grid sized for K new tokens per request; the
+    device-side lengths say where each request's keys are. Padding rows sit after the real ones,
+    so causal masking keeps them out of every real row; their own outputs are discarded. Padded
+    requests (rows beyond the batch) use req_to_token row 0 and slot 0, as in `DecodeGraphs`.
+
+    Static inputs, one int64 block `inputs[6, max_bs * K]` (token rows use all columns, request
+    rows the first max_bs)::
+
+        inputs[0, :bs*K]  input ids (future placeholders resolved inside the graph)
+        inputs[1, :bs*K]  positions
+        inputs[2, :bs*K]  out_cache_loc
+        inputs[3, :bs]    req_pool_indices
+        inputs[4, :bs]    seq_lens (prefix + K: the kernel reads the prefix as seq_len - K)
+    """
+
+    def __init__(self, model: Any, kv_pool: Any, req_pool: Any, attn_backend: Any,
+                 future_tokens: torch.Tensor, max_bs: int, tokens_per_req: int) -> None:
+        self.model, self.kv_pool, self.attn_backend = model, kv_pool, attn_backend
+        self.req_to_token = req_pool.req_to_token
+        self.future_tokens = future_tokens
+        self.device = future_tokens.device
+        self.k = tokens_per_req
+        self.sizes = [s for s in graph_batch_sizes(max_bs) if s <= max_bs]
+        self.max_bs = self.sizes[-1]
+        self.inputs = torch.zeros(5, self.max_bs * self.k, dtype=torch.int64, device=self.device)
+        self.inputs[4].fill_(self.k)  # padded requests: K keys, all slot 0 through row 0
+        self._k = torch.full((self.max_bs,), self.k, dtype=torch.int64, device=self.device)
+        self._starts = torch.arange(self.max_bs, dtype=torch.int64, device=self.device) * self.k
+        self._rows = torch.arange(self.max_bs * self.k, dtype=torch.int64, device=self.device)
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # bs -> logits [bs * K, vocab]
+        self.capture_seconds = 0.0
+
+    def padded_size(self, batch_size: int) -> int | None:
+        if batch_size > self.max_bs or not self.graphs:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        t = bs * self.k
+        raw = self.inputs[0, :t]
+        input_ids = torch.where(raw < 0, self.future_tokens[(-raw).clamp(min=0)], raw)
+        seq_lens = self.inputs[4, :bs]
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND, batch_size=bs, input_ids=input_ids,
+            positions=self.inputs[1, :t], out_cache_loc=self.inputs[2, :t],
+            req_pool_indices=self.inputs[3, :bs], seq_lens=seq_lens,
+            extend_prefix_lens=seq_lens - self.k, extend_seq_lens=self._k[:bs],
+            extend_start=self._starts[:bs], seq_lens_cpu=[self.k] * bs,
+            extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[self.k] * bs,
+            logits_indices=self._rows[:t], req_to_token=self.req_to_token, kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )  # fmt: skip
+        self.attn_backend.prepare(fb)  # grid from extend_seq_lens_cpu: K per request
+        hidden = self.model.forward(fb)  # [bs * K, hidden]
+        return self.model.compute_logits(hidden)  # [bs * K, vocab]
+
+    @torch.inference_mode()
+    def capture(self, pool: Any = None) -> None:
+        t0 = time.monotonic()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
+        for bs in reversed(self.sizes):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(bs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[bs] = self._forward(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.monotonic() - t0
+        logger.info("captured %d multi-token decode CUDA graphs (K=%d, batch sizes %s) in %.1f s",
+                    len(self.sizes), self.k, self.sizes, self.capture_seconds)
+
+    def replay(self, block: torch.Tensor, bs: int) -> torch.Tensor:
+        """block: the step's device copy of the [5, bs * K] layout (model_runner's
+        `_multi_token_layout`).
+        Returns logits [bs * K, vocab] (valid until the next replay)."""
+        self.inputs[:, : bs * self.k].copy_(block)
+        self.graphs[bs].replay()
+        return self.outputs[bs]
+

@@ -69,6 +69,7 @@ class ModelRunner:
             else None
         )
         self.graphs = None  # a cuda_graph.DecodeGraphs once captured (capture_cuda_graphs)
+        self.multi_graphs = None  # a cuda_graph.MultiTokenGraphs (jumped tokens, verification)
         # Debug mode: after applying a step's table writes, compare the device rows the step
         # reads with the host mirror (a device sync per step).
         self.verify_table = False
@@ -89,7 +90,7 @@ class ModelRunner:
     def free_memory(self) -> None:
         """The engine is closed and no step runs: give the weights, the KV pool and the CUDA
         graphs back, so that a process building engine after engine does not keep them all."""
-        self.graphs = None
+        self.graphs = self.multi_graphs = None
         self.attn_backend.release_memory()
         self.kv_pool.k_buffer.clear()
         self.kv_pool.v_buffer.clear()
@@ -103,13 +104,18 @@ class ModelRunner:
         if self.is_cuda:
             torch.cuda.empty_cache()
 
-    def capture_cuda_graphs(self, max_bs: int) -> None:
-        """Capture decode graphs for padded batch sizes up to `max_bs` (CUDA + Triton only)."""
-        from sgl.backend.cuda_graph import DecodeGraphs
+    def capture_cuda_graphs(self, max_bs: int, multi_bs: int = 0, tokens_per_req: int = 0) -> None:
+        """Capture decode graphs for padded batch sizes up to `max_bs` (CUDA + Triton only),
+        and multi-token decode graphs (K = `tokens_per_req`) up to `multi_bs` requests."""
+        from sgl.backend.cuda_graph import DecodeGraphs, MultiTokenGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_pool, self.req_pool, self.attn_backend,
                                    self.future_tokens, max_bs)
         self.graphs.capture()
+        if multi_bs > 0 and tokens_per_req > 1:
+            self.multi_graphs = MultiTokenGraphs(self.model, self.kv_pool, self.req_pool, self.attn_backend,
+                                                 self.future_tokens, multi_bs, tokens_per_req)
+            self.multi_graphs.capture()
 
     # -- launch ------------------------------------------------------------------------------
 
@@ -135,14 +141,47 @@ class ModelRunner:
             graph_bs = self.graphs.padded_size(num_reqs)
         if graph_bs is not None and graph_bs > num_reqs:
             _pad_decode_rows(inputs, graph_bs - num_reqs)
+        multi = None
+        if mode is ForwardMode.EXTEND and self.multi_graphs is not None:
+            multi = self._multi_token_layout(batch, inputs)
         inputs.table_index, inputs.table_value = self._table_writes(batch.table_writes)
         packed, lengths = inputs.pack(pin=self.is_cuda)
         return PreparedStep(
             batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
+            multi=multi,
             sampling=self.sampler.build_for(batch),
             vocab_mask=self._grammar_masks(batch) if batch.has_constraints else None,
             table_check=self._table_check(batch) if self.verify_table else None,
         )
+
+    def _multi_token_layout(self, batch: ScheduleBatch, x: StepInputs[Any]
+                            ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """A decode step whose requests compute up to K tokens each, in the multi-token graph's
+        layout (cuda_graph.MultiTokenGraphs): (host block [5, bs * K], the logits rows to keep
+        in `logits_indices` order, padded batch size); None when the step does not fit."""
+        graphs = self.multi_graphs
+        k, items = graphs.k, batch.items
+        bs = graphs.padded_size(len(items))
+        width = self.req_pool.req_to_token.shape[1]
+        if bs is None or any(it.extend_len > k or it.prefix_len < len(it.req.prompt_ids)
+                             or it.prefix_len + k > width for it in items):
+            return None
+        block = np.zeros((5, bs * k), dtype=np.int64)
+        block[4, len(items):bs] = k  # padded requests: row 0, K keys at slot 0
+        row_of = np.empty(len(x.input_ids), dtype=np.int64)  # token index -> graph row
+        for b, it in enumerate(items):
+            start, n, prefix = x.extend_start[b], it.extend_len, it.prefix_len
+            block[0, b * k : b * k + n] = x.input_ids[start : start + n]
+            block[1, b * k : (b + 1) * k] = np.arange(prefix, prefix + k)
+            block[2, b * k : b * k + n] = x.out_cache_loc[start : start + n]
+            block[3, b] = x.req_pool_indices[b]
+            block[4, b] = prefix + k
+            row_of[start : start + n] = np.arange(b * k, b * k + n)
+        rows = torch.from_numpy(row_of[np.asarray(x.logits_indices, dtype=np.int64)])
+        host = torch.from_numpy(block)
+        if self.is_cuda:
+            host, rows = host.pin_memory(), rows.pin_memory()
+        return host, rows, bs
 
     def _grammar_masks(self, batch: ScheduleBatch) -> torch.Tensor | None:
         # Constrained steps run synchronously (engine_loop.py): every matcher has accepted its
@@ -207,7 +246,12 @@ class ModelRunner:
                 check_table_rows(table, step.table_check)
             if self.step_hook is not None:
                 self.step_hook(step)
-            if step.graph_bs is not None:
+            if step.multi is not None:
+                assert self.multi_graphs is not None
+                block, rows, bs = step.multi
+                logits = self.multi_graphs.replay(block.to(self.device, non_blocking=True), bs)
+                logits = logits[rows.to(self.device, non_blocking=True)]  # [S + P, vocab]
+            elif step.graph_bs is not None:
                 assert self.graphs is not None
                 logits = self.graphs.replay(flat, step.graph_bs, len(step.batch.items))  # [B, vocab]
                 if not step.plan.rows_in_order:
@@ -309,6 +353,8 @@ class PreparedStep:
     plan: StepPlan
     graph_bs: int | None  # DECODE replayed by the CUDA graph of this (padded) batch size
     sampling: Any  # the sampler's SamplingBatchInfo
+    # multi-token decode replayed by MultiTokenGraphs: (block, logits rows, padded batch size)
+    multi: tuple[torch.Tensor, torch.Tensor, int] | None = None
     vocab_mask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 grammar bitmask (CPU)
     # debug mode: (row, host slots of its first seq_len columns) for each request of the step
     table_check: list[tuple[int, torch.Tensor]] | None = None

@@ -179,7 +179,10 @@ class Runtime:
             logger.warning("CUDA graphs need attention_backend='triton'; decoding eagerly")
             return
         max_bs = min(config.cuda_graph_max_bs or max_running, max_running)
-        self.runner.capture_cuda_graphs(max_bs)
+        # Multi-token decode (jumped tokens, verification) pays most at small batches, where an
+        # eager step is launch-bound; K rows per request: 1 + drafts, or 8 for jumps alone.
+        k = 1 + config.speculative_num_draft_tokens if config.speculative_algorithm else MULTI_TOKEN_K
+        self.runner.capture_cuda_graphs(max_bs, multi_bs=min(max_bs, MULTI_TOKEN_MAX_BS), tokens_per_req=k)
         self.cuda_graph_sizes = list(self.runner.graphs.sizes)
 
     def _attention_backend(self, config: EngineConfig, device: torch.device, pool_slots: int):
@@ -302,6 +305,10 @@ class Runtime:
 
     def close(self) -> None:
         self.core.shutdown()
+
+
+MULTI_TOKEN_K = 8  # token rows per request of the multi-token graphs without speculation
+MULTI_TOKEN_MAX_BS = 32  # largest batch with multi-token graphs (K rows each)
 
 
 def _drafter(config: EngineConfig) -> NgramDrafter | None:
