@@ -137,6 +137,10 @@ class ScheduledReq:
     # speculative tokens appended to input_ids (after the known ones): every position from the
     # last known token on is sampled, and update keeps the drafts the samples confirm
     draft_ids: tuple[int, ...] = ()
+    # index in output_ids of the token this step samples (the first, with drafts): counted
+    # before the step's sample goes in flight, so the seed step and the min_new_tokens count
+    # are the same with and without the overlap loop
+    output_index: int = 0
 
 
 @dataclass

@@ -337,8 +337,9 @@ class Sampler:
         # One row per sample; a speculative item samples its last known token's row and one row
         # per draft, each at the output index (seed step) decoding would draw it at.
         reqs = [it.req for it in batch.items if it.samples for _ in range(1 + len(it.draft_ids))]
-        lens = [it.req.output_len + j for it in batch.items if it.samples
-                for j in range(1 + len(it.draft_ids))]  # includes an in-flight sample: the index drawn now
+        # (index + 1: tokens generated once this one is; the seed step and min_new_tokens count)
+        lens = [it.output_index + 1 + j for it in batch.items if it.samples
+                for j in range(1 + len(it.draft_ids))]
         rows = [r.req_pool_idx for r in reqs]
         # Logprob flags come from every item, as the runner decides from every item.
         lp = [it.req.logprob for it in batch.items if it.req.logprob.return_logprob]

@@ -223,7 +223,7 @@ class Scheduler:
             ids = r.fill_ids()[prefix : prefix + known] + list(drafts)
         samples = prefix + known == r.seq_len and r.params.max_new_tokens > 0
         return ScheduledReq(r, n, prefix, samples, ids, score_span=_score_span(r, prefix, known),
-                            draft_ids=drafts)
+                            draft_ids=drafts, output_index=r.output_len)
 
     def _draft(self, r: Req) -> tuple[int, ...]:
         """Speculative tokens to verify after `r`'s next token (n-gram lookup), or ()."""

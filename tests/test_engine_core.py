@@ -317,3 +317,24 @@ async def test_a_long_prefill_does_not_hold_back_a_short_request() -> None:
         assert_clean(engine)
     finally:
         engine.close()
+
+
+def test_seeded_sampling_and_min_new_tokens_do_not_depend_on_the_overlap_loop() -> None:
+    """The seed step of a sampled token is its output index, counted before the step's sample
+    goes in flight: with the overlap loop, the previous sample is still in flight when the
+    next step is built, which once shifted every seeded draw after the first by one."""
+    ps = prompts(3, seed=8)
+
+    async def go(engine: sgl.Engine) -> list[list[int]]:
+        outs = await asyncio.gather(*(engine.generate(input_ids=p, max_new_tokens=10, temperature=0.9,
+                                                      seed=5, min_new_tokens=6) for p in ps))
+        return [o.token_ids for o in outs]
+
+    results = []
+    for overlap in (False, True):
+        engine = make_engine(disable_overlap_schedule=not overlap, random_seed=0)
+        try:
+            results.append(asyncio.run(go(engine)))
+        finally:
+            engine.close()
+    assert results[0] == results[1]
