@@ -186,8 +186,6 @@ class ModelRunner:
     def _grammar_masks(self, batch: ScheduleBatch) -> torch.Tensor | None:
         # Constrained steps run synchronously (engine_loop.py): every matcher has accepted its
         # request's latest token, so the masks can be filled here on the CPU.
-        from sgl.backend.grammar import allocate_bitmask
-
         states = []
         for it in batch.items:
             if it.samples:
@@ -195,8 +193,8 @@ class ModelRunner:
                 if it.draft_ids:  # verify rows: the grammar state after each draft prefix
                     c = it.req.constraint
                     states.extend(draft_states(c, it.draft_ids) if c is not None else [None] * len(it.draft_ids))
-        mask = allocate_bitmask(len(states), self.vocab_size)  # [S, ceil(V/32)] int32
         assert self.grammar is not None, "a constrained request builds the grammar backend"
+        mask = self.grammar.allocate_bitmask(len(states))  # [S, ceil(tokenizer vocab / 32)] int32
         return mask if self.grammar.fill_bitmasks(states, mask) else None
 
     def _table_check(self, batch: ScheduleBatch) -> list[tuple[int, torch.Tensor]]:

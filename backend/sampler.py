@@ -80,6 +80,7 @@ class SamplingBatchInfo:
     min_tokens_mask: Tensor | None = None  # [M] int64: flat indices b * V + token to ban
     # PenaltyPool.start calls to make in device order, before this step's penalties.
     penalty_starts: tuple[PenaltyStart, ...] = ()
+    token_vocab_size: int | None = None  # ids from here on are padding: never sampled
 
     @property
     def batch_size(self) -> int:
@@ -96,6 +97,7 @@ class SamplingBatchInfo:
         eos_token_ids: Sequence[int] = (), penalty_pool: PenaltyPool | None = None,
         pool_rows: Sequence[int] | None = None, return_logprob: bool = False,
         top_logprobs_num: int = 0, sample_indices: Sequence[int] | None = None,
+        token_vocab_size: int | None = None,
     ) -> SamplingBatchInfo:  # fmt: skip
         """`output_lens[b]`: tokens request b has generated (for min_new_tokens);
         `seed_steps[b]`: tokens it has sampled (default output_lens); `pool_rows[b]`: its
@@ -142,7 +144,7 @@ class SamplingBatchInfo:
             eos_token_ids=tuple(eos_token_ids),
             penalties=penalties,
             return_logprob=return_logprob or top_logprobs_num > 0,
-            top_logprobs_num=top_logprobs_num,
+            top_logprobs_num=top_logprobs_num, token_vocab_size=token_vocab_size,
         )  # fmt: skip
         return info.with_step(output_lens, seed_steps)
 
@@ -204,6 +206,9 @@ def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor |
     """Mask and penalise logits [B, V] in place (the model's buffer), before temperature."""
     if vocab_mask is not None:
         dispatch.apply_token_bitmask(logits, vocab_mask.to(logits.device, non_blocking=True))
+    if info.token_vocab_size is not None and info.token_vocab_size < logits.shape[1]:
+        # Padded embedding rows past the tokenizer are no tokens (masks do not cover them).
+        logits[:, info.token_vocab_size :] = float("-inf")
     if info.min_tokens_mask is not None:
         # index_fill_ takes its value as a kernel argument; index_put_ would copy it (a sync).
         logits.view(-1).index_fill_(0, info.min_tokens_mask, float("-inf"))
@@ -322,9 +327,10 @@ class Sampler:
 
     def __init__(
         self, vocab_size: int, max_rows: int, device: torch.device | str,
-        seed: int | None = None, eos_token_ids: Sequence[int] = (),
+        seed: int | None = None, eos_token_ids: Sequence[int] = (), token_vocab_size: int | None = None,
     ) -> None:  # fmt: skip
         self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.token_vocab_size = token_vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.generator = torch.Generator(device=self.device)
         _ = self.generator.seed() if seed is None else self.generator.manual_seed(seed)
@@ -361,7 +367,7 @@ class Sampler:
                 [r.params for r in reqs], vocab_size=self.vocab_size, device=self.device,
                 output_lens=lens, eos_token_ids=self.eos_token_ids, penalty_pool=self.penalty_pool,
                 pool_rows=rows, return_logprob=key[1], top_logprobs_num=key[2],
-                sample_indices=[r.sample_index for r in reqs],
+                sample_indices=[r.sample_index for r in reqs], token_vocab_size=self.token_vocab_size,
             )  # fmt: skip
         self._last = (reqs, key, info)
         return dataclasses.replace(info, penalty_starts=tuple(starts)) if starts else info
