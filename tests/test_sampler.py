@@ -297,7 +297,8 @@ def fake_req(params: SamplingParams, row: int, out: list[int] | None = None, log
 
 
 def batch_of(*reqs: Any) -> Any:
-    return SimpleNamespace(items=[SimpleNamespace(req=r, samples=True) for r in reqs])
+    return SimpleNamespace(items=[SimpleNamespace(req=r, samples=True, draft_ids=(), output_index=r.output_len)
+                                  for r in reqs])
 
 
 def test_sampler_build_for_caches_and_tracks_penalties() -> None:
