@@ -76,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--min-window", type=int, default=1, help="speculative_ngram_min_match_window_size")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-record", action="store_true")
@@ -83,7 +84,9 @@ def main() -> None:
     engines = {
         "plain": sgl.Engine(device=args.device),
         "ngram": sgl.Engine(device=args.device, speculative_algorithm="ngram",
-                            speculative_num_draft_tokens=args.draft_tokens),
+                            speculative_num_draft_tokens=args.draft_tokens,
+                            speculative_ngram_min_match_window_size=args.min_window,
+                            speculative_ngram_max_match_window_size=max(4, args.min_window)),
     }
     requests = workload(args.requests, seed=1)
     _one(engines["plain"], requests[0][1], dict(max_new_tokens=4))  # warm both
@@ -98,7 +101,7 @@ def main() -> None:
             if not args.no_record:
                 record("speculative", f"SmolLM2-135M-Instruct ({args.device})",
                        f"extraction single stream, {mode}, {args.requests} requests",
-                       dict(engine=name, draft_tokens=args.draft_tokens, **f))
+                       dict(engine=name, draft_tokens=args.draft_tokens, min_window=args.min_window, **f))
     print(table(rows, ["mode", "engine", "tok_s", "speedup", "steps", "tokens", "drafts", "accepted",
                        "acceptance", "tokens_per_verify_step"]))
     for e in engines.values():
