@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl._spec import RequestSpec
+from sgl.backend.model_source import resolve_model_source
 from sgl.backend.req import Req
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
@@ -95,6 +96,7 @@ class Runtime:
         torch.manual_seed(config.random_seed)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
+        config = resolve_model_source(config)  # hub ids -> local paths (backend/model_source.py)
         model = self._load_model(config)
         if config.context_length and config.context_length > self.model_config.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",

@@ -7,6 +7,7 @@ One step for a batch of B requests (every tensor on the model's device, no host 
       -> grammar bitmask             disallowed tokens -> -inf
       -> min_new_tokens              EOS and stop_token_ids -> -inf until enough tokens exist
       -> penalties                   repetition, then frequency and presence
+      -> logit_bias                  one sparse add of every row's {token: bias}
       -> greedy rows: argmax         an all-greedy batch stops here
       -> probs = softmax(logits / T), then top-k, top-p, min-p as one threshold per row
       -> inverse-CDF draw in vocabulary order, one uniform number per row
@@ -41,6 +42,7 @@ from sgl.sampling import SamplingParams
 
 __all__ = [
     "SamplingBatchInfo", "SampleOutput", "Sampler", "sample", "process_logits", "filtered_probs",
+    "logit_bias_tensors", "apply_logit_bias",
     "seeded_uniform", "gather_logprobs",
 ]  # fmt: skip
 
@@ -73,6 +75,8 @@ class SamplingBatchInfo:
     max_top_k: int  # largest enabled top_k (0: none)
     eos_token_ids: tuple[int, ...]
     penalties: PenaltyBatch | None  # None when no request has a penalty
+    # (flat indices b * V + token [L] int64, biases [L] float32), None when no row has one.
+    logit_bias: tuple[Tensor, Tensor] | None
     return_logprob: bool
     top_logprobs_num: int  # max over the batch; the engine slices each request's share
     # Step-dependent, rebuilt by `with_step`:
@@ -141,6 +145,7 @@ class SamplingBatchInfo:
             max_top_k=max(top_ks, default=0),
             eos_token_ids=tuple(eos_token_ids),
             penalties=penalties,
+            logit_bias=logit_bias_tensors(params, vocab_size, device),
             return_logprob=return_logprob or top_logprobs_num > 0,
             top_logprobs_num=top_logprobs_num,
         )  # fmt: skip
@@ -209,7 +214,29 @@ def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor |
         logits.view(-1).index_fill_(0, info.min_tokens_mask, float("-inf"))
     if info.penalties is not None:
         info.penalties.apply(logits, info.penalty_starts)
+    if info.logit_bias is not None:
+        apply_logit_bias(logits, info.logit_bias)
     return logits
+
+
+def logit_bias_tensors(params: Sequence[SamplingParams], vocab_size: int,
+                       device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """Every row's logit_bias as one sparse (flat index, bias) pair of tensors, built once per
+    batch composition (on the scheduler thread), so a step adds them with a single kernel."""
+    flat = [(b * vocab_size + t, bias) for b, p in enumerate(params) if p.logit_bias
+            for t, bias in sorted(p.logit_bias.items()) if t < vocab_size]
+    if not flat:
+        return None
+    idx, vals = zip(*flat)
+    return (_to(torch.tensor(idx, dtype=torch.int64), device),  # [L]
+            _to(torch.tensor(vals, dtype=torch.float32), device))  # [L]
+
+
+def apply_logit_bias(logits: Tensor, bias: tuple[Tensor, Tensor]) -> None:
+    """logits [B, V] += the sparse bias, in place. Indices are unique (one dict per row), so the
+    add is exact; a masked (-inf) logit stays -inf whatever its bias."""
+    idx, vals = bias
+    logits.view(-1).index_add_(0, idx, vals)
 
 
 def _sorted_threshold(vals: Tensor, top_ks: Tensor, top_ps: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:

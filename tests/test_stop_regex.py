@@ -1,0 +1,87 @@
+"""stop_regex: the checker (cut at the first match, hold back what a later match could cut),
+its validation and bounds, and the engine end to end (streamed text == final text)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl.backend.detokenizer import StopChecker
+from sgl.backend.stop_regex import RegexStopChecker, StopChain
+from sgl.errors import InvalidSamplingParamsError
+from sgl.sampling import SamplingParams
+
+
+def _run(checker, deltas: list[str]) -> tuple[list[str], str | None]:
+    """Feed deltas as the scheduler does; at the end flush what is held (as final_text does)."""
+    out, matched = [], None
+    for d in deltas:
+        text, m = checker.feed(d)
+        out.append(text)
+        if m is not None:
+            return out, m
+    out.append(checker.flush())
+    return out, checker.matched
+
+
+@pytest.mark.parametrize("chunks", [["The answer is 42. More"], list("The answer is 42. More"),
+                                    ["The ans", "wer is 4", "2", ". More"]])
+def test_cuts_at_first_match_whatever_the_chunking(chunks: list[str]) -> None:
+    out, matched = _run(RegexStopChecker([r"\d+\."]), chunks)
+    assert "".join(out) == "The answer is " and matched == r"\d+\."
+
+
+def test_no_stop_trim_keeps_the_match() -> None:
+    out, matched = _run(RegexStopChecker([r"\d+\."], no_stop_trim=True), list("x 12. y"))
+    assert "".join(out) == "x 12." and matched == r"\d+\."
+
+
+def test_holds_back_text_a_later_match_would_cut() -> None:
+    checker = RegexStopChecker([r"Answer: \d"])
+    assert checker.feed("The Answ") == ("The ", None)  # "Answ" may become a match
+    assert checker.feed("er: ") == ("", None)
+    assert checker.feed("x") == ("Answer: x", None)  # ruled out: released
+    assert checker.feed(" Answer: 7 tail") == (" ", r"Answer: \d")
+
+
+def test_earliest_match_wins_across_patterns() -> None:
+    out, matched = _run(RegexStopChecker([r"c+d", r"b"]), ["aabccd"])
+    assert "".join(out) == "aa" and matched == "b"
+
+
+def test_complete_match_beats_an_earlier_partial_one() -> None:
+    # "a.*z" could still match from the "a", but "c" already matched: stop there.
+    out, matched = _run(RegexStopChecker([r"a.*z|c"]), ["xaxc"])
+    assert "".join(out) == "xax" and matched == r"a.*z|c"
+
+
+def test_no_match_releases_everything_at_the_end() -> None:
+    out, matched = _run(RegexStopChecker([r"END\d"]), ["text EN", "D"])
+    assert "".join(out) == "text END" and matched is None
+
+
+def test_lookbehind_sees_released_text() -> None:
+    out, matched = _run(RegexStopChecker([r"(?<=x)y"]), ["ax", "y tail"])
+    assert "".join(out) == "ax" and matched == r"(?<=x)y"
+
+
+def test_chain_with_stop_strings_stops_at_whichever_comes_first() -> None:
+    chain = StopChain(StopChecker(["STOP"]), RegexStopChecker([r"\d\d"]))
+    out, matched = _run(chain, list("ab 12 STOP"))
+    assert "".join(out) == "ab " and matched == r"\d\d"
+    chain = StopChain(StopChecker(["STOP"]), RegexStopChecker([r"\d\d"]))
+    out, matched = _run(chain, list("ab 1 STOP 12"))
+    assert "".join(out) == "ab 1 " and matched == "STOP"
+
+
+@pytest.mark.parametrize("bad", ["(", "[a-", "", "x*", "$"])
+def test_invalid_or_empty_matching_regex_is_rejected(bad: str) -> None:
+    with pytest.raises(InvalidSamplingParamsError) as info:
+        SamplingParams(stop_regex=bad)
+    assert info.value.field == "stop_regex"
+
+
+def test_stop_regex_normalised_and_typed() -> None:
+    assert SamplingParams(stop_regex=r"\d").stop_regex == (r"\d",)
+    assert SamplingParams(stop_regex=["a", "b"]).to_dict()["stop_regex"] == ["a", "b"]
+    with pytest.raises(InvalidSamplingParamsError):
+        SamplingParams(stop_regex=[1])  # type: ignore[list-item]
