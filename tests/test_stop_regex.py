@@ -85,3 +85,68 @@ def test_stop_regex_normalised_and_typed() -> None:
     assert SamplingParams(stop_regex=["a", "b"]).to_dict()["stop_regex"] == ["a", "b"]
     with pytest.raises(InvalidSamplingParamsError):
         SamplingParams(stop_regex=[1])  # type: ignore[list-item]
+
+
+# -- end to end on the tiny random-weight model: in process, streamed, native HTTP ---------------
+
+import regex  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from sgl.backend.server import create_app  # noqa: E402
+from test_server_support import get_tiny_engine  # noqa: E402
+
+PROMPT = [1, 2, 3, 4]
+
+
+def _pattern_in(text: str) -> tuple[str, str]:
+    """A regex that first matches inside `text` (three characters from its middle, escaped,
+    followed by anything), and the text it must leave: everything before that first match."""
+    piece = text[len(text) // 2: len(text) // 2 + 3]
+    pattern = regex.escape(piece) + r".?"
+    return pattern, text[: regex.search(pattern, text).start()]
+
+
+def test_engine_cuts_at_the_regex_and_streams_the_same_text() -> None:
+    engine = get_tiny_engine()
+    base = engine.generate_sync(PROMPT, max_new_tokens=24, temperature=0, ignore_eos=True).text
+    pattern, expected = _pattern_in(base)
+    out = engine.generate_sync(PROMPT, max_new_tokens=24, temperature=0, ignore_eos=True, stop_regex=pattern)
+    assert out.text == expected and out.finish_reason == "stop" and out.matched_stop == pattern
+    chunks = list(engine.stream_sync(PROMPT, max_new_tokens=24, temperature=0, ignore_eos=True,
+                                     stop_regex=[pattern]))
+    assert "".join(c.text for c in chunks) == expected  # nothing streamed that the match cut
+    kept = engine.generate_sync(PROMPT, max_new_tokens=24, temperature=0, ignore_eos=True, stop_regex=pattern,
+                                no_stop_trim=True)
+    assert kept.text.startswith(expected) and regex.fullmatch(pattern, kept.text[len(expected):])
+
+
+def test_engine_bounds_stop_regex() -> None:
+    engine = get_tiny_engine()
+    with pytest.raises(InvalidSamplingParamsError) as info:
+        engine.generate_sync(PROMPT, stop_regex=["a"] * 33)
+    assert info.value.field == "stop_regex" and "max_stop_regexes" in str(info.value)
+
+
+def test_native_http_stop_regex_streamed_and_not() -> None:
+    engine = get_tiny_engine()
+    base = engine.generate_sync(PROMPT, max_new_tokens=24, temperature=0, ignore_eos=True).text
+    pattern, expected = _pattern_in(base)
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True,
+                                                     "stop_regex": pattern}}
+    with TestClient(create_app(engine)) as client:
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == expected and r.json()["meta_info"]["finish_reason"]["matched"] == pattern
+        with client.stream("POST", "/generate", json={**body, "stream": True}) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        import json
+
+        texts = [json.loads(e)["text"] for e in events if e != "[DONE]"]
+        assert all(expected.startswith(t) for t in texts) and texts[-1] == expected
+        bad = client.post("/generate", json={"text": "hi", "sampling_params": {"stop_regex": ["ok", "("]}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.stop_regex[1]"
+        long = client.post("/generate", json={"text": "hi", "sampling_params": {"stop_regex": "a" * 300}})
+        assert long.status_code == 400 and "max-stop-regex-len" in long.json()["error"]["message"]
+        oai = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                   "ignore_eos": True, "stop_regex": pattern})
+        assert oai.status_code == 200 and oai.json()["choices"][0]["text"] == expected
