@@ -9,7 +9,7 @@
 
 `huggingface_hub` does the resolving, so its conventions hold unchanged: its cache
 (`HF_HUB_CACHE` / `HF_HOME`), offline mode (`HF_HUB_OFFLINE=1`: only the cache is read), and
-its token (`HF_TOKEN` or the one `huggingface-cli login` stored) for gated or private repos.
+its token (`HF_TOKEN` or the one `hf auth login` stored) for gated or private repos.
 Every failure is a `ModelLoadError` that says what to do.
 """
 
@@ -89,17 +89,17 @@ def _hub_error(model: str, revision: str | None, exc: Exception) -> ModelLoadErr
     at = f" at revision {revision!r}" if revision else ""
     offline = bool(constants.HF_HUB_OFFLINE)
     if isinstance(exc, hub_errors.LocalEntryNotFoundError) or (offline and isinstance(exc, FileNotFoundError)):
-        how = ("HF_HUB_OFFLINE is set, so only the cache is read: download it once with "
-               f"`huggingface-cli download {_repo_of(model)}` on a connected machine, or unset HF_HUB_OFFLINE"
-               if offline else "and the Hub could not be reached: check the network (or HF_ENDPOINT)")
-        return ModelLoadError(f"model {model!r}{at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+        how = (": HF_HUB_OFFLINE is set, so only the cache is read; download it once with "
+               f"`hf download {_repo_of(model)}` on a connected machine, or unset HF_HUB_OFFLINE"
+               if offline else " and the Hub could not be reached: check the network (or HF_ENDPOINT)")
+        return ModelLoadError(f"model {model!r}{at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
                               f"{how}")
     if isinstance(exc, hub_errors.GatedRepoError):
         return ModelLoadError(f"model {model!r} is gated: accept its terms on huggingface.co and log in "
-                              "(`huggingface-cli login` or HF_TOKEN)")
+                              "(`hf auth login` or HF_TOKEN)")
     if isinstance(exc, hub_errors.RepositoryNotFoundError):
         return ModelLoadError(f"model {model!r}: no such repository on the Hub (or it is private: log in "
-                              "with `huggingface-cli login` or set HF_TOKEN)")
+                              "with `hf auth login` or set HF_TOKEN)")
     if isinstance(exc, hub_errors.RevisionNotFoundError):
         return ModelLoadError(f"model {model!r}: revision {revision!r} does not exist")
     if isinstance(exc, hub_errors.EntryNotFoundError):

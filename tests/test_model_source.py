@@ -83,7 +83,7 @@ def test_ids_resolve_from_the_cache_offline(hub: Path) -> None:
     assert out["folder"] == out["by_commit"] == str(hub / "models--org--tiny" / "snapshots" / COMMIT)
     for key in ("missing_revision", "missing_repo", "missing_file"):
         assert out[key].startswith("error: ") and "HF_HUB_OFFLINE" in out[key], out[key]
-    assert "'v2'" in out["missing_revision"] and "huggingface-cli download org/absent" in out["missing_repo"]
+    assert "'v2'" in out["missing_revision"] and "hf download org/absent" in out["missing_repo"]
 
 
 def test_parse_hub_id_and_local_paths_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
