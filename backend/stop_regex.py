@@ -13,6 +13,11 @@ whether a match exists now. Text from the earliest possible start on is held bac
     complete match?  no          partial match starts at 4  ->  emit "The ", hold "Answer: "
     next delta "4."              "Answer: 4." matches at 0  ->  emit "" (cut), matched
 
+The search runs on the engine thread, so it is given a time budget: a pattern that backtracks
+catastrophically (`(a+)+b` on a long run of `a`) and takes longer than `SEARCH_TIMEOUT` on one
+token's text ends the request there, as if it had matched at the start of the text not yet
+released (nothing it could cut was streamed), with a warning in the log. It never hangs the engine.
+
 A complete match ends the request at once, as SGLang checks after every token: a pattern
 that could match more (`\\d+`) stops at the first text it matches; end it with a terminator
 (`\\d+\\n`) to capture more. The match reported is the pattern itself (SGLang's
@@ -21,9 +26,14 @@ that could match more (`\\d+`) stops at the first text it matches; end it with a
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
-__all__ = ["RegexStopChecker", "StopChain"]
+__all__ = ["RegexStopChecker", "StopChain", "SEARCH_TIMEOUT"]
+
+logger = logging.getLogger("sgl.engine")
+# Seconds one pattern's search may take per token; ordinary patterns take microseconds.
+SEARCH_TIMEOUT = 0.1
 
 # Released characters kept as context, so that lookbehinds and \b see the text before the
 # held part (a match never starts there: it would have been held).
@@ -53,11 +63,17 @@ class RegexStopChecker:
         best: tuple[int, int, str] | None = None  # (start, -end, pattern): earliest, then longest
         hold = len(text)
         for pattern, compiled in zip(self.patterns, self._compiled):
-            m = compiled.search(buf, pos)
+            try:
+                m = compiled.search(buf, pos, timeout=SEARCH_TIMEOUT)
+                partial = compiled.search(buf, pos, partial=True, timeout=SEARCH_TIMEOUT)
+            except TimeoutError:
+                logger.warning("stop_regex %r took over %ss on %d characters; stopping the request",
+                               pattern, SEARCH_TIMEOUT, len(text))
+                best = (0, 0, pattern)  # release none of the unchecked text
+                break
             if m is not None:
                 key = (m.start() - pos, -(m.end() - pos), pattern)
                 best = key if best is None or key < best else best
-            partial = compiled.search(buf, pos, partial=True)
             if partial is not None and partial.partial:
                 hold = min(hold, partial.start() - pos)
         if best is not None:

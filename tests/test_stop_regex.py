@@ -150,3 +150,13 @@ def test_native_http_stop_regex_streamed_and_not() -> None:
         oai = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
                                                    "ignore_eos": True, "stop_regex": pattern})
         assert oai.status_code == 200 and oai.json()["choices"][0]["text"] == expected
+
+
+def test_catastrophic_pattern_stops_the_request_instead_of_hanging() -> None:
+    import time
+
+    checker = RegexStopChecker([r"(a|aa)+b"])
+    start = time.monotonic()
+    out, matched = _run(checker, ["x", "a" * 40, "c"])
+    assert time.monotonic() - start < 5 and matched == r"(a|aa)+b"
+    assert "".join(out) == "x"  # nothing the pattern might still cut was released
