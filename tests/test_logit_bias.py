@@ -116,3 +116,9 @@ def test_language_gen_bias(engine: sgl.Engine) -> None:
 
     state = prog.run(backend=engine)
     assert state["x"] == engine.decode([42, 42, 42])
+
+
+def test_openai_backend_sends_logit_bias_and_stop_regex() -> None:
+    remote = sgl.OpenAI("gpt-3.5-turbo-instruct", base_url="http://127.0.0.1:9/v1")
+    args = remote._arguments(SamplingParams(logit_bias={42: -5}, stop_regex=r"\d"), sgl.LogprobOptions())
+    assert args["logit_bias"] == {"42": -5.0} and args["extra_body"]["stop_regex"] == [r"\d"]
