@@ -37,12 +37,12 @@ import torch
 from torch import Tensor
 
 from sgl.backend.kernels import dispatch
+from sgl.backend.logit_bias import apply_logit_bias, logit_bias_tensors
 from sgl.backend.penalties import PenaltyBatch, PenaltyPool, PenaltyStart
 from sgl.sampling import SamplingParams
 
 __all__ = [
     "SamplingBatchInfo", "SampleOutput", "Sampler", "sample", "process_logits", "filtered_probs",
-    "logit_bias_tensors", "apply_logit_bias",
     "seeded_uniform", "gather_logprobs",
 ]  # fmt: skip
 
@@ -217,26 +217,6 @@ def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor |
     if info.logit_bias is not None:
         apply_logit_bias(logits, info.logit_bias)
     return logits
-
-
-def logit_bias_tensors(params: Sequence[SamplingParams], vocab_size: int,
-                       device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """Every row's logit_bias as one sparse (flat index, bias) pair of tensors, built once per
-    batch composition (on the scheduler thread), so a step adds them with a single kernel."""
-    flat = [(b * vocab_size + t, bias) for b, p in enumerate(params) if p.logit_bias
-            for t, bias in sorted(p.logit_bias.items()) if t < vocab_size]
-    if not flat:
-        return None
-    idx, vals = zip(*flat)
-    return (_to(torch.tensor(idx, dtype=torch.int64), device),  # [L]
-            _to(torch.tensor(vals, dtype=torch.float32), device))  # [L]
-
-
-def apply_logit_bias(logits: Tensor, bias: tuple[Tensor, Tensor]) -> None:
-    """logits [B, V] += the sparse bias, in place. Indices are unique (one dict per row), so the
-    add is exact; a masked (-inf) logit stays -inf whatever its bias."""
-    idx, vals = bias
-    logits.view(-1).index_add_(0, idx, vals)
 
 
 def _sorted_threshold(vals: Tensor, top_ks: Tensor, top_ps: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:

@@ -123,7 +123,7 @@ def test_engine_loads_models_by_id(hub: Path) -> None:
 
 
 def test_engine_error_names_the_offline_cache(hub: Path) -> None:
-    code = ("import json, sgl\ntry:\n    sgl.Engine('org/absent', device='cpu')\nexcept sgl.errors.ModelLoadError as e:\n"
-            "    print(json.dumps({'error': str(e)}))\n")
+    code = ("import json, sgl\ntry:\n    sgl.Engine('org/absent', device='cpu')\n"
+            "except sgl.errors.ModelLoadError as e:\n    print(json.dumps({'error': str(e)}))\n")
     out = _run(hub, code)
     assert "org/absent" in out["error"] and "not in the Hugging Face cache" in out["error"]

@@ -44,10 +44,6 @@ _OFF_FLAGS = ("return_hidden_states", "return_sampling_mask", "return_flat_raw_t
               "use_audio_in_video", "background", "require_reasoning")
 # Routing hints of SGLang's router and HTTP workers: meaningless for one in-process engine.
 _IGNORED = ("rid", "stream_options", "log_metrics", "routing_key", "conversation_id", "http_worker_ipc")
-# SGLang sampling fields that do not change what one in-process engine produces:
-# stream_interval batches streamed tokens (sgl streams every token), custom_params feeds
-# custom logit processors (refused above as custom_logit_processor).
-_IGNORED_SAMPLING = ("stream_interval", "custom_params")
 # SGLang sampling fields accepted only with their "off" value (a 400 names them otherwise).
 _OFF_SAMPLING = {"beam_width": (None, 1), "structural_tag": (None, ""), "watermark": (None,)}
 
@@ -83,7 +79,9 @@ def _sampling(raw: Any, where: str, options: ServerOptions) -> dict[str, Any]:
 
 
 def _check_ignored_sampling(params: dict[str, Any], where: str) -> None:
-    """Type-check, then drop, the SGLang sampling fields sgl accepts without acting on them."""
+    """Type-check, then drop, the SGLang sampling fields that do not change what one in-process
+    engine produces: stream_interval batches streamed tokens (sgl streams every token),
+    custom_params feeds custom logit processors (refused as custom_logit_processor)."""
     interval = params.pop("stream_interval", None)
     if interval is not None:
         as_int(interval, f"{where}.stream_interval", lo=1)
