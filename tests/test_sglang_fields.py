@@ -57,3 +57,12 @@ def test_wrong_or_unsupported_values_name_the_field(client: TestClient, field: s
 def test_off_only_request_fields(client: TestClient, field: str, value: Any) -> None:
     r = client.post("/generate", json={"text": "hi", field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_openai_routes_take_sglang_sampling_extras(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stop_regex": [r"\d{4}"],
+                                             "logit_bias": {"5": 1}, "custom_params": {"a": 1},
+                                             "no_stop_trim": True})
+    assert r.status_code == 200, r.text
+    bad = client.post("/v1/completions", json={"prompt": "hi", "custom_params": [1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "custom_params"

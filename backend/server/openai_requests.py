@@ -70,6 +70,7 @@ def _common(f: Fields) -> dict[str, Any]:
     if best_of is not None and best_of != params.get("n", 1):
         raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
     f.ignore(*_IGNORED)
+    f.obj("custom_params")  # SGLang's extra: for custom logit processors, which sgl has none of
     return params
 
 
