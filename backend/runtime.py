@@ -96,8 +96,9 @@ class Runtime:
         torch.manual_seed(config.random_seed)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
-        config = resolve_model_source(config)  # hub ids -> local paths (backend/model_source.py)
-        model = self._load_model(config)
+        # Hub ids -> local paths for loading only: the config (and the server's model_path) keep
+        # the name the user gave (backend/model_source.py).
+        model = self._load_model(resolve_model_source(config))
         if config.context_length and config.context_length > self.model_config.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",
                            config.context_length, self.model_config.context_length)

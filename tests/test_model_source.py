@@ -107,11 +107,12 @@ shape = dummy.model_config.hf_config.hidden_size
 dummy.close()
 hub = sgl.Engine("org/smol-GGUF/%s", revision="main", device="cpu", max_total_tokens=512)
 text = hub.generate_sync("The capital of France is", max_new_tokens=6, temperature=0).text
+name = hub.config.model
 hub.close()
 local = sgl.Engine(str(resolve_model_path(None)), device="cpu", max_total_tokens=512)
 same = local.generate_sync("The capital of France is", max_new_tokens=6, temperature=0).text
 local.close()
-print(json.dumps({"shape": shape, "text": text, "same": same}))
+print(json.dumps({"shape": shape, "text": text, "same": same, "name": name}))
 """ % GGUF_NAME
 
 
@@ -120,6 +121,7 @@ def test_engine_loads_models_by_id(hub: Path) -> None:
     out = _run(hub, ENGINES)
     assert out["shape"] == TINY_CONFIG["hidden_size"]  # the config came from the hub snapshot
     assert out["text"] == out["same"] and out["text"]  # the hub GGUF is the default model
+    assert out["name"] == f"org/smol-GGUF/{GGUF_NAME}"  # the config keeps the id the user gave
 
 
 def test_engine_error_names_the_offline_cache(hub: Path) -> None:
@@ -127,3 +129,31 @@ def test_engine_error_names_the_offline_cache(hub: Path) -> None:
             "except sgl.errors.ModelLoadError as e:\n    print(json.dumps({'error': str(e)}))\n")
     out = _run(hub, code)
     assert "org/absent" in out["error"] and "not in the Hugging Face cache" in out["error"]
+
+
+@pytest.mark.slow
+def test_sgl_serve_takes_a_hub_id(hub: Path, tmp_path: Path) -> None:
+    import re
+    import time
+
+    import httpx
+
+    from sgl.backend.model_loader import resolve_model_path
+
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "SGL_API_KEY": ""}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sgl", "serve", "--port", "0", "--model", "org/tiny", "--load-format", "dummy",
+             "--tokenizer", str(resolve_model_path(None)), "--device", "cpu", "--max-total-tokens", "512"],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := re.search(r"serving .* on (http://\S+)", log_path.read_text())):
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
+            time.sleep(0.3)
+        info = httpx.get(found.group(1) + "/get_model_info", timeout=30).json()
+        assert info["model_path"] == "org/tiny" and info["vocab_size"] == TINY_CONFIG["vocab_size"]
+    finally:
+        process.terminate()
+        process.wait(30)
