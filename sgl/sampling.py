@@ -234,7 +234,7 @@ def normalize_logit_bias(value: Any) -> dict[int, float]:
 def stop_regex_problem(pattern: str) -> str | None:
     """Why `pattern` cannot be a stop regex, or None. The `regex` module runs it (it can tell
     a text that may still grow into a match, which streaming needs), so it judges it."""
-    import regex  # a dependency of transformers; imported here to keep `import sgl` light
+    import regex  # imported here, when a stop regex is given, to keep `import sgl` light
 
     if not pattern:
         return "must be a non-empty regex"
@@ -242,7 +242,7 @@ def stop_regex_problem(pattern: str) -> str | None:
         compiled = regex.compile(pattern)
     except (regex.error, ValueError, OverflowError, RecursionError) as exc:
         return f"is not a valid regex: {exc}"
-    if compiled.fullmatch("") is not None or compiled.search("") is not None:
+    if compiled.search("") is not None:
         return "matches the empty text, so it would stop every generation at once"
     return None
 
