@@ -88,6 +88,8 @@ def test_stop_regex_same_as_sgl(theirs: Any, ours: sgl.RuntimeEndpoint) -> None:
     a = programs(sglang)["count"].run(backend=theirs)
     b = programs(sgl)["count"].run(backend=ours)
     assert a["rest"] == b["rest"] and "7" not in a["rest"]
+    # it stopped on the regex (not on length): the server reports the pattern as matched
+    assert a.get_meta_info("rest")["finish_reason"] == {"type": "stop", "matched": r"\b7\b"}
 
 
 def test_roles_and_fork_same_as_sgl(theirs: Any, ours: sgl.RuntimeEndpoint) -> None:
