@@ -28,8 +28,9 @@ class TextStep:
 
 
 def attach_text_state(r: Req, tokenizer: Any) -> None:
-    """Streams and stop strings need text as it grows; others are decoded once at the end."""
-    if not (r.stream or r.params.stop):
+    """Streams, stop strings and stop regexes need text as it grows; others are decoded once
+    at the end."""
+    if not (r.stream or r.params.stop or r.params.stop_regex):
         return
     from sgl.backend.detokenizer import IncrementalDetokenizer, StopChecker
 
@@ -40,6 +41,11 @@ def attach_text_state(r: Req, tokenizer: Any) -> None:
         )  # fmt: skip
     if r.params.stop:
         r.stop_checker = StopChecker(r.params.stop, r.params.no_stop_trim)
+    if r.params.stop_regex:
+        from sgl.backend.stop_regex import RegexStopChecker, StopChain
+
+        regexes = RegexStopChecker(r.params.stop_regex, r.params.no_stop_trim)
+        r.stop_checker = regexes if r.stop_checker is None else StopChain(r.stop_checker, regexes)
 
 
 def next_text(r: Req, ids: list[int]) -> TextStep:
@@ -65,7 +71,7 @@ def at_length_limit(r: Req, context_length: int) -> bool:
 
 
 def final_text(r: Req, tokenizer: Any) -> tuple[str, str, str | None]:
-    """(whole text, tail not yet streamed, a stop string the tail completed)."""
+    """(whole text, tail not yet streamed, a stop string or regex the tail completed)."""
     if r.detokenizer is not None:
         tail, matched = r.detokenizer.flush(), None
         if r.stop_checker is not None:
@@ -73,6 +79,7 @@ def final_text(r: Req, tokenizer: Any) -> tuple[str, str, str | None]:
             tail, matched = r.stop_checker.feed(tail)
             if matched is None:
                 tail += r.stop_checker.flush()
+                matched = r.stop_checker.matched  # a chain's flush may complete a regex
         return r.text + tail, tail, matched
     if tokenizer is None:
         return r.text, "", None

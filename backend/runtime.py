@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl._spec import RequestSpec
+from sgl.backend.model_source import resolve_model_source
 from sgl.backend.req import Req
 from sgl.backend.speculative import NgramDrafter, SpecConfig
 from sgl.config import EngineConfig
@@ -96,7 +97,9 @@ class Runtime:
         torch.manual_seed(config.random_seed)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model = self._load_model(config)
+        # Hub ids -> local paths for loading only: the config (and the server's model_path) keep
+        # the name the user gave (backend/model_source.py).
+        model = self._load_model(resolve_model_source(config))
         if config.context_length and config.context_length > self.model_config.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",
                            config.context_length, self.model_config.context_length)

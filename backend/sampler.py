@@ -7,6 +7,7 @@ One step for a batch of B requests (every tensor on the model's device, no host 
       -> grammar bitmask             disallowed tokens -> -inf
       -> min_new_tokens              EOS and stop_token_ids -> -inf until enough tokens exist
       -> penalties                   repetition, then frequency and presence
+      -> logit_bias                  one sparse add of every row's {token: bias}
       -> greedy rows: argmax         an all-greedy batch stops here
       -> probs = softmax(logits / T), then top-k, top-p, min-p as one threshold per row
       -> inverse-CDF draw in vocabulary order, one uniform number per row
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from sgl.backend.kernels import dispatch
+from sgl.backend.logit_bias import apply_logit_bias, logit_bias_tensors
 from sgl.backend.penalties import PenaltyBatch, PenaltyPool, PenaltyStart
 from sgl.sampling import SamplingParams
 
@@ -73,6 +75,8 @@ class SamplingBatchInfo:
     max_top_k: int  # largest enabled top_k (0: none)
     eos_token_ids: tuple[int, ...]
     penalties: PenaltyBatch | None  # None when no request has a penalty
+    # (flat indices b * V + token [L] int64, biases [L] float32), None when no row has one.
+    logit_bias: tuple[Tensor, Tensor] | None
     return_logprob: bool
     top_logprobs_num: int  # max over the batch; the engine slices each request's share
     # Step-dependent, rebuilt by `with_step`:
@@ -143,6 +147,7 @@ class SamplingBatchInfo:
             max_top_k=max(top_ks, default=0),
             eos_token_ids=tuple(eos_token_ids),
             penalties=penalties,
+            logit_bias=logit_bias_tensors(params, vocab_size, device),
             return_logprob=return_logprob or top_logprobs_num > 0,
             top_logprobs_num=top_logprobs_num, token_vocab_size=token_vocab_size,
         )  # fmt: skip
@@ -214,6 +219,8 @@ def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor |
         logits.view(-1).index_fill_(0, info.min_tokens_mask, float("-inf"))
     if info.penalties is not None:
         info.penalties.apply(logits, info.penalty_starts)
+    if info.logit_bias is not None:
+        apply_logit_bias(logits, info.logit_bias)
     return logits
 
 

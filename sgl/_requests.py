@@ -141,6 +141,22 @@ def check_limits(params: SamplingParams, lp: LogprobOptions, config: EngineConfi
     over("stop", f"a stop string has {longest} characters", longest, "max_stop_string_len")
     over("stop_token_ids", f"stop_token_ids has {len(params.stop_token_ids)} ids",
          len(params.stop_token_ids), "max_stop_token_ids")
+    over("stop_regex", f"stop_regex has {len(params.stop_regex)} patterns", len(params.stop_regex),
+         "max_stop_regexes")
+    longest = max((len(s) for s in params.stop_regex), default=0)
+    over("stop_regex", f"a stop regex has {longest} characters", longest, "max_stop_regex_len")
+
+
+def check_vocab(params: SamplingParams, vocab: int) -> None:
+    """Token ids the sampling parameters name must exist in the model's vocabulary."""
+    bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+    if bad_stop:
+        raise InvalidSamplingParamsError(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary "
+                                         f"[0, {vocab})", field="stop_token_ids")
+    bad_bias = sorted(t for t in params.logit_bias or () if t >= vocab)
+    if bad_bias:
+        raise InvalidSamplingParamsError(f"logit_bias names token ids {bad_bias[:5]} outside the vocabulary "
+                                         f"[0, {vocab})", field="logit_bias")
 
 
 def check_min_tokens(params: SamplingParams, kind: str, spec: str, source: str) -> None:

@@ -44,8 +44,11 @@ _FALSE = ("0", "false", "no", "off", "")
 @dataclass(frozen=True)
 class EngineConfig:
     # -- model ----------------------------------------------------------------------------
-    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
-    tokenizer: str | None = None  # defaults to the model's own
+    # A local folder or .gguf file, a Hugging Face id ("org/name", or "org/name/file.gguf" for one
+    # GGUF of a repo; backend/model_source.py), or None for the embedded default.
+    model: str | None = None
+    tokenizer: str | None = None  # defaults to the model's own; a local path or a hub id as well
+    revision: str | None = None  # hub ids: branch, tag or commit (None: main)
     load_format: Literal["auto", "gguf", "safetensors", "dummy"] = "auto"  # dummy: random weights
     model_config: dict[str, Any] | None = None  # dummy weights: a config dict or preset name in `model`
     context_length: int | None = None  # None: the model's max_position_embeddings
@@ -91,6 +94,8 @@ class EngineConfig:
     max_stop_strings: int = 32  # entries in `stop`; each is searched after every token
     max_stop_string_len: int = 256  # characters per stop string (held back while streaming)
     max_stop_token_ids: int = 256  # entries in `stop_token_ids`
+    max_stop_regexes: int = 32  # entries in `stop_regex`; each is searched after every token
+    max_stop_regex_len: int = 256  # characters per stop regex (SGLang's bound)
 
     # -- operations -----------------------------------------------------------------------
     request_timeout: float | None = None  # seconds; per-request `timeout` overrides
@@ -164,7 +169,7 @@ class EngineConfig:
         for name in ("max_total_tokens", "max_running_requests", "context_length",
                      "max_prefill_tokens", "cuda_graph_max_bs", "num_threads", "max_n",
                      "max_top_logprobs_num", "max_stop_strings", "max_stop_string_len",
-                     "max_stop_token_ids"):
+                     "max_stop_token_ids", "max_stop_regexes", "max_stop_regex_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(name, "must be a positive integer" + (" or None" if _optional(self, name) else ""))

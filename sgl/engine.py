@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequenc
 from sgl._chat import check_messages, encode_chat, render_chat
 from sgl._portal import LoopThread, SyncPortal, close_at_exit
 from sgl._requests import (check_flag, check_kwarg_names, check_lengths, check_limits, check_min_tokens,
-                           check_timeout, is_ids, is_messages, make_sink, split_prompts)
+                           check_timeout, check_vocab, is_ids, is_messages, make_sink, split_prompts)
 from sgl._spec import RequestSpec
 from sgl.config import EngineConfig
 from sgl.errors import (
     EngineClosedError,
     InvalidRequestError,
-    InvalidSamplingParamsError,
     ParseError,
 )
 from sgl.outputs import EngineStats, GenerateOutput, StreamChunk
@@ -361,11 +360,7 @@ class Engine:
                 params = params.replace(**{constraint.kind: constraint.spec})
                 check_min_tokens(params, constraint.kind, constraint.spec, constraint.source)
                 # compiled (and rejected if invalid) by _compile_constraints, off the event loop
-        vocab = self._rt.model_config.vocab_size
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise InvalidSamplingParamsError(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary "
-                                             f"[0, {vocab})", field="stop_token_ids")
+        check_vocab(params, self._rt.model_config.vocab_size)
         ids = self._tokenize(prompt)
         check_lengths(len(ids), params, lp, self._rt.context_length, self._rt.config.max_total_tokens)
         return _Prepared(ids, params, constraint)

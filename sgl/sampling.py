@@ -15,7 +15,8 @@ from typing import Any, Iterable, Mapping
 from sgl._typecheck import field_hints, mismatch
 from sgl.errors import InvalidConstraintError, InvalidSamplingParamsError
 
-__all__ = ["SamplingParams", "LogprobOptions", "GREEDY_TEMPERATURE", "suggest_name"]
+__all__ = ["SamplingParams", "LogprobOptions", "GREEDY_TEMPERATURE", "MAX_LOGIT_BIAS", "suggest_name",
+           "stop_regex_problem", "normalize_logit_bias"]
 
 # Temperatures below this are greedy: dividing logits by ~1e-38 overflows float32 to inf,
 # and softmax over infs picks a garbage token forever. 1e-5 already makes any realistic
@@ -64,6 +65,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Stop at the first match of any of these regexes in the output text (cut like `stop`).
+    stop_regex: tuple[str, ...] = ()
+    # token id -> bias added to its logit before temperature and filtering (OpenAI's range).
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -82,6 +87,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str, "a string or a list of strings"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(
             self.stop_token_ids, "stop_token_ids", int, "a token id or a list of token ids"))
+        object.__setattr__(self, "stop_regex", _as_tuple(
+            self.stop_regex, "stop_regex", str, "a regex string or a list of regex strings"))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
         self._validate()
         if 0.0 < self.temperature < GREEDY_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
@@ -120,6 +129,7 @@ class SamplingParams:
         d = dataclasses.asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["stop_regex"] = list(self.stop_regex)
         return d
 
     # -- derived ------------------------------------------------------------------------------
@@ -184,9 +194,57 @@ class SamplingParams:
             fail("stop", "stop strings must be non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        for i, pattern in enumerate(self.stop_regex):
+            why = stop_regex_problem(pattern)
+            if why is not None:
+                raise InvalidSamplingParamsError(f"stop_regex[{i}]={_short(pattern)}: {why}", field="stop_regex")
         given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
         if len(given) > 1:  # the same class as build_constraint's conflicts (schema= with regex=, ...)
             raise InvalidConstraintError(f"only one constraint may be given, got {given}", field=given[1])
+
+
+# OpenAI's bound on a logit bias: +-100 already bans or forces a token.
+MAX_LOGIT_BIAS = 100.0
+
+
+def normalize_logit_bias(value: Any) -> dict[int, float]:
+    """{token id: bias} with int or numeric-string keys (JSON objects have string keys, so
+    OpenAI and SGLang clients send "1234") -> {int: float}; anything else raises."""
+    if not isinstance(value, Mapping):
+        raise InvalidSamplingParamsError(f"logit_bias={_short(value)}: must be a dict of token id -> bias",
+                                         field="logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidSamplingParamsError(f"logit_bias key {_short(key)}: must be a token id (an integer "
+                                             ">= 0)", field="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise InvalidSamplingParamsError(f"logit_bias[{token}]={_short(bias)}: must be a finite number",
+                                             field="logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidSamplingParamsError(f"logit_bias[{token}]={bias}: must be in [-100, 100]",
+                                             field="logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def stop_regex_problem(pattern: str) -> str | None:
+    """Why `pattern` cannot be a stop regex, or None. The `regex` module runs it (it can tell
+    a text that may still grow into a match, which streaming needs), so it judges it."""
+    import regex  # imported here, when a stop regex is given, to keep `import sgl` light
+
+    if not pattern:
+        return "must be a non-empty regex"
+    try:
+        compiled = regex.compile(pattern)
+    except (regex.error, ValueError, OverflowError, RecursionError) as exc:
+        return f"is not a valid regex: {exc}"
+    if compiled.search("") is not None:
+        return "matches the empty text, so it would stop every generation at once"
+    return None
 
 
 def _as_tuple(value: Any, name: str, item: type, what: str) -> tuple[Any, ...]:

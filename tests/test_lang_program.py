@@ -196,6 +196,16 @@ def test_gen_options_pass_through(backend: FakeBackend) -> None:
     assert m.params.frequency_penalty == 0.5
 
 
+def test_gen_passes_stop_regex_and_logit_bias(backend: FakeBackend) -> None:
+    @sgl.function
+    def prog(s):
+        s += sgl.gen("a", stop_regex=r"\d+\.", logit_bias={5: -100})
+
+    prog.run(backend=backend)
+    (m,) = backend.requests_of("generate")
+    assert m.params.stop_regex == (r"\d+\.",) and m.params.logit_bias == {5: -100.0}
+
+
 def test_invalid_usage_errors(backend: FakeBackend) -> None:
     with pytest.raises(InvalidRequestError):
         sgl.select("x", [])
@@ -204,11 +214,11 @@ def test_invalid_usage_errors(backend: FakeBackend) -> None:
 
     @sgl.function
     def prog(s):
-        s += sgl.gen("a", stop_regex=r"\d")
+        s += sgl.gen("a", stop_regex=r"(")
 
-    with pytest.raises(ProgramError) as info:
+    with pytest.raises(ProgramError) as info:  # an invalid stop regex fails before generating
         prog.run(backend=backend)
-    assert isinstance(info.value.__cause__, BackendCapabilityError)
+    assert getattr(info.value.__cause__, "field", None) == "stop_regex"
 
     @sgl.function
     def appends_none(s):

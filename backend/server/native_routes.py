@@ -27,13 +27,25 @@ from sgl.backend.server.options import ServerOptions
 from sgl.backend.server.protocol import (SSE_DONE, ApiError, TokenTexts, error_from_exception, finite,
                                          json_response, sse)
 from sgl.backend.server.validate import (Fields, as_bool, as_int, as_str, bad, check_batch, check_sampling,
-                                         check_token_ids, encode_text, over_limit)
+                                         check_token_ids, encode_text, over_limit, show)
 
 __all__ = ["routes_spec"]
 
-# Fields of SGLang's GenerateReqInput that we accept only with their "off" value.
-_OFF_FIELDS = ("image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor",
-               "session_params", "modalities", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+# Fields of SGLang's GenerateReqInput (0.5.x) that we accept only with their "off" value:
+# multimodal inputs, LoRA, sessions, disaggregation and data-parallel routing, extra outputs.
+_OFF_FIELDS = ("image_data", "audio_data", "video_data", "input_embeds", "mm_hashes", "mm_content_hashes",
+               "video_config", "watermark", "token_ids_logprob", "sampling_logprobs_mode", "lora_path",
+               "lora_id", "custom_logit_processor", "positional_embed_overrides", "session_params",
+               "session_id", "modalities", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+               "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank", "data_parallel_rank",
+               "disagg_prefill_dp_rank")
+_OFF_FLAGS = ("return_hidden_states", "return_sampling_mask", "return_flat_raw_top_logprobs",
+              "return_flat_raw_output_top_logprobs", "return_routed_experts", "return_indexer_topk",
+              "use_audio_in_video", "background", "require_reasoning")
+# Routing hints of SGLang's router and HTTP workers: meaningless for one in-process engine.
+_IGNORED = ("rid", "stream_options", "log_metrics", "routing_key", "conversation_id", "http_worker_ipc")
+# SGLang sampling fields accepted only with their "off" value (a 400 names them otherwise).
+_OFF_SAMPLING = {"beam_width": (None, 1), "structural_tag": (None, ""), "watermark": (None,)}
 
 
 @dataclasses.dataclass
@@ -58,11 +70,29 @@ def _sampling(raw: Any, where: str, options: ServerOptions) -> dict[str, Any]:
     params = {k: v for k, v in raw.items() if v is not None}  # SGLang clients send nulls
     if "sampling_seed" in params:  # newer SGLang's name for the seed
         params["seed"] = params.pop("sampling_seed")
+    _check_ignored_sampling(params, where)
     unknown = sorted(set(params) - SamplingParams.field_names())
     if unknown:
         raise ApiError(400, f"unknown sampling parameter(s) {unknown}; known: "
                             f"{sorted(SamplingParams.field_names())}", f"{where}.{unknown[0]}")
     return {k: check_sampling(k, v, f"{where}.{k}", options) for k, v in params.items()}
+
+
+def _check_ignored_sampling(params: dict[str, Any], where: str) -> None:
+    """Type-check, then drop, the SGLang sampling fields that do not change what one in-process
+    engine produces: stream_interval batches streamed tokens (sgl streams every token),
+    custom_params feeds custom logit processors (refused as custom_logit_processor)."""
+    interval = params.pop("stream_interval", None)
+    if interval is not None:
+        as_int(interval, f"{where}.stream_interval", lo=1)
+    custom = params.pop("custom_params", None)
+    if custom is not None and not isinstance(custom, dict):
+        raise bad(f"{where}.custom_params", "an object", custom)
+    for key, allowed in _OFF_SAMPLING.items():
+        value = params.pop(key, None)
+        if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+            raise ApiError(400, f"{where}.{key}={show(value)} is not supported by this server "
+                                f"(accepted: {[a for a in allowed if a is not None] or 'null'})", f"{where}.{key}")
 
 
 def _prompts(f: Fields) -> tuple[list[Any], bool]:
@@ -109,8 +139,10 @@ def parse_generate(body: dict[str, Any], engine: Any, options: ServerOptions
     text_in = f.boolean("return_text_in_logprobs")
     stream = f.boolean("stream")
     timeout = f.number("timeout")
-    f.ignore("rid", "stream_options", "log_metrics")
-    f.unsupported("return_hidden_states", allowed=(None, False))
+    f.ignore(*_IGNORED)
+    for key in _OFF_FLAGS:
+        f.unsupported(key, allowed=(None, False))
+    f.unsupported("routed_experts_start_len", allowed=(None, 0))
     for key in _OFF_FIELDS:
         f.unsupported(key)
     f.reject_unknown()

@@ -3,8 +3,9 @@
 OpenAI names map to the engine's SGLang names: max_tokens -> max_new_tokens, min_tokens ->
 min_new_tokens, logprobs/top_logprobs -> return_logprob/top_logprobs_num, response_format ->
 json_schema. Every other engine sampling field (regex, ebnf, json_schema, top_k, min_p,
-stop_token_ids, jump_forward, ...) is accepted under its SGLang name, as on SGLang's and vLLM's
-OpenAI servers; the list is read from `SamplingParams`, so new engine fields pass through too.
+stop_token_ids, stop_regex, jump_forward, ...) is accepted under its SGLang name, as on SGLang's
+and vLLM's OpenAI servers; the list is read from `SamplingParams`, so new engine fields pass
+through too. `logit_bias` is OpenAI's and SGLang's: string token ids as keys, biases in [-100, 100].
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def _common(f: Fields) -> dict[str, Any]:
     best_of = f.integer("best_of")
     if best_of is not None and best_of != params.get("n", 1):
         raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
-    f.unsupported("logit_bias")
     f.ignore(*_IGNORED)
+    f.obj("custom_params")  # SGLang's extra: for custom logit processors, which sgl has none of
     return params
 
 

@@ -38,6 +38,8 @@ class ServerOptions:
     max_stop_strings: int = _opt(32, "most stop strings per request (`stop`)")
     max_stop_string_len: int = _opt(256, "longest stop string, in characters")
     max_stop_token_ids: int = _opt(256, "most entries in `stop_token_ids`")
+    max_stop_regexes: int = _opt(32, "most stop regexes per request (`stop_regex`)")
+    max_stop_regex_len: int = _opt(256, "longest stop regex, in characters")
     max_grammar_bytes: int = _opt(64 * 1024, "largest regex, EBNF grammar or JSON schema, in UTF-8 bytes "
                                              "(`regex`, `ebnf`, `json_schema`, `response_format`)")
     max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body, in bytes (413 beyond)")

@@ -18,7 +18,8 @@ import typing
 from typing import Any, Iterable, Literal, Mapping
 
 from sgl.errors import InvalidRequestError
-from sgl.sampling import SamplingParams
+from sgl.errors import InvalidSamplingParamsError
+from sgl.sampling import SamplingParams, normalize_logit_bias, stop_regex_problem
 
 from sgl.backend.server.options import ServerOptions
 from sgl.backend.server.protocol import ApiError
@@ -162,6 +163,13 @@ def check_sampling(name: str, value: Any, param: str, options: ServerOptions) ->
             if len(s) > options.max_stop_string_len:
                 raise over_limit(f"{param}[{i}]", f"a stop string of {len(s)} characters",
                                  options.max_stop_string_len, "max_stop_string_len")
+    elif name == "stop_regex":
+        _check_stop_regex(checked, param, options)
+    elif name == "logit_bias":
+        try:  # JSON keys are strings: "1234" -> 1234; the engine checks them against the vocabulary
+            checked = normalize_logit_bias(checked)
+        except InvalidSamplingParamsError as exc:
+            raise ApiError(400, str(exc), param) from None
     elif name == "stop_token_ids" and len(checked) > options.max_stop_token_ids:
         raise over_limit(param, f"{len(checked)} stop token ids", options.max_stop_token_ids,
                          "max_stop_token_ids")
@@ -169,6 +177,20 @@ def check_sampling(name: str, value: Any, param: str, options: ServerOptions) ->
         raise over_limit(param, f"a {name} of {len(checked.encode())} bytes", options.max_grammar_bytes,
                          "max_grammar_bytes")
     return checked
+
+
+def _check_stop_regex(patterns: list[str], param: str, options: ServerOptions) -> None:
+    """Bounded (each pattern is searched after every token) and compiled here, so an invalid
+    regex is a 400 before anything is queued."""
+    if len(patterns) > options.max_stop_regexes:
+        raise over_limit(param, f"{len(patterns)} stop regexes", options.max_stop_regexes, "max_stop_regexes")
+    for i, pattern in enumerate(patterns):
+        if len(pattern) > options.max_stop_regex_len:
+            raise over_limit(f"{param}[{i}]", f"a stop regex of {len(pattern)} characters",
+                             options.max_stop_regex_len, "max_stop_regex_len")
+        why = stop_regex_problem(pattern)
+        if why is not None:
+            raise ApiError(400, f"{param}[{i}] {why}", f"{param}[{i}]")
 
 
 # -- a request body ------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 SGLang semantics: `f.run(temperature=0.7)` sets defaults for every gen of the program; a value
 given to `gen(...)` (not None) wins; the chat template's stop strings are added to every gen;
-`dtype=int/float` also stops at a space or newline.
+`dtype=int/float` also stops at a space or newline. `stop_regex` and `logit_bias` (given to
+gen or run) reach SamplingParams unchanged.
 """
 
 from __future__ import annotations
@@ -65,8 +66,6 @@ def resolve_gen(defaults: Mapping[str, Any], options: GenOptions, stop_str: tupl
             continue
         merged[f.name] = value
     merged.update(options.extra)
-    if merged.pop("stop_regex", None) is not None:
-        raise BackendCapabilityError("gen(stop_regex=...) is not supported by sgl; use stop=")
     stop = _as_list(merged.get("stop"))
     stop += [s for s in stop_str if s not in stop]
 

@@ -102,12 +102,15 @@ class OpenAI(Backend):
         args.update({k: v for k, (v, default) in optional.items() if v != default})
         if stop:
             args["stop"] = stop
+        if params.logit_bias:  # OpenAI's own field; JSON keys are strings
+            args["logit_bias"] = {str(t): b for t, b in params.logit_bias.items()}
         extra: dict[str, Any] = {}
         sglang_extras = {"top_k": (params.top_k, -1), "min_p": (params.min_p, 0.0),
                          "repetition_penalty": (params.repetition_penalty, 1.0),
                          "min_tokens": (params.min_new_tokens, 0), "ignore_eos": (params.ignore_eos, False),
                          "stop_token_ids": (list(params.stop_token_ids), []),
                          "no_stop_trim": (params.no_stop_trim, False),
+                         "stop_regex": (list(params.stop_regex), []),
                          "regex": (params.regex, None), "ebnf": (params.ebnf, None)}
         extra.update({k: v for k, (v, default) in sglang_extras.items() if v != default})
         if params.json_schema is not None:
