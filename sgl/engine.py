@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
 from sgl._chat import check_messages, encode_chat, render_chat
+from sgl._extras import Extras, OutputSplitter, compose, read_extras, take_extras, with_extras_params
 from sgl._portal import LoopThread, SyncPortal, close_at_exit
 from sgl._requests import (check_flag, check_kwarg_names, check_lengths, check_limits, check_min_tokens,
                            check_timeout, is_ids, is_messages, make_sink, split_prompts)
@@ -55,7 +56,12 @@ _CONSTRAINT_KEYS = ("schema", "grammar", "choices", "dtype")
 class _Prepared:
     ids: list[int]
     params: SamplingParams
-    constraint: Any  # sgl.constraints.ConstraintSpec or None
+    constraint: Any  # sgl.constraints.ConstraintSpec or None: what the engine compiles
+    parse_spec: Any = None  # the user's own constraint: what the answer is parsed with
+    extras: Extras | None = None  # tools, reasoning, partial objects (sgl/_extras.py)
+
+    def splitter(self) -> OutputSplitter | None:
+        return OutputSplitter(self.extras) if self.extras is not None and self.extras.active else None
 
 
 class Engine:
@@ -131,15 +137,37 @@ class Engine:
         return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str | list[int]:
+                            tokenize: bool = False, tools: Sequence[Any] | None = None,
+                            **template_kwargs: Any) -> str | list[int]:
         """The prompt of chat `messages` in the model's template: its text, or with
         `tokenize=True` its token ids, in which text inside the messages never becomes a
-        control token (`encode()` of the text would turn a typed "<|im_start|>" into one)."""
+        control token (`encode()` of the text would turn a typed "<|im_start|>" into one).
+        `tools` (any form `generate(tools=...)` takes) are rendered by the template when it
+        supports them, else described in the system message (sgl/_tool_prompt.py);
+        `template_kwargs` are the template's variables (e.g. enable_thinking=False)."""
+        from sgl._tool_prompt import prepare_tool_messages, template_renders_tools
+        from sgl.tools import normalize_tools
+
         tok = self._need_tokenizer()
         checked = check_messages(messages)
+        kwargs = dict(template_kwargs)
+        specs = [t.openai() for t in normalize_tools(tools)] if tools is not None else None
+        if specs is not None or any(m.get("tool_calls") for m in checked):
+            renders = template_renders_tools(getattr(tok, "chat_template", None))
+            checked = prepare_tool_messages(checked, specs, self.tool_format(), renders)
+            if renders and specs is not None:
+                kwargs["tools"] = specs
         if tokenize:
-            return encode_chat(tok, checked, add_generation_prompt)
-        return render_chat(tok, checked, add_generation_prompt)
+            return encode_chat(tok, checked, add_generation_prompt, kwargs)
+        return render_chat(tok, checked, add_generation_prompt, kwargs)
+
+    def tool_format(self) -> Any:
+        """How this model writes tool calls (sgl/_tool_format.py): from the engine option
+        tool_call_parser, or read from the chat template."""
+        from sgl._tool_format import detect_format
+
+        tok = self._rt.tokenizer
+        return detect_format(getattr(tok, "chat_template", None), self.config.tool_call_parser)
 
     def stats(self) -> EngineStats:
         return EngineStats(**self._rt.stats())
@@ -207,6 +235,9 @@ class Engine:
         outputs: list[GenerateOutput] = []
         for prep, outs in zip(prepared, results):
             for out in outs:
+                splitter = prep.splitter()
+                if splitter is not None:
+                    splitter.split_output(out)
                 self._parse(prep, out)
                 outputs.append(out)
         if single:
@@ -239,11 +270,17 @@ class Engine:
         q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         rid, futs = self._submit(prep, lp, timeout, loop, stream_queue=q)
         remaining = len(futs)
+        splitters: dict[int, OutputSplitter | None] = {}
         try:
             while remaining:
                 kind, payload = await q.get()
                 if kind == "error":
                     raise payload
+                if payload.index not in splitters:
+                    splitters[payload.index] = prep.splitter()
+                splitter = splitters[payload.index]
+                if splitter is not None:
+                    splitter.feed_chunk(payload)
                 if payload.finish_reason is not None:
                     remaining -= 1
                     if payload.output is not None:
@@ -306,13 +343,16 @@ class Engine:
                                       field="prompt")
         return self._rt.tokenizer
 
-    def _tokenize(self, prompt: Any) -> list[int]:
+    def _tokenize(self, prompt: Any, extras: Extras | None = None) -> list[int]:
         if isinstance(prompt, str):
             ids = self.encode(prompt) if prompt else []
             if not ids:  # (a text of only characters the tokenizer drops, e.g. "\x04")
                 raise InvalidRequestError("the prompt is empty (it has no tokens)", field="prompt")
             return ids
         if is_messages(prompt):
+            if extras is not None:
+                return list(self.apply_chat_template(prompt, tokenize=True, tools=extras.tools,
+                                                     **extras.template_kwargs))
             return list(self.apply_chat_template(prompt, tokenize=True))
         if is_ids(prompt):
             ids = [int(t) for t in prompt]
@@ -333,8 +373,9 @@ class Engine:
                  lp: LogprobOptions) -> _Prepared:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new sgl.Engine")
-        check_kwarg_names(kwargs, _CONSTRAINT_KEYS)
         kwargs = dict(kwargs)
+        raw_extras = take_extras(kwargs)  # tools, reasoning options (sgl/_extras.py)
+        check_kwarg_names(kwargs, _CONSTRAINT_KEYS)
         front = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
         if kwargs.get("json_schema") is not None and not isinstance(kwargs["json_schema"], str):
             # A dict schema (issue 4 allows dict or JSON text): SamplingParams holds text only,
@@ -347,28 +388,64 @@ class Engine:
             base.update(kwargs)
             params = SamplingParams.from_dict(base)
         check_limits(params, lp, self.config)  # before any costly work (compiling, tokenizing)
-        constraint = None
-        if front or params.constraint is not None:
-            from sgl.constraints import ConstraintLimits, build_constraint
-
-            spec = {k: getattr(params, k) for k in ("regex", "json_schema") if getattr(params, k) is not None}
-            if params.ebnf is not None:
-                spec["grammar"] = params.ebnf
-            limits = ConstraintLimits(self.config.max_grammar_bytes, self.config.max_json_schema_depth)
-            constraint = build_constraint(**spec, **front, limits=limits)  # size and depth checked
-            params = params.replace(regex=None, json_schema=None, ebnf=None)
-            if constraint is not None:
-                params = params.replace(**{constraint.kind: constraint.spec})
-                check_min_tokens(params, constraint.kind, constraint.spec, constraint.source)
-                # compiled (and rejected if invalid) by _compile_constraints, off the event loop
+        constraint = self._user_constraint(params, front)
+        if constraint is not None:
+            params = with_extras_params(params, constraint)
+            check_min_tokens(params, constraint.kind, constraint.spec, constraint.source)
+            # compiled (and rejected if invalid) by _compile_constraints, off the event loop
         vocab = self._rt.model_config.vocab_size
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise InvalidSamplingParamsError(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary "
                                              f"[0, {vocab})", field="stop_token_ids")
-        ids = self._tokenize(prompt)
+        extras = None
+        if raw_extras or front.get("schema") is not None or self._reasoning_possible():
+            extras = read_extras(raw_extras, self.tool_format(), front.get("schema"))
+        ids = self._tokenize(prompt, extras)
+        parse_spec = constraint
+        if extras is not None:
+            extras.reasoning = self._reasoning_mode(ids, extras)
+            constraint = compose(extras, constraint, self._limits())
+            params = with_extras_params(params, constraint)
         check_lengths(len(ids), params, lp, self._rt.context_length, self._rt.config.max_total_tokens)
-        return _Prepared(ids, params, constraint)
+        return _Prepared(ids, params, constraint, parse_spec, extras)
+
+    def _limits(self) -> Any:
+        from sgl.constraints import ConstraintLimits
+
+        return ConstraintLimits(self.config.max_grammar_bytes, self.config.max_json_schema_depth)
+
+    def _user_constraint(self, params: SamplingParams, front: dict[str, Any]) -> Any:
+        """The constraint of schema= / regex= / json_schema= / grammar= / ... (or None);
+        size and depth checked against the engine's limits."""
+        if not front and params.constraint is None:
+            return None
+        from sgl.constraints import build_constraint
+
+        spec = {k: getattr(params, k) for k in ("regex", "json_schema") if getattr(params, k) is not None}
+        if params.ebnf is not None:
+            spec["grammar"] = params.ebnf
+        return build_constraint(**spec, **front, limits=self._limits())
+
+    def _reasoning_possible(self) -> bool:
+        parser = self.config.reasoning_parser
+        template = getattr(self._rt.tokenizer, "chat_template", None) or ""
+        return parser != "none" and (parser != "auto" or "<think>" in template)
+
+    def _reasoning_mode(self, ids: list[int], extras: Extras) -> Any:
+        """How this prompt's output is split (None: not at all), read from the prompt's end."""
+        from sgl.reasoning import reasoning_mode
+
+        mode = None
+        tok = self._rt.tokenizer
+        if extras.separate_reasoning and tok is not None and self._reasoning_possible():
+            tail = tok.decode(ids[-16:])
+            mode = reasoning_mode(self.config.reasoning_parser, getattr(tok, "chat_template", None), tail)
+        if mode is None and extras.max_reasoning_tokens is not None:
+            raise InvalidRequestError("max_reasoning_tokens needs a reasoning model (a chat template that "
+                                      "writes <think>, or the engine option reasoning_parser) and "
+                                      "separate_reasoning=True", field="max_reasoning_tokens")
+        return mode
 
     async def _compile_constraints(self, prepared: Sequence[_Prepared]) -> None:
         """Compile each request's constraint on the grammar workers, awaited, so that a slow
@@ -391,10 +468,12 @@ class Engine:
 
     @staticmethod
     def _parse(prep: _Prepared, out: GenerateOutput) -> None:
-        if prep.constraint is None or out.finish_reason == "abort":
+        spec = prep.parse_spec
+        if spec is None or out.finish_reason == "abort":
             return
+        text = out.content if out.content is not None else out.text  # the answer after any reasoning
         try:
-            out.parsed_value = prep.constraint.parse(out.text, finish_reason=out.finish_reason)
+            out.parsed_value = spec.parse(text, finish_reason=out.finish_reason)
         except ParseError as exc:
             # Not raised here: with a batch or n > 1 that would lose the other outputs. Reading
             # `out.parsed` raises it.
