@@ -5,7 +5,9 @@ Qwen3 templates) already open `<think>` in the prompt, so the output starts insi
 reasoning. The parser (engine option `reasoning_parser`, SGLang's `--reasoning-parser`):
 
 - "auto" (default): on when the chat template mentions `<think>`; whether the output starts
-  inside the reasoning is read from the prompt itself (it ends with an open `<think>`).
+  inside the reasoning is read from the prompt itself (it ends with an open `<think>`), and a
+  prompt that ends with `</think>` (an empty reasoning closed by the template, as Qwen3's does
+  for enable_thinking=False) turns it off for that request.
 - "qwen3": on; the output starts inside only when the prompt opened `<think>`.
 - "deepseek-r1": on; the output always starts inside the reasoning (R1 may or may not repeat
   the opening tag; a leading `<think>` is dropped either way).
@@ -42,6 +44,8 @@ def reasoning_mode(parser: str, chat_template: str | None, prompt_tail: str) -> 
         return None
     if parser == "auto" and THINK_START not in (chat_template or ""):
         return None
+    if prompt_tail.rstrip().endswith(THINK_END):
+        return None  # the prompt closed an empty reasoning (Qwen3 with enable_thinking=False)
     opened = prompt_tail.rfind(THINK_START) > prompt_tail.rfind(THINK_END)
     return ReasoningMode(inside=opened or parser == "deepseek-r1")
 
