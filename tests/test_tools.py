@@ -179,3 +179,22 @@ def test_tools_conflict_with_another_constraint(engine: sgl.Engine) -> None:
         engine.generate_sync(MESSAGES, tools=[Weather], tool_choice="required", regex="[a-z]+")
     assert info.value.field == "tools"
     assert engine.generate_sync(MESSAGES, max_new_tokens=2).text is not None  # still serving
+
+
+# -- the language ----------------------------------------------------------------------------------
+
+
+def test_tool_call_primitive_in_a_program(engine: sgl.Engine) -> None:
+    @sgl.function
+    def program(s):  # noqa: ANN001, ANN202
+        s += sgl.system(sgl.tools_prompt([Weather, toggle]))
+        s += sgl.user("Turn the lamp on.")
+        s += sgl.assistant(sgl.tool_call("call", tools=[Weather, toggle], tool_choice="toggle", max_tokens=200))
+
+    state = program.run(backend=engine, temperature=1.0)
+    (call,) = state["call"]
+    assert isinstance(call, sgl.ToolCall) and call.name == "toggle" and isinstance(call.value.on, bool)
+    assert state.get_meta_info("call")["tool_calls"] == [call]
+    assert '"name": "toggle"' in sgl.tools_prompt([toggle])
+    with pytest.raises(sgl.InvalidRequestError, match="tool_choice"):
+        sgl.tool_call("x", tools=[toggle], tool_choice="auto")
