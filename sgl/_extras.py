@@ -22,7 +22,8 @@ from sgl.outputs import GenerateOutput, StreamChunk
 from sgl.reasoning import ReasoningMode, ReasoningSplitter
 from sgl.tools import Tool, ToolChoice, normalize_tool_choice, normalize_tools
 
-__all__ = ["EXTRA_KEYS", "Extras", "take_extras", "read_extras", "compose", "OutputSplitter"]
+__all__ = ["EXTRA_KEYS", "Extras", "take_extras", "read_extras", "compose", "OutputSplitter", "user_constraint",
+           "reasoning_possible", "request_reasoning", "with_extras_params"]
 
 EXTRA_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "separate_reasoning", "max_reasoning_tokens",
               "chat_template_kwargs")
@@ -85,6 +86,39 @@ def read_extras(raw: Mapping[str, Any], fmt: ToolFormat, schema: Any) -> Extras:
     if isinstance(schema, type) and hasattr(schema, "model_fields"):
         extras.partial_model = schema
     return extras
+
+
+def user_constraint(params: Any, front: Mapping[str, Any], limits: ConstraintLimits) -> ConstraintSpec | None:
+    """The constraint of schema= / regex= / json_schema= / grammar= / ... (or None); size and
+    depth checked against the engine's limits."""
+    if not front and params.constraint is None:
+        return None
+    from sgl.constraints import build_constraint
+
+    spec = {k: getattr(params, k) for k in ("regex", "json_schema") if getattr(params, k) is not None}
+    if params.ebnf is not None:
+        spec["grammar"] = params.ebnf
+    return build_constraint(**spec, **front, limits=limits)
+
+
+def reasoning_possible(parser: str, tok: Any) -> bool:
+    """Whether any request can be a reasoning one (engine option reasoning_parser, template)."""
+    template = getattr(tok, "chat_template", None) or ""
+    return parser != "none" and (parser != "auto" or "<think>" in template)
+
+
+def request_reasoning(extras: Extras, parser: str, tok: Any, ids: list[int]) -> ReasoningMode | None:
+    """How this prompt's output is split (None: not at all), read from the prompt's end."""
+    from sgl.reasoning import reasoning_mode
+
+    mode = None
+    if extras.separate_reasoning and tok is not None and reasoning_possible(parser, tok):
+        mode = reasoning_mode(parser, getattr(tok, "chat_template", None), tok.decode(ids[-16:]))
+    if mode is None and extras.max_reasoning_tokens is not None:
+        raise InvalidRequestError("max_reasoning_tokens needs a reasoning model (a chat template that writes "
+                                  "<think>, or the engine option reasoning_parser) and separate_reasoning=True",
+                                  field="max_reasoning_tokens")
+    return mode
 
 
 def compose(extras: Extras, constraint: ConstraintSpec | None, limits: ConstraintLimits) -> ConstraintSpec | None:

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from sgl._tool_format import ToolFormat
 
-__all__ = ["template_renders_tools", "prepare_tool_messages"]
+__all__ = ["template_renders_tools", "prepare_tool_messages", "with_tools"]
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
@@ -59,3 +59,20 @@ def prepare_tool_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
+
+
+def with_tools(tok: Any, messages: list[dict[str, Any]], tools: Sequence[Any] | None, fmt: ToolFormat,
+               template_kwargs: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, template variables) to render validated `messages` with `tools` (any form
+    `normalize_tools` reads; checked here) for the tokenizer's template."""
+    from sgl.tools import normalize_tools
+
+    kwargs = dict(template_kwargs)
+    specs = [t.openai() for t in normalize_tools(tools)] if tools is not None else None
+    if specs is None and not any(m.get("tool_calls") for m in messages):
+        return messages, kwargs
+    renders = template_renders_tools(getattr(tok, "chat_template", None))
+    messages = prepare_tool_messages(messages, specs, fmt, renders)
+    if renders and specs is not None:
+        kwargs["tools"] = specs
+    return messages, kwargs

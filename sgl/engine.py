@@ -17,22 +17,16 @@ import asyncio
 import dataclasses
 import functools
 import queue
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
 from sgl._chat import check_messages, encode_chat, render_chat
-from sgl._extras import Extras, OutputSplitter, compose, read_extras, take_extras, with_extras_params
+from sgl._extras import OutputSplitter
+from sgl._prepare import Prepared, parse_output, prepare
 from sgl._portal import LoopThread, SyncPortal, close_at_exit
-from sgl._requests import (check_flag, check_kwarg_names, check_lengths, check_limits, check_min_tokens,
-                           check_timeout, is_ids, is_messages, make_sink, split_prompts)
+from sgl._requests import check_flag, check_timeout, make_sink, split_prompts
 from sgl._spec import RequestSpec
 from sgl.config import EngineConfig
-from sgl.errors import (
-    EngineClosedError,
-    InvalidRequestError,
-    InvalidSamplingParamsError,
-    ParseError,
-)
+from sgl.errors import EngineClosedError, InvalidRequestError
 from sgl.outputs import EngineStats, GenerateOutput, StreamChunk
 from sgl.sampling import LogprobOptions, SamplingParams
 
@@ -48,20 +42,6 @@ def _close_parts(rt: Runtime, sync: SyncPortal) -> None:
 
 Message = Mapping[str, Any]
 PromptInput = Union[str, Sequence[int], Sequence[Message]]
-
-_CONSTRAINT_KEYS = ("schema", "grammar", "choices", "dtype")
-
-
-@dataclass
-class _Prepared:
-    ids: list[int]
-    params: SamplingParams
-    constraint: Any  # sgl.constraints.ConstraintSpec or None: what the engine compiles
-    parse_spec: Any = None  # the user's own constraint: what the answer is parsed with
-    extras: Extras | None = None  # tools, reasoning, partial objects (sgl/_extras.py)
-
-    def splitter(self) -> OutputSplitter | None:
-        return OutputSplitter(self.extras) if self.extras is not None and self.extras.active else None
 
 
 class Engine:
@@ -145,18 +125,10 @@ class Engine:
         `tools` (any form `generate(tools=...)` takes) are rendered by the template when it
         supports them, else described in the system message (sgl/_tool_prompt.py);
         `template_kwargs` are the template's variables (e.g. enable_thinking=False)."""
-        from sgl._tool_prompt import prepare_tool_messages, template_renders_tools
-        from sgl.tools import normalize_tools
+        from sgl._tool_prompt import with_tools
 
         tok = self._need_tokenizer()
-        checked = check_messages(messages)
-        kwargs = dict(template_kwargs)
-        specs = [t.openai() for t in normalize_tools(tools)] if tools is not None else None
-        if specs is not None or any(m.get("tool_calls") for m in checked):
-            renders = template_renders_tools(getattr(tok, "chat_template", None))
-            checked = prepare_tool_messages(checked, specs, self.tool_format(), renders)
-            if renders and specs is not None:
-                kwargs["tools"] = specs
+        checked, kwargs = with_tools(tok, check_messages(messages), tools, self.tool_format(), template_kwargs)
         if tokenize:
             return encode_chat(tok, checked, add_generation_prompt, kwargs)
         return render_chat(tok, checked, add_generation_prompt, kwargs)
@@ -201,6 +173,13 @@ class Engine:
         Keyword arguments are sampling parameters (SGLang names: max_new_tokens, temperature,
         top_p, stop, n, seed, regex, json_schema, ...) and the constraint front ends schema=,
         grammar=, choices=, dtype=. With stream=True an async iterator of chunks is returned.
+
+        Agents and reasoning models (sgl/_extras.py): tools=[...] (Pydantic models, OpenAI
+        function dicts, typed functions) with tool_choice="auto"|"required"|"none"|name and
+        parallel_tool_calls -> `output.tool_calls`; a thinking model's output is split into
+        `output.reasoning` and `output.content` (separate_reasoning=False keeps it whole),
+        constraints apply after `</think>`, max_reasoning_tokens caps the reasoning;
+        chat_template_kwargs are the template's variables (e.g. enable_thinking=False).
         """
         check_flag("stream", stream)
         if stream:
@@ -343,111 +322,13 @@ class Engine:
                                       field="prompt")
         return self._rt.tokenizer
 
-    def _tokenize(self, prompt: Any, extras: Extras | None = None) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.encode(prompt) if prompt else []
-            if not ids:  # (a text of only characters the tokenizer drops, e.g. "\x04")
-                raise InvalidRequestError("the prompt is empty (it has no tokens)", field="prompt")
-            return ids
-        if is_messages(prompt):
-            if extras is not None:
-                return list(self.apply_chat_template(prompt, tokenize=True, tools=extras.tools,
-                                                     **extras.template_kwargs))
-            return list(self.apply_chat_template(prompt, tokenize=True))
-        if is_ids(prompt):
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise InvalidRequestError("the prompt is empty", field="input_ids")
-            vocab = self._rt.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                                          field="input_ids")
-            return ids
-        if isinstance(prompt, Sequence) and len(prompt) == 0:
-            raise InvalidRequestError("a prompt in the list is empty", field="prompt")
-        raise InvalidRequestError(f"cannot read a prompt from {type(prompt).__name__}: pass text, token ids "
-                                  "or chat messages", field="prompt")
-
     def _prepare(self, prompt: Any, sampling_params: Any, kwargs: dict[str, Any],
-                 lp: LogprobOptions) -> _Prepared:
+                 lp: LogprobOptions) -> Prepared:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new sgl.Engine")
-        kwargs = dict(kwargs)
-        raw_extras = take_extras(kwargs)  # tools, reasoning options (sgl/_extras.py)
-        check_kwarg_names(kwargs, _CONSTRAINT_KEYS)
-        front = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
-        if kwargs.get("json_schema") is not None and not isinstance(kwargs["json_schema"], str):
-            # A dict schema (issue 4 allows dict or JSON text): SamplingParams holds text only,
-            # so the constraint front end normalises (or rejects) it.
-            front["json_schema"] = kwargs.pop("json_schema")
-        if sampling_params is None:
-            params = SamplingParams.from_dict(kwargs)
-        else:
-            base = SamplingParams.from_dict(sampling_params).to_dict()
-            base.update(kwargs)
-            params = SamplingParams.from_dict(base)
-        check_limits(params, lp, self.config)  # before any costly work (compiling, tokenizing)
-        constraint = self._user_constraint(params, front)
-        if constraint is not None:
-            params = with_extras_params(params, constraint)
-            check_min_tokens(params, constraint.kind, constraint.spec, constraint.source)
-            # compiled (and rejected if invalid) by _compile_constraints, off the event loop
-        vocab = self._rt.model_config.vocab_size
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise InvalidSamplingParamsError(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary "
-                                             f"[0, {vocab})", field="stop_token_ids")
-        extras = None
-        if raw_extras or front.get("schema") is not None or self._reasoning_possible():
-            extras = read_extras(raw_extras, self.tool_format(), front.get("schema"))
-        ids = self._tokenize(prompt, extras)
-        parse_spec = constraint
-        if extras is not None:
-            extras.reasoning = self._reasoning_mode(ids, extras)
-            constraint = compose(extras, constraint, self._limits())
-            params = with_extras_params(params, constraint)
-        check_lengths(len(ids), params, lp, self._rt.context_length, self._rt.config.max_total_tokens)
-        return _Prepared(ids, params, constraint, parse_spec, extras)
+        return prepare(self, prompt, sampling_params, kwargs, lp)
 
-    def _limits(self) -> Any:
-        from sgl.constraints import ConstraintLimits
-
-        return ConstraintLimits(self.config.max_grammar_bytes, self.config.max_json_schema_depth)
-
-    def _user_constraint(self, params: SamplingParams, front: dict[str, Any]) -> Any:
-        """The constraint of schema= / regex= / json_schema= / grammar= / ... (or None);
-        size and depth checked against the engine's limits."""
-        if not front and params.constraint is None:
-            return None
-        from sgl.constraints import build_constraint
-
-        spec = {k: getattr(params, k) for k in ("regex", "json_schema") if getattr(params, k) is not None}
-        if params.ebnf is not None:
-            spec["grammar"] = params.ebnf
-        return build_constraint(**spec, **front, limits=self._limits())
-
-    def _reasoning_possible(self) -> bool:
-        parser = self.config.reasoning_parser
-        template = getattr(self._rt.tokenizer, "chat_template", None) or ""
-        return parser != "none" and (parser != "auto" or "<think>" in template)
-
-    def _reasoning_mode(self, ids: list[int], extras: Extras) -> Any:
-        """How this prompt's output is split (None: not at all), read from the prompt's end."""
-        from sgl.reasoning import reasoning_mode
-
-        mode = None
-        tok = self._rt.tokenizer
-        if extras.separate_reasoning and tok is not None and self._reasoning_possible():
-            tail = tok.decode(ids[-16:])
-            mode = reasoning_mode(self.config.reasoning_parser, getattr(tok, "chat_template", None), tail)
-        if mode is None and extras.max_reasoning_tokens is not None:
-            raise InvalidRequestError("max_reasoning_tokens needs a reasoning model (a chat template that "
-                                      "writes <think>, or the engine option reasoning_parser) and "
-                                      "separate_reasoning=True", field="max_reasoning_tokens")
-        return mode
-
-    async def _compile_constraints(self, prepared: Sequence[_Prepared]) -> None:
+    async def _compile_constraints(self, prepared: Sequence[Prepared]) -> None:
         """Compile each request's constraint on the grammar workers, awaited, so that a slow
         grammar delays only its own request; InvalidConstraintError if it is invalid or takes
         longer than grammar_compile_timeout. The result rides on the spec until `_submit`."""
@@ -457,7 +338,7 @@ class Engine:
                 compiled = await self._rt.compile_constraint(spec.kind, spec.spec)
                 prep.constraint = dataclasses.replace(spec, compiled=compiled)
 
-    def _submit(self, prep: _Prepared, lp: LogprobOptions, timeout: float | None,
+    def _submit(self, prep: Prepared, lp: LogprobOptions, timeout: float | None,
                 loop: asyncio.AbstractEventLoop, stream_queue: asyncio.Queue | None):
         futs: list[asyncio.Future[GenerateOutput]] = [loop.create_future() for _ in range(prep.params.n)]
         spec = RequestSpec(prompt_ids=prep.ids, params=prep.params, logprob=lp,
@@ -467,15 +348,5 @@ class Engine:
         return self._rt.submit(spec), futs
 
     @staticmethod
-    def _parse(prep: _Prepared, out: GenerateOutput) -> None:
-        spec = prep.parse_spec
-        if spec is None or out.finish_reason == "abort":
-            return
-        text = out.content if out.content is not None else out.text  # the answer after any reasoning
-        try:
-            out.parsed_value = spec.parse(text, finish_reason=out.finish_reason)
-        except ParseError as exc:
-            # Not raised here: with a batch or n > 1 that would lose the other outputs. Reading
-            # `out.parsed` raises it.
-            exc.output = out  # type: ignore[attr-defined]
-            out.parse_error = exc
+    def _parse(prep: Prepared, out: GenerateOutput) -> None:
+        parse_output(prep, out)
