@@ -12,6 +12,7 @@ calls, incrementally for streams and at once for final outputs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -142,8 +143,10 @@ def compose(extras: Extras, constraint: ConstraintSpec | None, limits: Constrain
         fmt = answer
     else:
         return constraint
+    if extras.parses_tools:  # what the user sent; the EBNF built from it is larger by a fixed factor
+        limits.check_size(json.dumps([t.parameters for t in extras.tools or []]), "the tools' parameter schemas",
+                          "tools")
     text = _structural.to_ebnf(fmt)
-    limits.check_size(text, "the grammar of the tools and reasoning", "tools" if extras.parses_tools else "schema")
     source = "tool calls" if extras.parses_tools else (constraint.source if constraint else "reasoning")
     return ConstraintSpec("ebnf", text, source=source)
 

@@ -20,6 +20,7 @@ xgrammar is imported lazily (it imports torch); only requests that need these gr
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Sequence
 
@@ -86,11 +87,17 @@ def reasoning_format(answer: dict[str, Any] | None, inside: bool, max_tokens: in
 
 
 def to_ebnf(fmt: dict[str, Any]) -> str:
-    """EBNF text of a structural-tag format (compiled by the engine as kind "ebnf")."""
+    """EBNF text of a structural-tag format (compiled by the engine as kind "ebnf"); cached,
+    since an agent sends the same tools with every turn."""
+    return _to_ebnf(json.dumps(fmt, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _to_ebnf(fmt_json: str) -> str:
     import xgrammar as xgr
 
     try:
-        return str(xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": fmt}))
+        return str(xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": json.loads(fmt_json)}))
     except Exception as exc:  # noqa: BLE001
         raise InvalidConstraintError(f"cannot build the grammar: {str(exc).splitlines()[0][:300]}",
                                      field="tools") from exc

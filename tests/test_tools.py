@@ -198,3 +198,48 @@ def test_tool_call_primitive_in_a_program(engine: sgl.Engine) -> None:
     assert '"name": "toggle"' in sgl.tools_prompt([toggle])
     with pytest.raises(sgl.InvalidRequestError, match="tool_choice"):
         sgl.tool_call("x", tools=[toggle], tool_choice="auto")
+
+
+# -- the grammars, checked with xgrammar's matcher -------------------------------------------------
+
+
+def _matcher(engine: sgl.Engine, tools: list[Any], choice: str, fmt: str = "hermes") -> Any:
+    import xgrammar as xgr
+
+    from sgl import _structural
+
+    normalized = normalize_tools(tools)
+    ebnf = _structural.to_ebnf(_structural.tool_format(normalized, normalize_tool_choice(choice, normalized),
+                                                       FORMATS[fmt]))
+    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=engine.model_config.vocab_size)
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.from_ebnf(ebnf)))
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+def test_auto_grammar_allows_text_and_forces_well_formed_calls(engine: sgl.Engine, fmt: str) -> None:
+    f = FORMATS[fmt]
+    good = "Sure. " + f.begin("Weather") + '{"city": "Rome", "celsius": false}' + f.end + " Done."
+    m = _matcher(engine, [Weather, PING], "auto", fmt)
+    assert m.accept_string(good) and m.is_terminated() is False  # free text may go on
+    for bad in [f.begin("Weather") + '{"city": "Lima", "celsius": false}',  # not in the enum
+                f.begin("nope") + "{}",  # not a tool
+                f.begin("Weather") + '{"celsius": false}']:  # a required key missing
+        assert not _matcher(engine, [Weather, PING], "auto", fmt).accept_string(bad)
+
+
+def test_required_grammar_refuses_text_first(engine: sgl.Engine) -> None:
+    assert not _matcher(engine, [Weather], "required").accept_string("Hello")
+    named = _matcher(engine, [Weather, PING], "ping")
+    assert not named.accept_string(FORMATS["hermes"].begin("Weather"))
+
+
+def test_llama3_format_end_to_end() -> None:
+    eng = tokenized_tiny_engine(tool_call_parser="llama3")
+    try:
+        outs = eng.generate_sync(MESSAGES, tools=[Weather, PING], tool_choice="required", n=3, temperature=1.0,
+                                 seed=2, max_new_tokens=200)
+    finally:
+        eng.close()
+    for out in outs:
+        assert out.text.startswith('{"name": "') and '"parameters": ' in out.text
+        assert out.tool_calls and all(c.name in ("Weather", "ping") for c in out.tool_calls)
