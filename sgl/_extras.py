@@ -36,6 +36,10 @@ class Extras:
     choice: ToolChoice | None = None
     fmt: ToolFormat | None = None
     separate_reasoning: bool = True
+    # True when the caller said separate_reasoning=True: a text or token-id prompt is then
+    # read as a rendered chat prompt (the server's chat route does this); by default only chat
+    # messages, or a prompt that itself opens <think>, are.
+    chat_prompt: bool = False
     max_reasoning_tokens: int | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     partial_model: Any = None  # a Pydantic model given as schema=
@@ -66,7 +70,8 @@ def _flag(raw: Mapping[str, Any], name: str, default: bool) -> bool:
 
 def read_extras(raw: Mapping[str, Any], fmt: ToolFormat, schema: Any) -> Extras:
     """Validated extras (InvalidRequestError naming the field at fault)."""
-    extras = Extras(fmt=fmt, separate_reasoning=_flag(raw, "separate_reasoning", True))
+    extras = Extras(fmt=fmt, separate_reasoning=_flag(raw, "separate_reasoning", True),
+                    chat_prompt=raw.get("separate_reasoning") is True)
     tools = raw.get("tools")
     if tools is not None:
         extras.tools = normalize_tools(tools)
@@ -115,6 +120,8 @@ def request_reasoning(extras: Extras, parser: str, tok: Any, ids: list[int]) -> 
     mode = None
     if extras.separate_reasoning and tok is not None and reasoning_possible(parser, tok):
         mode = reasoning_mode(parser, getattr(tok, "chat_template", None), tok.decode(ids[-16:]))
+        if mode is not None and not mode.inside and not extras.chat_prompt:
+            mode = None  # a plain completion prompt: the model is not expected to open <think>
     if mode is None and extras.max_reasoning_tokens is not None:
         raise InvalidRequestError("max_reasoning_tokens needs a reasoning model (a chat template that writes "
                                   "<think>, or the engine option reasoning_parser) and separate_reasoning=True",

@@ -91,8 +91,10 @@ def prepare(engine: Any, prompt: Any, sampling_params: Any, kwargs: dict[str, An
         raise InvalidSamplingParamsError(f"stop_token_ids {bad_stop[:5]} are outside the vocabulary "
                                          f"[0, {vocab})", field="stop_token_ids")
     extras = None
-    if raw_extras or front.get("schema") is not None or reasoning_possible(engine.config.reasoning_parser, engine.tokenizer):
+    thinking = reasoning_possible(engine.config.reasoning_parser, engine.tokenizer)
+    if raw_extras or front.get("schema") is not None or thinking:
         extras = read_extras(raw_extras, engine.tool_format(), front.get("schema"))
+        extras.chat_prompt = extras.chat_prompt or is_messages(prompt)
     ids = tokenize(engine, prompt, extras)
     parse_spec = constraint
     if extras is not None:

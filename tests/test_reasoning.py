@@ -144,6 +144,13 @@ def test_qwen3_style_template_opens_think_itself(engine: sgl.Engine) -> None:
         out = engine.generate_sync(MESSAGES, schema=Answer, max_reasoning_tokens=3, temperature=1.0, seed=4,
                                    max_new_tokens=200)
         assert out.text.startswith("<think>") and isinstance(out.parsed, Answer)
+        # A plain completion prompt is not chat: nothing is forced unless the caller says so.
+        raw = engine.generate_sync("Answer in JSON:", schema=Answer, temperature=1.0, seed=4, max_new_tokens=200)
+        assert raw.text.startswith("{") and raw.reasoning is None
+        chat_ids = engine.apply_chat_template(MESSAGES, tokenize=True)
+        said = engine.generate_sync(chat_ids, schema=Answer, separate_reasoning=True, max_reasoning_tokens=2,
+                                    temperature=1.0, seed=4, max_new_tokens=200)
+        assert said.text.startswith("<think>") and isinstance(said.parsed, Answer)
         off = engine.generate_sync(MESSAGES, schema=Answer, chat_template_kwargs={"enable_thinking": False},
                                    temperature=1.0, seed=4, max_new_tokens=200)
         assert off.text.startswith("{") and off.reasoning is None  # the prompt closed the reasoning
@@ -171,3 +178,13 @@ def test_server_reports_reasoning_content(thinking: sgl.Engine) -> None:
     deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in lines if x.startswith("data: {")]
     assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == message["reasoning_content"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+
+
+def test_tool_calls_after_reasoning(thinking: sgl.Engine) -> None:
+    outs = thinking.generate_sync(MESSAGES, tools=[Answer], tool_choice="Answer", max_reasoning_tokens=4, n=3,
+                                  temperature=1.0, seed=6, max_new_tokens=200)
+    for out in outs:
+        (call,) = out.tool_calls
+        assert call.name == "Answer" and isinstance(call.value, Answer)
+        assert out.reasoning and "</think>" not in out.reasoning and "<tool_call>" not in out.reasoning
+        assert out.content == ""

@@ -245,6 +245,9 @@ def _agent_fields(f: Fields) -> dict[str, Any]:
         f.unsupported(key, allowed=(None, "none", "auto"), why=" (deprecated by OpenAI): use tools and tool_choice")
     if out.get("tool_choice") == "none" and "tools" not in out:
         out.pop("tool_choice")
+    # The engine gets the rendered chat prompt as token ids; saying so explicitly lets it read a
+    # reasoning model's output as chat (a Qwen3 answer opens <think> itself).
+    out.setdefault("separate_reasoning", True)
     return out
 
 
