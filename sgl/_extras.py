@@ -135,7 +135,8 @@ def compose(extras: Extras, constraint: ConstraintSpec | None, limits: Constrain
     from sgl import _structural
 
     if extras.parses_tools and constraint is not None:
-        raise InvalidRequestError(f"tools with tool_choice={extras.choice.mode!r} cannot be combined with "  # type: ignore[union-attr]
+        mode = extras.choice.mode  # type: ignore[union-attr]
+        raise InvalidRequestError(f"tools with tool_choice={mode!r} cannot be combined with "
                                   f"{constraint.source}: the tool grammar already constrains the output; "
                                   "pass tool_choice='none' to use the constraint", field="tools")
     answer = None
@@ -164,7 +165,8 @@ class OutputSplitter:
     def __init__(self, extras: Extras) -> None:
         self.extras = extras
         self.reasoner = ReasoningSplitter(extras.reasoning) if extras.reasoning is not None else None
-        self.tools = ToolCallParser(extras.fmt, extras.tools or []) if extras.parses_tools else None  # type: ignore[arg-type]
+        parses = extras.parses_tools and extras.fmt is not None
+        self.tools = ToolCallParser(extras.fmt, extras.tools or []) if parses else None  # type: ignore[arg-type]
         self._content: list[str] = []
         self._partial_text = ""
 

@@ -16,7 +16,7 @@ from sgl.errors import InvalidRequestError, InvalidSamplingParamsError, ParseErr
 from sgl.outputs import GenerateOutput
 from sgl.sampling import LogprobOptions, SamplingParams
 
-__all__ = ["Prepared", "prepare", "tokenize", "parse_output", "CONSTRAINT_KEYS"]
+__all__ = ["Prepared", "prepare", "tokenize", "parse_output", "finish_output", "CONSTRAINT_KEYS"]
 
 CONSTRAINT_KEYS = ("schema", "grammar", "choices", "dtype")
 
@@ -125,3 +125,11 @@ def parse_output(prep: Prepared, out: GenerateOutput) -> None:
         # `out.parsed` raises it.
         exc.output = out  # type: ignore[attr-defined]
         out.parse_error = exc
+
+
+def finish_output(prep: Prepared, out: GenerateOutput) -> None:
+    """A non-streamed output: split it (reasoning, content, tool calls), then parse it."""
+    splitter = prep.splitter()
+    if splitter is not None:
+        splitter.split_output(out)
+    parse_output(prep, out)

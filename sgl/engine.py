@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequenc
 
 from sgl._chat import check_messages, encode_chat, render_chat
 from sgl._extras import OutputSplitter
-from sgl._prepare import Prepared, parse_output, prepare
+from sgl._prepare import Prepared, finish_output, parse_output, prepare
 from sgl._portal import LoopThread, SyncPortal, close_at_exit
 from sgl._requests import check_flag, check_timeout, make_sink, split_prompts
 from sgl._spec import RequestSpec
@@ -174,12 +174,8 @@ class Engine:
         top_p, stop, n, seed, regex, json_schema, ...) and the constraint front ends schema=,
         grammar=, choices=, dtype=. With stream=True an async iterator of chunks is returned.
 
-        Agents and reasoning models (sgl/_extras.py): tools=[...] (Pydantic models, OpenAI
-        function dicts, typed functions) with tool_choice="auto"|"required"|"none"|name and
-        parallel_tool_calls -> `output.tool_calls`; a thinking model's output is split into
-        `output.reasoning` and `output.content` (separate_reasoning=False keeps it whole),
-        constraints apply after `</think>`, max_reasoning_tokens caps the reasoning;
-        chat_template_kwargs are the template's variables (e.g. enable_thinking=False).
+        Also tools=, tool_choice=, parallel_tool_calls= (-> output.tool_calls), and for thinking
+        models separate_reasoning=, max_reasoning_tokens=, chat_template_kwargs= (sgl/_extras.py).
         """
         check_flag("stream", stream)
         if stream:
@@ -214,10 +210,7 @@ class Engine:
         outputs: list[GenerateOutput] = []
         for prep, outs in zip(prepared, results):
             for out in outs:
-                splitter = prep.splitter()
-                if splitter is not None:
-                    splitter.split_output(out)
-                self._parse(prep, out)
+                finish_output(prep, out)  # reasoning / content / tool calls, then the parsed value
                 outputs.append(out)
         if single:
             return outputs[0] if len(outputs) == 1 else outputs

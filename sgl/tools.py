@@ -129,7 +129,8 @@ def _from_dict(tool: Mapping[str, Any], where: str) -> Tool:
     name = _check_name(spec.get("name"), f"{where}.function.name" if spec is not tool else f"{where}.name")
     params = spec.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, Mapping) or params.get("type", "object") != "object":
-        raise InvalidRequestError(f"{where}: parameters must be a JSON schema of type object", field=where.split("[")[0])
+        raise InvalidRequestError(f"{where}: parameters must be a JSON schema of type object",
+                                  field=where.split("[")[0])
     desc = spec.get("description") or ""
     if not isinstance(desc, str):
         raise InvalidRequestError(f"{where}: description must be a string", field=where.split("[")[0])

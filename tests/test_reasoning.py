@@ -168,7 +168,8 @@ def test_server_reports_reasoning_content(thinking: sgl.Engine) -> None:
     from sgl.backend.server import create_app
 
     body = {"model": "m", "messages": MESSAGES, "max_reasoning_tokens": 3, "temperature": 0, "max_tokens": 100,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": Answer.model_json_schema()}}}
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "a", "schema": Answer.model_json_schema()}}}
     with TestClient(create_app(thinking)) as http:
         message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert message["reasoning_content"] and Answer.model_validate_json(message["content"])

@@ -104,7 +104,8 @@ def test_parser_splits_content_and_calls_at_any_chunking(fmt: str, step: int) ->
     content += parser.flush()
     final, calls = parser.result()
     assert [c.name for c in calls] == ["Weather", "ping"]
-    assert calls[0].arguments == {"city": "Paris", "celsius": True} and calls[0].value == Weather(city="Paris", celsius=True)
+    assert calls[0].arguments == {"city": "Paris", "celsius": True}
+    assert calls[0].value == Weather(city="Paris", celsius=True)
     assert calls[1].arguments_json == tricky and calls[1].value is None
     assert content == final == "Let me check. " + f.separator
     heads = [d for d in deltas if d.id is not None]
