@@ -26,9 +26,11 @@ from sgl.errors import (
 )
 from sgl.lang import *  # noqa: F403 - the program language, re-exported (see sgl.lang.__all__)
 from sgl.lang import __all__ as _lang_all
-from sgl.outputs import EngineStats, GenerateOutput, Logprobs, StreamChunk, TokenLogprob, Usage
+from sgl.outputs import (EngineStats, GenerateOutput, Logprobs, StreamChunk, TokenLogprob, ToolCall, ToolCallDelta,
+                         Usage)
 from sgl.remote import OpenAI, RuntimeEndpoint
 from sgl.sampling import LogprobOptions, SamplingParams
+from sgl.tools import Tool
 
 __version__ = "0.1.0"
 
@@ -45,6 +47,9 @@ __all__ = [
     "Usage",
     "Logprobs",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     # errors
     "SglError",
     "InvalidRequestError",

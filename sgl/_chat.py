@@ -65,24 +65,26 @@ def _content_text(content: Any, i: int) -> str:
                               f"{type(content).__name__}", field="messages")
 
 
-def render_chat(tok: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+def render_chat(tok: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The prompt text of validated messages. Encoding this text with `encode()` parses any
-    control-token text inside the messages: use `encode_chat` for token ids."""
+    control-token text inside the messages: use `encode_chat` for token ids. `template_kwargs`
+    go to the template as variables (`tools=[...]`, `enable_thinking=False`, ...)."""
     if not getattr(tok, "chat_template", None):
         raise InvalidRequestError("this model's tokenizer has no chat template; send plain text",
                                   field="messages")
     try:
         return tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                       tokenize=False)
+                                       tokenize=False, **dict(template_kwargs or {}))
     except Exception as exc:  # a template error (e.g. jinja's) is the caller's input, not ours
         raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
                                   field="messages") from exc
 
 
-def encode_chat(tok: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-                ) -> list[int]:
+def encode_chat(tok: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of validated messages, in which message text never becomes a control token."""
-    text = render_chat(tok, messages, add_generation_prompt)
+    text = render_chat(tok, messages, add_generation_prompt, template_kwargs)
     specials = _special_strings(tok)
     risky = [i for i, m in enumerate(messages) if any(s in m["content"] for s in specials)]
     for i, m in enumerate(messages):
@@ -92,7 +94,7 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, Any]], add_generation_
                                           "remove it", field="messages")
     if not risky:
         return list(tok.encode(text, add_special_tokens=False))
-    pieces = _segments(tok, messages, add_generation_prompt, text)
+    pieces = _segments(tok, messages, add_generation_prompt, text, template_kwargs)
     ids: list[int] = []
     for is_content, piece in pieces:
         if piece:
@@ -100,12 +102,12 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, Any]], add_generation_
     return ids
 
 
-def _segments(tok: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, text: str
-              ) -> list[tuple[bool, str]]:
+def _segments(tok: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, text: str,
+              template_kwargs: Mapping[str, Any] | None = None) -> list[tuple[bool, str]]:
     """[(is_content, text)] whose concatenation is `text`, the rendered prompt."""
     nonce = uuid.uuid4().hex
     marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
-    skeleton = render_chat(tok, marked, add_generation_prompt)
+    skeleton = render_chat(tok, marked, add_generation_prompt, template_kwargs)
     parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", skeleton)
     # A template may trim contents; try them as given, then stripped.
     for strip in (False, True):

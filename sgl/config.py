@@ -109,6 +109,12 @@ class EngineConfig:
     grammar_cache_bytes: int = 256 << 20  # compiled grammars kept for reuse, in bytes
     max_jump_forward_tokens: int = 64  # tokens one jump-forward may append
 
+    # -- chat formats (sgl/reasoning.py, sgl/_tool_format.py) ------------------------------
+    # auto: split <think>...</think> when the chat template mentions <think>
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek-r1"] = "auto"
+    # auto: read from the chat template; hermes (<tool_call>) for templates without tools
+    tool_call_parser: Literal["auto", "hermes", "llama3"] = "auto"
+
     def __post_init__(self) -> None:
         self._validate()
 

@@ -17,20 +17,16 @@ import asyncio
 import dataclasses
 import functools
 import queue
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
 from sgl._chat import check_messages, encode_chat, render_chat
+from sgl._extras import OutputSplitter
+from sgl._prepare import Prepared, finish_output, parse_output, prepare
 from sgl._portal import LoopThread, SyncPortal, close_at_exit
-from sgl._requests import (check_flag, check_kwarg_names, check_lengths, check_limits, check_min_tokens,
-                           check_timeout, check_vocab, is_ids, is_messages, make_sink, split_prompts)
+from sgl._requests import check_flag, check_timeout, make_sink, split_prompts
 from sgl._spec import RequestSpec
 from sgl.config import EngineConfig
-from sgl.errors import (
-    EngineClosedError,
-    InvalidRequestError,
-    ParseError,
-)
+from sgl.errors import EngineClosedError, InvalidRequestError
 from sgl.outputs import EngineStats, GenerateOutput, StreamChunk
 from sgl.sampling import LogprobOptions, SamplingParams
 
@@ -46,15 +42,6 @@ def _close_parts(rt: Runtime, sync: SyncPortal) -> None:
 
 Message = Mapping[str, Any]
 PromptInput = Union[str, Sequence[int], Sequence[Message]]
-
-_CONSTRAINT_KEYS = ("schema", "grammar", "choices", "dtype")
-
-
-@dataclass
-class _Prepared:
-    ids: list[int]
-    params: SamplingParams
-    constraint: Any  # sgl.constraints.ConstraintSpec or None
 
 
 class Engine:
@@ -130,15 +117,29 @@ class Engine:
         return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str | list[int]:
+                            tokenize: bool = False, tools: Sequence[Any] | None = None,
+                            **template_kwargs: Any) -> str | list[int]:
         """The prompt of chat `messages` in the model's template: its text, or with
         `tokenize=True` its token ids, in which text inside the messages never becomes a
-        control token (`encode()` of the text would turn a typed "<|im_start|>" into one)."""
+        control token (`encode()` of the text would turn a typed "<|im_start|>" into one).
+        `tools` (any form `generate(tools=...)` takes) are rendered by the template when it
+        supports them, else described in the system message (sgl/_tool_prompt.py);
+        `template_kwargs` are the template's variables (e.g. enable_thinking=False)."""
+        from sgl._tool_prompt import with_tools
+
         tok = self._need_tokenizer()
-        checked = check_messages(messages)
+        checked, kwargs = with_tools(tok, check_messages(messages), tools, self.tool_format(), template_kwargs)
         if tokenize:
-            return encode_chat(tok, checked, add_generation_prompt)
-        return render_chat(tok, checked, add_generation_prompt)
+            return encode_chat(tok, checked, add_generation_prompt, kwargs)
+        return render_chat(tok, checked, add_generation_prompt, kwargs)
+
+    def tool_format(self) -> Any:
+        """How this model writes tool calls (sgl/_tool_format.py): from the engine option
+        tool_call_parser, or read from the chat template."""
+        from sgl._tool_format import detect_format
+
+        tok = self._rt.tokenizer
+        return detect_format(getattr(tok, "chat_template", None), self.config.tool_call_parser)
 
     def stats(self) -> EngineStats:
         return EngineStats(**self._rt.stats())
@@ -172,6 +173,9 @@ class Engine:
         Keyword arguments are sampling parameters (SGLang names: max_new_tokens, temperature,
         top_p, stop, n, seed, regex, json_schema, ...) and the constraint front ends schema=,
         grammar=, choices=, dtype=. With stream=True an async iterator of chunks is returned.
+
+        Also tools=, tool_choice=, parallel_tool_calls= (-> output.tool_calls), and for thinking
+        models separate_reasoning=, max_reasoning_tokens=, chat_template_kwargs= (sgl/_extras.py).
         """
         check_flag("stream", stream)
         if stream:
@@ -206,7 +210,7 @@ class Engine:
         outputs: list[GenerateOutput] = []
         for prep, outs in zip(prepared, results):
             for out in outs:
-                self._parse(prep, out)
+                finish_output(prep, out)  # reasoning / content / tool calls, then the parsed value
                 outputs.append(out)
         if single:
             return outputs[0] if len(outputs) == 1 else outputs
@@ -238,11 +242,17 @@ class Engine:
         q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         rid, futs = self._submit(prep, lp, timeout, loop, stream_queue=q)
         remaining = len(futs)
+        splitters: dict[int, OutputSplitter | None] = {}
         try:
             while remaining:
                 kind, payload = await q.get()
                 if kind == "error":
                     raise payload
+                if payload.index not in splitters:
+                    splitters[payload.index] = prep.splitter()
+                splitter = splitters[payload.index]
+                if splitter is not None:
+                    splitter.feed_chunk(payload)
                 if payload.finish_reason is not None:
                     remaining -= 1
                     if payload.output is not None:
@@ -305,67 +315,13 @@ class Engine:
                                       field="prompt")
         return self._rt.tokenizer
 
-    def _tokenize(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.encode(prompt) if prompt else []
-            if not ids:  # (a text of only characters the tokenizer drops, e.g. "\x04")
-                raise InvalidRequestError("the prompt is empty (it has no tokens)", field="prompt")
-            return ids
-        if is_messages(prompt):
-            return list(self.apply_chat_template(prompt, tokenize=True))
-        if is_ids(prompt):
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise InvalidRequestError("the prompt is empty", field="input_ids")
-            vocab = self._rt.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                                          field="input_ids")
-            return ids
-        if isinstance(prompt, Sequence) and len(prompt) == 0:
-            raise InvalidRequestError("a prompt in the list is empty", field="prompt")
-        raise InvalidRequestError(f"cannot read a prompt from {type(prompt).__name__}: pass text, token ids "
-                                  "or chat messages", field="prompt")
-
     def _prepare(self, prompt: Any, sampling_params: Any, kwargs: dict[str, Any],
-                 lp: LogprobOptions) -> _Prepared:
+                 lp: LogprobOptions) -> Prepared:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new sgl.Engine")
-        check_kwarg_names(kwargs, _CONSTRAINT_KEYS)
-        kwargs = dict(kwargs)
-        front = {k: kwargs.pop(k) for k in _CONSTRAINT_KEYS if k in kwargs}
-        if kwargs.get("json_schema") is not None and not isinstance(kwargs["json_schema"], str):
-            # A dict schema (issue 4 allows dict or JSON text): SamplingParams holds text only,
-            # so the constraint front end normalises (or rejects) it.
-            front["json_schema"] = kwargs.pop("json_schema")
-        if sampling_params is None:
-            params = SamplingParams.from_dict(kwargs)
-        else:
-            base = SamplingParams.from_dict(sampling_params).to_dict()
-            base.update(kwargs)
-            params = SamplingParams.from_dict(base)
-        check_limits(params, lp, self.config)  # before any costly work (compiling, tokenizing)
-        constraint = None
-        if front or params.constraint is not None:
-            from sgl.constraints import ConstraintLimits, build_constraint
+        return prepare(self, prompt, sampling_params, kwargs, lp)
 
-            spec = {k: getattr(params, k) for k in ("regex", "json_schema") if getattr(params, k) is not None}
-            if params.ebnf is not None:
-                spec["grammar"] = params.ebnf
-            limits = ConstraintLimits(self.config.max_grammar_bytes, self.config.max_json_schema_depth)
-            constraint = build_constraint(**spec, **front, limits=limits)  # size and depth checked
-            params = params.replace(regex=None, json_schema=None, ebnf=None)
-            if constraint is not None:
-                params = params.replace(**{constraint.kind: constraint.spec})
-                check_min_tokens(params, constraint.kind, constraint.spec, constraint.source)
-                # compiled (and rejected if invalid) by _compile_constraints, off the event loop
-        check_vocab(params, self._rt.model_config.vocab_size)
-        ids = self._tokenize(prompt)
-        check_lengths(len(ids), params, lp, self._rt.context_length, self._rt.config.max_total_tokens)
-        return _Prepared(ids, params, constraint)
-
-    async def _compile_constraints(self, prepared: Sequence[_Prepared]) -> None:
+    async def _compile_constraints(self, prepared: Sequence[Prepared]) -> None:
         """Compile each request's constraint on the grammar workers, awaited, so that a slow
         grammar delays only its own request; InvalidConstraintError if it is invalid or takes
         longer than grammar_compile_timeout. The result rides on the spec until `_submit`."""
@@ -375,7 +331,7 @@ class Engine:
                 compiled = await self._rt.compile_constraint(spec.kind, spec.spec)
                 prep.constraint = dataclasses.replace(spec, compiled=compiled)
 
-    def _submit(self, prep: _Prepared, lp: LogprobOptions, timeout: float | None,
+    def _submit(self, prep: Prepared, lp: LogprobOptions, timeout: float | None,
                 loop: asyncio.AbstractEventLoop, stream_queue: asyncio.Queue | None):
         futs: list[asyncio.Future[GenerateOutput]] = [loop.create_future() for _ in range(prep.params.n)]
         spec = RequestSpec(prompt_ids=prep.ids, params=prep.params, logprob=lp,
@@ -385,13 +341,5 @@ class Engine:
         return self._rt.submit(spec), futs
 
     @staticmethod
-    def _parse(prep: _Prepared, out: GenerateOutput) -> None:
-        if prep.constraint is None or out.finish_reason == "abort":
-            return
-        try:
-            out.parsed_value = prep.constraint.parse(out.text, finish_reason=out.finish_reason)
-        except ParseError as exc:
-            # Not raised here: with a batch or n > 1 that would lose the other outputs. Reading
-            # `out.parsed` raises it.
-            exc.output = out  # type: ignore[attr-defined]
-            out.parse_error = exc
+    def _parse(prep: Prepared, out: GenerateOutput) -> None:
+        parse_output(prep, out)

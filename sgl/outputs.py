@@ -13,6 +13,8 @@ __all__ = [
     "GenerateOutput",
     "StreamChunk",
     "EngineStats",
+    "ToolCall",
+    "ToolCallDelta",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -52,6 +54,35 @@ class Logprobs:
 
 
 @dataclass
+class ToolCall:
+    """One tool call the model made (see `generate(..., tools=[...])`).
+
+    `arguments` is the parsed JSON object, grammar-guaranteed to match the tool's schema;
+    `value` is the validated Pydantic instance when the tool was given as a Pydantic model
+    (or as a function: its arguments model), else None. `arguments_json` is the text as
+    generated, what OpenAI's `function.arguments` carries.
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+    arguments_json: str
+    value: Any = field(default=None, repr=False)
+    index: int = 0  # position among the output's tool calls
+
+
+@dataclass
+class ToolCallDelta:
+    """A streamed piece of a tool call, in OpenAI's shape: the first delta of a call carries
+    `id` and `name`, later ones `arguments` fragments (their concatenation is the JSON text)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
 class GenerateOutput:
     """The result of one generation (one of the `n` samples of a prompt)."""
 
@@ -67,6 +98,12 @@ class GenerateOutput:
     # Set by the engine when a constraint was given; read through `parsed`.
     parsed_value: Any = field(default=None, repr=False)
     parse_error: Exception | None = field(default=None, repr=False)
+    # Set when the text was split (a reasoning model, or tools=): `text` stays the whole raw
+    # text; `reasoning` is what the model wrote between <think> and </think>, `content` the
+    # text outside the reasoning and the tool calls, `tool_calls` the calls it made.
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def parsed(self) -> Any:
@@ -97,6 +134,14 @@ class StreamChunk:
     finish_reason: FinishReason | None = None
     output: GenerateOutput | None = None  # the full output, on the last chunk only
     logprobs: list[TokenLogprob] | None = None  # logprobs of token_ids when asked
+    # Set when the text is split (see GenerateOutput): the pieces of `text` that are
+    # reasoning, content, or tool-call deltas. Their concatenation plus the markers is `text`.
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    # With schema=<Pydantic model>: everything of the object complete so far, as an instance
+    # of the model's partial type (every field optional; None while incomplete).
+    partial: Any = None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # its own tests). Any other new example must get a test here.
 TESTED_ELSEWHERE = {"quickstart.py", "json_extraction.py"}
 TESTED_HERE = {"few_shot_qa.py", "chat_roles.py", "react_agent.py", "parallel_tips.py",
-               "parallel_encoding.py", "streaming.py", "run_batch.py", "async_web_app.py"}
+               "parallel_encoding.py", "streaming.py", "run_batch.py", "async_web_app.py", "agent_tools.py"}
 
 
 def load(name: str) -> ModuleType:
@@ -110,6 +110,23 @@ def test_react_agent(engine: sgl.Engine) -> None:
         # The loop stops at "finish" or after max_steps, and always ends with an answer.
         assert steps[-1]["action"] == "finish" or len(steps) == 3
         assert isinstance(state["answer"], str)
+
+
+def test_agent_tools_calls_real_tools(engine: sgl.Engine) -> None:
+    example = load("agent_tools")
+    result = example.main(engine)
+    tools = {"calculate": example.calculate, "convert_units": example.convert_units}
+    for run in result["runs"]:
+        assert run["calls"], run  # tool_choice="required": the first turn always calls
+        for step in run["calls"]:
+            # The grammar guarantees arguments the real function accepts; its result went back.
+            assert step["result"] == tools[step["tool"]](**step["arguments"])
+        assert isinstance(run["answer"], str)
+    state = result["program"]
+    call = state["call"][0]
+    assert isinstance(call, sgl.ToolCall) and call.name in tools
+    assert state.ret_value["result"] == tools[call.name](**call.arguments)
+    assert isinstance(state["answer"], str)
 
 
 def test_parallel_tips(engine: sgl.Engine) -> None:

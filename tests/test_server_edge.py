@@ -119,7 +119,7 @@ OPENAI_BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "only text parts"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
-     "messages[0].tool_calls", "not supported"),
+     "messages[0].tool_calls", "only allowed on assistant messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "colour": "red"}]},
      "messages[0].colour", "unknown field"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs", "true or false"),

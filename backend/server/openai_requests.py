@@ -31,11 +31,13 @@ _MAPPED = {"temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "se
 # Engine fields reached through another OpenAI field (max_tokens, response_format).
 _NOT_EXTRA = {"max_new_tokens", "min_new_tokens", "json_schema", *_MAPPED.values()}
 _EXTRA = sorted(set(SAMPLING_KINDS) - _NOT_EXTRA)
-_IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_IGNORED = ("model", "user", "metadata", "store", "service_tier")
 # The roles the chat templates render; "developer" is OpenAI's newer name for "system".
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # Message keys the OpenAI client echoes back from earlier answers; harmless when null or empty.
-_NULL_MESSAGE_KEYS = ("tool_calls", "function_call", "refusal", "audio", "annotations")
+_NULL_MESSAGE_KEYS = ("function_call", "refusal", "audio", "annotations")
+# Echoed back too, and read: an assistant's earlier reasoning is not shown to the model again.
+_DROPPED_MESSAGE_KEYS = ("reasoning_content",)
 
 
 @dataclass
@@ -190,15 +192,74 @@ def _message(m: Any, where: str) -> dict[str, Any]:
                        f"{where}.role")
     for key, value in m.items():
         if key in _NULL_MESSAGE_KEYS and value not in (None, [], ""):
-            raise ApiError(400, f"{where}.{key} is not supported by this server (no tool calling)",
+            raise ApiError(400, f"{where}.{key} is not supported by this server (use tool_calls)",
                            f"{where}.{key}")
-        if key not in ("role", "content", "name", "tool_call_id", *_NULL_MESSAGE_KEYS):
+        if key not in ("role", "content", "name", "tool_call_id", "tool_calls", *_NULL_MESSAGE_KEYS,
+                       *_DROPPED_MESSAGE_KEYS):
             raise ApiError(400, f"{where} has an unknown field {key!r}", f"{where}.{key}")
     message = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)}
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
             message[key] = as_str(m[key], f"{where}.{key}")
+    if m.get("tool_calls") not in (None, []):
+        if role != "assistant":
+            raise ApiError(400, f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
+        message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     return message
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's earlier calls, for the chat template: arguments as a dict (what the
+    templates render), read from OpenAI's JSON text."""
+    if not isinstance(calls, list):
+        raise bad(where, "a list of tool calls", calls)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{where}[{i}]", '{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}',
+                      call)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                raise ApiError(400, f"{where}[{i}].function.arguments is not valid JSON",
+                               f"{where}[{i}].function.arguments") from None
+        if not isinstance(args, dict):
+            raise bad(f"{where}[{i}].function.arguments", "a JSON object", args)
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _agent_fields(f: Fields) -> dict[str, Any]:
+    """Tools and reasoning fields -> engine kwargs (validated by the engine, which names the
+    field at fault). `functions`/`function_call` are OpenAI's deprecated names."""
+    out: dict[str, Any] = {}
+    for key in ("tools", "tool_choice", "parallel_tool_calls", "separate_reasoning", "max_reasoning_tokens",
+                "chat_template_kwargs"):
+        value = f.raw(key)
+        if value is not None:
+            out[key] = value
+    for key in ("functions", "function_call"):
+        f.unsupported(key, allowed=(None, "none", "auto"), why=" (deprecated by OpenAI): use tools and tool_choice")
+    if out.get("tool_choice") == "none" and "tools" not in out:
+        out.pop("tool_choice")
+    # The engine gets the rendered chat prompt as token ids; saying so explicitly lets it read a
+    # reasoning model's output as chat (a Qwen3 answer opens <think> itself).
+    out.setdefault("separate_reasoning", True)
+    return out
+
+
+def _template_kwargs(agent: dict[str, Any]) -> dict[str, Any]:
+    kwargs = agent.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or "tools" in kwargs:
+        raise ApiError(400, "chat_template_kwargs must be an object of template variables (tools go in "
+                            "'tools')", "chat_template_kwargs")
+    return kwargs
 
 
 def parse_chat(body: dict[str, Any], engine: Any, options: ServerOptions) -> list[OpenAIRequest]:
@@ -217,13 +278,13 @@ def parse_chat(body: dict[str, Any], engine: Any, options: ServerOptions) -> lis
     if top and not want:
         raise ApiError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     stream, include_usage = _stream_flags(f)
-    for key in ("tools", "functions"):
-        f.unsupported(key, why=" (no tool calling); describe tools in the prompt and use response_format")
-    f.unsupported("tool_choice", allowed=(None, "none"))
-    f.unsupported("function_call", allowed=(None, "none"))
+    agent = _agent_fields(f)
+    params.update(agent)
     f.reject_unknown()
     # Tokenize here (exactly as the engine would) to size max_tokens against the context.
-    ids = engine.apply_chat_template(messages, tokenize=True)  # message text never becomes control tokens
+    # Message text never becomes control tokens; the engine checks the tools (a 400 names them).
+    ids = engine.apply_chat_template(messages, tokenize=True, tools=agent.get("tools"),
+                                     **_template_kwargs(agent))
     params["max_new_tokens"] = max_tokens if max_tokens is not None else _room(engine, len(ids))
     lp = LogprobOptions(return_logprob=want, top_logprobs_num=top)
     return [OpenAIRequest(Job(ids, params, lp), chat=True, stream=stream, include_usage=include_usage,

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from sgl.outputs import GenerateOutput, StreamChunk, TokenLogprob
+from sgl.outputs import GenerateOutput, StreamChunk, TokenLogprob, ToolCallDelta
 
 from sgl.backend.server.context import ServerContext, context_of
 from sgl.backend.server.driver import failed_before_start, run_or_abort
@@ -38,8 +38,59 @@ def _error(exc: BaseException, chat: bool) -> ApiError:
     return err
 
 
-def _finish(reason: str | None) -> str | None:
-    return reason  # "stop" / "length" as OpenAI; "abort" only for requests cut short
+def _finish(reason: str | None, out: GenerateOutput | None = None) -> str | None:
+    # "stop" / "length" as OpenAI; "abort" only for requests cut short; "tool_calls" when the
+    # model ended after calling tools.
+    if reason == "stop" and out is not None and out.tool_calls:
+        return "tool_calls"
+    return reason
+
+
+# -- tool calls and reasoning in OpenAI's shapes -----------------------------------------------
+
+
+def _chat_message(out: GenerateOutput) -> dict[str, Any]:
+    content = out.content if out.content is not None else out.text
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if out.reasoning is not None:
+        message["reasoning_content"] = out.reasoning
+    if out.tool_calls is not None:
+        message["content"] = content or None  # OpenAI: null when the answer is only calls
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments_json}}
+                                 for c in out.tool_calls]
+    return message
+
+
+def _tool_call_deltas(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's delta.tool_calls: a call's first entry has id, type and name; pieces of the
+    same call within one chunk are merged."""
+    merged: list[dict[str, Any]] = []
+    for d in deltas:
+        if merged and merged[-1]["index"] == d.index and d.id is None:
+            merged[-1]["function"]["arguments"] += d.arguments
+            continue
+        entry: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
+        if d.id is not None:
+            entry.update(id=d.id, type="function")
+            entry["function"]["name"] = d.name
+        merged.append(entry)
+    return merged
+
+
+def _chat_delta(chunk: StreamChunk, started: bool) -> dict[str, Any]:
+    out = chunk.output
+    text = chunk.content if chunk.content is not None else chunk.text
+    delta: dict[str, Any] = {} if out is not None and not text else {"content": text}
+    if chunk.reasoning:
+        delta["reasoning_content"] = chunk.reasoning
+    if chunk.tool_calls:
+        delta["tool_calls"] = _tool_call_deltas(chunk.tool_calls)
+    if (chunk.reasoning or chunk.tool_calls) and not text:
+        delta.pop("content", None)
+    if not started:
+        delta = {"role": "assistant", **delta, "content": delta.get("content", "")}
+    return delta
 
 
 # -- logprobs in the two OpenAI shapes --------------------------------------------------------
@@ -139,8 +190,8 @@ async def _handle(request: Request, chat: bool) -> Response:
         req = reqs[slot // n]
         logprobs = _output_logprobs(req, out, ctx.texts, req.prompt_text)
         if chat:
-            choices.append({"index": slot, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": logprobs, "finish_reason": _finish(out.finish_reason),
+            choices.append({"index": slot, "message": _chat_message(out),
+                            "logprobs": logprobs, "finish_reason": _finish(out.finish_reason, out),
                             "matched_stop": out.matched_stop})
         else:
             text = (req.prompt_text + out.text) if req.echo else out.text
@@ -163,14 +214,11 @@ def _stream_choice(req: OpenAIRequest, slot: int, chunk: StreamChunk, started: b
         else:
             logprobs = _completion_logprobs(chunk.logprobs, [], 0, texts, 0)
     if chat:
-        delta: dict[str, Any] = {} if out is not None and not chunk.text else {"content": chunk.text}
-        if not started:
-            delta = {"role": "assistant", **delta, "content": delta.get("content", "")}
-        body: dict[str, Any] = {"index": slot, "delta": delta, "logprobs": logprobs}
+        body: dict[str, Any] = {"index": slot, "delta": _chat_delta(chunk, started), "logprobs": logprobs}
     else:
         text = chunk.text if started or not req.echo else req.prompt_text + chunk.text
         body = {"index": slot, "text": text, "logprobs": logprobs}
-    body["finish_reason"] = _finish(out.finish_reason) if out is not None else None
+    body["finish_reason"] = _finish(out.finish_reason, out) if out is not None else None
     if out is not None:
         body["matched_stop"] = out.matched_stop
     return body

@@ -19,10 +19,11 @@ from sgl.lang.engine_backend import EngineBackend
 from sgl.lang.fake_backend import CharTokenizer, FakeBackend, FakeRequest
 from sgl.lang.function import SglFunction
 from sgl.lang.state import ProgramState, ProgramStateGroup
+from sgl.lang.tools import tool_call, tools_prompt
 
 __all__ = [
     # writing programs (SGLang names)
-    "function", "gen", "gen_int", "gen_string", "select", "image", "video",
+    "function", "gen", "gen_int", "gen_string", "select", "image", "video", "tool_call", "tools_prompt",
     "system", "user", "assistant",
     "system_begin", "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
     "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",

@@ -30,6 +30,11 @@ from sgl.lang.loop import on_loop_thread
 from sgl.lang.ops import Op, names_of
 from sgl.lang.params import resolve_gen
 from sgl.lang.tokens import TokenSequence
+from sgl.lang.tools import SglToolCall
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and hasattr(tp, "model_fields") and hasattr(tp, "model_validate")
 
 __all__ = ["StreamExecutor"]
 
@@ -73,6 +78,7 @@ class StreamExecutor:
         self._queue: collections.deque[Any] = collections.deque()
         self._pending: collections.Counter[str] = collections.Counter()
         self._streaming: set[str] = set()
+        self.partial_models: dict[str, Any] = {}  # streamed schema= gens: variable -> Pydantic model
         self._worker: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 
@@ -220,6 +226,9 @@ class StreamExecutor:
         else:
             raise TypeError(f"cannot execute {type(expr).__name__}: {expr!r}")
 
+    def partial_model(self, name: str) -> Any:
+        return self.partial_models.get(name)
+
     def fill(self, text: str) -> None:
         self.text_ += text
         if self.tokens is not None:
@@ -236,6 +245,8 @@ class StreamExecutor:
         name = expr.name
         prompt = self.prompt()
         if self.stream and resolved.params.n == 1:
+            if name is not None and _is_model(expr.options.schema):
+                self.partial_models[name] = expr.options.schema  # for ProgramState.partial_iter
             completion = await self._gen_streaming(name, prompt, resolved)
             completions = [completion]
         else:
@@ -249,6 +260,8 @@ class StreamExecutor:
             value: Any = c.text
             if resolved.typed:  # schema=: the variable holds the validated value
                 value = meta["parsed"] = resolved.constraint.parse(c.text, c.finish_reason)
+            elif isinstance(expr, SglToolCall):  # the variable holds the parsed calls
+                value = meta["tool_calls"] = expr.parse(c.text)
             c.meta_info = meta
             values.append(value)
         if name is not None:

@@ -217,6 +217,33 @@ class ProgramState:
             if final:
                 return
 
+    def partial_iter(self, var_name: str) -> Iterator[Any]:
+        """For a streamed `gen(var_name, schema=Model)`: the object complete so far after each
+        piece of text (sgl.partial; fields not yet complete are None), the last one whole."""
+        from sgl.partial import parse_partial
+
+        text, last = "", None
+        for chunk in self.text_iter(var_name):
+            text += chunk
+            model = self.stream_executor.partial_model(var_name)
+            value = parse_partial(text, model) if model is not None else None
+            if value is not None and value != last:
+                last = value
+                yield value
+
+    async def partial_async_iter(self, var_name: str) -> AsyncIterator[Any]:
+        """`partial_iter` for async code."""
+        from sgl.partial import parse_partial
+
+        text, last = "", None
+        async for chunk in self.text_async_iter(var_name):
+            text += chunk
+            model = self.stream_executor.partial_model(var_name)
+            value = parse_partial(text, model) if model is not None else None
+            if value is not None and value != last:
+                last = value
+                yield value
+
     def __repr__(self) -> str:
         ex = self.stream_executor
         return f"ProgramState({ex.text_!r})"
