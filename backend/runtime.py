@@ -150,7 +150,8 @@ class Runtime:
         attn = self._attention_backend(config, self.device, self.kv_pool.num_slots)
         overlap = not config.disable_overlap_schedule
         self.sampler = Sampler(vocab_size=mcfg.vocab_size, max_rows=max_running + 1, device=self.device,
-                               seed=config.random_seed, eos_token_ids=mcfg.eos_token_ids)
+                               seed=config.random_seed, eos_token_ids=mcfg.eos_token_ids,
+                               apply_token_bitmask=self.kernels.apply_token_bitmask)
         self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler, device=self.device,
                                   max_batch=max_running, vocab_size=mcfg.vocab_size, overlap=overlap)
         self.runner.verify_table = config.debug_integrity

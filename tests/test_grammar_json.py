@@ -83,3 +83,26 @@ def test_patterns_whose_sets_are_narrowed_by_xgrammar_are_accepted(pattern: str)
     schema = {"type": "string", "pattern": pattern}
     assert build_constraint(json_schema=schema) is not None
     json_schema_grammar(json.dumps(schema), indent=2)
+
+
+def test_the_engines_kernel_set_applies_the_grammar_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels="reference" reaches the sampler's mask: the reference bitmask op runs."""
+    from tiny_engines import tokenized_tiny_engine
+
+    from sgl.backend.kernels import token_bitmask
+
+    calls: list[int] = []
+    reference = token_bitmask.apply_token_bitmask_reference
+
+    def spy(logits, bitmask, indices=None):  # type: ignore[no-untyped-def]
+        calls.append(logits.shape[0])
+        reference(logits, bitmask, indices)
+
+    monkeypatch.setattr(token_bitmask, "apply_token_bitmask_reference", spy)
+    engine = tokenized_tiny_engine(kernels="reference")
+    try:
+        out = engine.generate_sync("Pick", max_new_tokens=4, temperature=1.0, regex="[ab]{3}")
+    finally:
+        engine.close()
+    assert len(out.text) == 3 and set(out.text) <= {"a", "b"}
+    assert calls, "the reference bitmask kernel never ran"
