@@ -43,6 +43,7 @@ from sgl.backend.step_io import FutureRing, StepHandle, StepInputs, StepOutput, 
 if TYPE_CHECKING:
     from sgl.backend.attention.base import AttentionBackend
     from sgl.backend.grammar import GrammarBackend
+    from sgl.backend.grammar_masks import MaskFill
     from sgl.backend.kv_pool import KVPool, ReqToTokenPool
     from sgl.backend.sampler import Sampler
 
@@ -144,15 +145,16 @@ class ModelRunner:
             table_check=self._table_check(batch) if self.verify_table else None,
         )
 
-    def _grammar_masks(self, batch: ScheduleBatch) -> torch.Tensor | None:
+    def _grammar_masks(self, batch: ScheduleBatch) -> MaskFill:
         # Constrained steps run synchronously (engine_loop.py): every matcher has accepted its
-        # request's latest token, so the masks can be filled here on the CPU.
+        # request's latest token, so the masks can be filled now, beside this step's forward;
+        # _sample_and_score waits for them (grammar_masks.py).
         from sgl.backend.grammar import allocate_bitmask
 
         states = [it.req.constraint for it in batch.items if it.samples]
         mask = allocate_bitmask(len(states), self.vocab_size)  # [S, ceil(V/32)] int32
         assert self.grammar is not None, "a constrained request builds the grammar backend"
-        return mask if self.grammar.fill_bitmasks(states, mask) else None
+        return self.grammar.fill_bitmasks_async(states, mask)
 
     def _table_check(self, batch: ScheduleBatch) -> list[tuple[int, torch.Tensor]]:
         """Debug mode: what the device rows must hold once this step's writes land."""
@@ -247,7 +249,8 @@ class ModelRunner:
         plan, S = step.plan, step.plan.num_samples
         result = StepResult()
         if S:
-            mask = step.vocab_mask.to(self.device, non_blocking=True) if step.vocab_mask is not None else None
+            host_mask = step.vocab_mask.result() if step.vocab_mask is not None else None
+            mask = host_mask.to(self.device, non_blocking=True) if host_mask is not None else None
             res = self.sampler.sample(logits[:S], step.sampling, mask)  # logits[:S]: [S, vocab]
             self.future_tokens[inputs.future_indices] = res.next_token_ids
             self.sampler.observe(step.sampling, res.next_token_ids)
@@ -294,7 +297,8 @@ class PreparedStep:
     plan: StepPlan
     graph_bs: int | None  # DECODE replayed by the CUDA graph of this (padded) batch size
     sampling: Any  # the sampler's SamplingBatchInfo
-    vocab_mask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 grammar bitmask (CPU)
+    # the [S, ceil(V/32)] int32 CPU grammar bitmask, being filled beside the forward
+    vocab_mask: MaskFill | None = None
     # debug mode: (row, host slots of its first seq_len columns) for each request of the step
     table_check: list[tuple[int, torch.Tensor]] | None = None
 

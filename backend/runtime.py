@@ -303,3 +303,5 @@ class Runtime:
 
     def close(self) -> None:
         self.core.shutdown()
+        if self._grammar is not None:
+            self._grammar.close()  # its mask-fill thread (after the engine thread stopped)
