@@ -2,7 +2,7 @@
 
     grammar = json_schema_grammar(schema_text, indent=2)   # an xgr.Grammar, ready to compile
 
-xgrammar 0.2.9 converts a schema to EBNF itself, and two of its string rules let a finished
+xgrammar 0.2.9 converts a schema to EBNF itself, and three things in its string rules let a finished
 output be invalid JSON (found by sampling random-weight models at temperature 1: ~3% of
 "stop" outputs failed `json.loads`):
 
@@ -10,15 +10,18 @@ output be invalid JSON (found by sampling random-weight models at temperature 1:
   char is `[^"\\\\\\r\\n]`: every other control character (U+0000..U+001F) is admitted raw,
   and no escape at all (so `"a\\"b"` is impossible while `"a<U+0002>b"` is possible);
 * every `\\uXXXX` escape admits any four hex digits, so a lone surrogate (`"\\ud800"`) can be
-  written: `json.loads` takes it, but Pydantic (and most strict parsers) reject the document.
+  written: `json.loads` takes it, but Pydantic (and most strict parsers) reject the document;
+* a raw UTF-8-encoded surrogate (bytes ED A0 80...) counts as one character, which the
+  detokenizer writes as three U+FFFD: a `maxLength` string came back too long.
 
 We keep xgrammar's converter (it knows the whole schema language) and patch its output text
 before parsing it back with `Grammar.from_ebnf`: the length-limited char becomes "a character
 JSON allows raw, or one escape" (so an escape counts as one character, as JSON Schema's
 lengths count decoded characters), and every `\\u` escape becomes "a non-surrogate, or a high
-surrogate followed by `\\u` and a low one". The printed grammar parses back to itself
-(checked by tests/test_grammar_json.py); when nothing needs patching the converter's grammar
-is used unchanged.
+surrogate followed by `\\u` and a low one", and no raw character is a surrogate code point
+(in unlimited strings too). xgrammar's printed grammar parses back to the same grammar, and
+tests/test_grammar_json.py checks that the patched one keeps the schema's language; when
+nothing needs patching the converter's grammar is used unchanged.
 
 Not patchable here: `pattern` strings. xgrammar writes the characters a pattern names on its
 own (`\\n`, `"`, `\\x01`...) raw; such patterns are refused (`sgl._json_schema.
@@ -48,7 +51,13 @@ _SAFE_U_ESCAPE = (
 _U_ESCAPE = f'("u" {_HEX} {_HEX} {_HEX} {_HEX})'
 # xgrammar's printed char of a length-limited string, and what it becomes.
 _LENGTH_CHAR = '[^\\"\\\\\\r\\n]'
-_SAFE_CHAR = f'([^\\"\\\\\\0-\\x1f] | ("\\\\" ([\\"\\\\/bfnrt] | {_SAFE_U_ESCAPE})))'
+# A raw character JSON allows: not a quote, backslash or control character, and not a UTF-16
+# surrogate code point (xgrammar takes the bytes ED A0 80.. as one; no decoder does).
+_RAW_CHAR = '[^\\"\\\\\\0-\\x1f\\ud800-\\udfff]'
+_SAFE_CHAR = f'({_RAW_CHAR} | ("\\\\" ([\\"\\\\/bfnrt] | {_SAFE_U_ESCAPE})))'
+# xgrammar's printed char of an unlimited string, and what it becomes.
+_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+_SAFE_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n\\ud800-\\udfff]'
 
 _REGEX_RULE = re.compile(r"::=\s*Regex\(")
 
@@ -60,6 +69,7 @@ def patch_json_string_rules(ebnf: str) -> str:
     for line in ebnf.splitlines():
         if not _REGEX_RULE.search(line):
             line = line.replace(_LENGTH_CHAR, _SAFE_CHAR).replace(_U_ESCAPE, _SAFE_U_ESCAPE)
+            line = line.replace(_STRING_CHAR, _SAFE_STRING_CHAR)
         lines.append(line)
     return "\n".join(lines) + "\n"
 

@@ -49,6 +49,36 @@ def test_escapes_in_free_strings_never_make_lone_surrogates(value: str, ok: bool
     assert _accepts(grammar, '{"s": "x", "any": "' + value + '"}') is ok  # untyped values too
 
 
+def _accepts_bytes(grammar: xgr.Grammar, data: bytes) -> bool:
+    """Byte by byte (a tokenizer whose tokens are the 256 bytes), as byte-level BPE tokens
+    can spell sequences that are not UTF-8."""
+    info = xgr.TokenizerInfo([bytes([i]) for i in range(256)], xgr.VocabType.RAW)
+    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(grammar)
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return all(matcher.accept_token(b) for b in data) and matcher.is_completed()
+
+
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 3},
+                                    {"type": "array", "items": {}}])
+def test_utf8_encoded_surrogates_are_not_characters(schema: dict) -> None:
+    """xgrammar reads ED A0 80 (U+D800 encoded) as one character; the detokenizer writes it as
+    three U+FFFD, so a maxLength=3 string could come back longer than 3."""
+    grammar = json_schema_grammar(json.dumps(schema), indent=None)
+    wrap = (lambda s: b"[" + s + b"]") if schema["type"] == "array" else (lambda s: s)
+    assert not _accepts_bytes(grammar, wrap(b'"\xed\xa0\x80"'))
+    assert _accepts_bytes(grammar, wrap(b'"\xed\x9f\xbf"'))  # U+D7FF, the last before them
+    assert _accepts_bytes(grammar, wrap('"é"'.encode()))
+
+
+def test_bundled_json_grammar_strings_are_strict() -> None:
+    from sgl.constraints import load_grammar
+
+    grammar = xgr.Grammar.from_ebnf(load_grammar("json")[1])
+    for data, ok in [(b'["\xed\xa0\x80"]', False), (b'["\x01"]', False),
+                     (b'["\\ud800"]', False), (b'["\\ud83d\\ude00", 1]', True), (b'{"a": "\xc3\xa9"}', True)]:
+        assert _accepts_bytes(grammar, data) is ok, data
+
+
 def test_patched_grammar_keeps_the_schema_language() -> None:
     schema = {"type": "object", "properties": {
         "e": {"enum": ["x", "y\u00e9", 3]}, "n": {"type": "number", "minimum": 0.5, "maximum": 9.5},
