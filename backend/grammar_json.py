@@ -36,7 +36,7 @@ import re
 
 import xgrammar as xgr
 
-from sgl._json_schema import pattern_json_hazards
+from sgl.constraints import pattern_json_hazards
 
 __all__ = ["json_schema_grammar", "patch_json_string_rules"]
 

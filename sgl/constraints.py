@@ -44,6 +44,7 @@ __all__ = [
     "escape_regex",
     "grammar_names",
     "load_grammar",
+    "pattern_json_hazards",
     "unenforceable_keywords",
 ]
 
