@@ -17,7 +17,9 @@ default on CUDA) splits the run into launch and result::
 A request that finishes in step k-1 is already in step k; its extra token is discarded and
 its slots are freed when k-1 is processed (safe: steps execute in order, and the slots are
 handed out again only to a later step). Steps with grammar-constrained requests run
-synchronously, because their token masks need the previous token accepted first.
+synchronously, because their token masks need the previous token accepted first; their masks
+are filled beside their own forward (grammar_masks.py). docs/architecture.md ("Grammar masks
+and the overlap loop") designs the cross-step overlap.
 """
 
 from __future__ import annotations

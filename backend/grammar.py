@@ -36,6 +36,8 @@ to one request and is only touched by the engine thread.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -44,6 +46,7 @@ import xgrammar as xgr
 # Re-exported: the jump-forward planner is part of this adapter's API (split only for size).
 from sgl.backend.grammar_compiler import CompiledConstraint, ConstraintCompiler, ConstraintKind
 from sgl.backend.grammar_jump import JumpPlan, apply_plan, plan_jump_forward
+from sgl.backend.grammar_masks import MaskFill
 
 __all__ = [
     "CompiledConstraint",
@@ -51,6 +54,7 @@ __all__ = [
     "ConstraintState",
     "GrammarBackend",
     "JumpPlan",
+    "MaskFill",
     "apply_plan",
     "plan_jump_forward",
     "allocate_bitmask",
@@ -73,6 +77,9 @@ class GrammarBackend:
     ", " and ": " separators when None), so the layout is forced and jump-forward can skip it.
     Compiling runs on `compile_workers` threads with a cache of at most `cache_bytes`
     (`grammar_compiler.py`); a jump-forward appends at most `max_jump_forward_tokens` tokens.
+    Masks of batches of at least 8 constrained rows are filled by xgrammar's batched matcher
+    on `fill_threads` threads (None: half the machine's cores, xgrammar's "auto"), and
+    `fill_bitmasks_async` runs the fill beside the step's forward (grammar_masks.py).
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class GrammarBackend:
         compile_workers: int = 2,
         max_jump_forward_tokens: int = 64,
         max_threads: int = 8,
+        fill_threads: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
@@ -104,6 +112,8 @@ class GrammarBackend:
             json_indent=json_indent, cache_bytes=cache_bytes, workers=compile_workers,
         )
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+        self.fill_threads = fill_threads
+        self._fill_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     @staticmethod
     def config_options(config: Any) -> dict[str, int]:
@@ -156,8 +166,28 @@ class GrammarBackend:
     ) -> bool:
         """`fill_bitmasks` on this backend's thread pool (created on first large batch)."""
         if self._batch_matcher is None and sum(s is not None for s in states) >= _BATCH_THRESHOLD:
-            self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher = xgr.BatchGrammarMatcher(self.fill_threads or "auto")
         return fill_bitmasks(states, bitmask, self._batch_matcher)
+
+    def fill_bitmasks_async(
+        self, states: Sequence[ConstraintState | None], bitmask: torch.Tensor
+    ) -> MaskFill:
+        """`fill_bitmasks` on this backend's fill thread, for the runner to wait on just
+        before sampling (grammar_masks.py). Fewer than 8 constrained rows fill here and now:
+        the hand-off would cost more than the fill."""
+        fill = functools.partial(self.fill_bitmasks, list(states), bitmask)
+        if sum(s is not None for s in states) < _BATCH_THRESHOLD:
+            return MaskFill(bitmask, constrained=fill())
+        if self._fill_thread is None:
+            self._fill_thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="sgl-grammar-fill")
+        return MaskFill.start(self._fill_thread, fill, bitmask)
+
+    def close(self) -> None:
+        """Stop the fill thread (after the fill in progress, if any)."""
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown(wait=True)
+            self._fill_thread = None
 
 
 class ConstraintState:

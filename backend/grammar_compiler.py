@@ -41,6 +41,7 @@ from typing import Literal
 import xgrammar as xgr
 
 from sgl.backend.grammar_forcing import forced_text_bound
+from sgl.backend.grammar_json import json_schema_grammar
 from sgl.errors import InvalidConstraintError, RequestTimeoutError
 
 __all__ = ["CompiledConstraint", "ConstraintCompiler", "ConstraintKind"]
@@ -274,8 +275,8 @@ class ConstraintCompiler:
             if kind == "regex":
                 grammar = xgr.Grammar.from_regex(spec)
             elif kind == "json_schema":
-                grammar = xgr.Grammar.from_json_schema(
-                    spec, any_whitespace=False, indent=self.json_indent, strict_mode=True)
+                # xgrammar's converter, with its string rules made strict (grammar_json.py)
+                grammar = json_schema_grammar(spec, indent=self.json_indent)
             else:
                 grammar = xgr.Grammar.from_ebnf(spec)
             compiled = self._compiler.compile_grammar(grammar)

@@ -44,6 +44,7 @@ from sgl.backend.step_io import FutureRing, StepHandle, StepInputs, StepOutput, 
 if TYPE_CHECKING:
     from sgl.backend.attention.base import AttentionBackend
     from sgl.backend.grammar import GrammarBackend
+    from sgl.backend.grammar_masks import MaskFill
     from sgl.backend.kv_pool import KVPool, ReqToTokenPool
     from sgl.backend.sampler import Sampler
 
@@ -183,9 +184,10 @@ class ModelRunner:
             host, rows = host.pin_memory(), rows.pin_memory()
         return host, rows, bs
 
-    def _grammar_masks(self, batch: ScheduleBatch) -> torch.Tensor | None:
+    def _grammar_masks(self, batch: ScheduleBatch) -> MaskFill:
         # Constrained steps run synchronously (engine_loop.py): every matcher has accepted its
-        # request's latest token, so the masks can be filled here on the CPU.
+        # request's latest token, so the masks can be filled now, beside this step's forward;
+        # _sample_and_score waits for them (grammar_masks.py).
         states = []
         for it in batch.items:
             if it.samples:
@@ -195,7 +197,7 @@ class ModelRunner:
                     states.extend(draft_states(c, it.draft_ids) if c is not None else [None] * len(it.draft_ids))
         assert self.grammar is not None, "a constrained request builds the grammar backend"
         mask = self.grammar.allocate_bitmask(len(states))  # [S, ceil(tokenizer vocab / 32)] int32
-        return mask if self.grammar.fill_bitmasks(states, mask) else None
+        return self.grammar.fill_bitmasks_async(states, mask)
 
     def _table_check(self, batch: ScheduleBatch) -> list[tuple[int, torch.Tensor]]:
         """Debug mode: what the device rows must hold once this step's writes land."""
@@ -297,7 +299,8 @@ class ModelRunner:
         plan, S = step.plan, step.plan.num_samples
         result = StepResult()
         if S:
-            mask = step.vocab_mask.to(self.device, non_blocking=True) if step.vocab_mask is not None else None
+            host_mask = step.vocab_mask.result() if step.vocab_mask is not None else None
+            mask = host_mask.to(self.device, non_blocking=True) if host_mask is not None else None
             res = self.sampler.sample(logits[:S], step.sampling, mask)  # logits[:S]: [S, vocab]
             if not plan.has_drafts:
                 self.future_tokens[inputs.future_indices] = res.next_token_ids
@@ -353,7 +356,8 @@ class PreparedStep:
     sampling: Any  # the sampler's SamplingBatchInfo
     # multi-token decode replayed by MultiTokenGraphs: (block, logits rows, padded batch size)
     multi: tuple[torch.Tensor, torch.Tensor, int] | None = None
-    vocab_mask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 grammar bitmask (CPU)
+    # the [S, ceil(V/32)] int32 CPU grammar bitmask, being filled beside the forward
+    vocab_mask: MaskFill | None = None
     # debug mode: (row, host slots of its first seq_len columns) for each request of the step
     table_check: list[tuple[int, torch.Tensor]] | None = None
 

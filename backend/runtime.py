@@ -155,7 +155,8 @@ class Runtime:
         overlap = not config.disable_overlap_schedule
         self.sampler = Sampler(vocab_size=mcfg.vocab_size, max_rows=max_running + 1, device=self.device,
                                seed=config.random_seed, eos_token_ids=mcfg.eos_token_ids,
-                               token_vocab_size=len(self.tokenizer) if self.tokenizer is not None else None)
+                               token_vocab_size=len(self.tokenizer) if self.tokenizer is not None else None,
+                               apply_token_bitmask=self.kernels.apply_token_bitmask)
         self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler, device=self.device,
                                   max_batch=max_running, vocab_size=mcfg.vocab_size, overlap=overlap)
         self.runner.verify_table = config.debug_integrity
@@ -309,6 +310,8 @@ class Runtime:
 
     def close(self) -> None:
         self.core.shutdown()
+        if self._grammar is not None:
+            self._grammar.close()  # its mask-fill thread (after the engine thread stopped)
 
 
 MULTI_TOKEN_K = 8  # token rows per request of the multi-token graphs without speculation

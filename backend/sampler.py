@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -207,10 +207,12 @@ def seeded_uniform(seeds: Tensor, steps: Tensor) -> Tensor:
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # 24 bits: exact in float32
 
 
-def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None) -> Tensor:
-    """Mask and penalise logits [B, V] in place (the model's buffer), before temperature."""
+def process_logits(logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None,
+                   apply_mask: Callable[..., None] | None = None) -> Tensor:
+    """Mask and penalise logits [B, V] in place (the model's buffer), before temperature.
+    `apply_mask` is the engine's KernelSet bitmask op (default: the device's "auto" one)."""
     if vocab_mask is not None:
-        dispatch.apply_token_bitmask(logits, vocab_mask.to(logits.device, non_blocking=True))
+        (apply_mask or dispatch.apply_token_bitmask)(logits, vocab_mask.to(logits.device, non_blocking=True))
     if info.token_vocab_size is not None and info.token_vocab_size < logits.shape[1]:
         # Padded embedding rows past the tokenizer are no tokens (masks do not cover them).
         logits[:, info.token_vocab_size :] = float("-inf")
@@ -305,14 +307,14 @@ def _uniforms(info: SamplingBatchInfo, generator: torch.Generator | None, device
 
 def sample(
     logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, apply_mask: Callable[..., None] | None = None,
 ) -> SampleOutput:  # fmt: skip
     """logits [B, V] float32 (modified in place) -> next tokens, and raw logprobs when asked.
 
     vocab_mask: xgrammar bitmask [B, ceil(V/32)] int32; unconstrained rows have every bit set."""
     assert logits.shape == (info.batch_size, info.vocab_size), (logits.shape, info.batch_size)
     raw = torch.log_softmax(logits, dim=-1) if info.return_logprob else None  # [B, V]
-    logits = process_logits(logits, info, vocab_mask)
+    logits = process_logits(logits, info, vocab_mask, apply_mask)
     if info.all_greedy:
         next_ids = logits.argmax(dim=-1)  # [B]
     else:
@@ -335,9 +337,11 @@ class Sampler:
     def __init__(
         self, vocab_size: int, max_rows: int, device: torch.device | str,
         seed: int | None = None, eos_token_ids: Sequence[int] = (), token_vocab_size: int | None = None,
+        apply_token_bitmask: Callable[..., None] | None = None,
     ) -> None:  # fmt: skip
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.token_vocab_size = token_vocab_size
+        self.apply_token_bitmask = apply_token_bitmask  # the KernelSet's op; None: "auto"
         self.eos_token_ids = tuple(eos_token_ids)
         self.generator = torch.Generator(device=self.device)
         _ = self.generator.seed() if seed is None else self.generator.manual_seed(seed)
@@ -380,7 +384,7 @@ class Sampler:
         return dataclasses.replace(info, penalty_starts=tuple(starts)) if starts else info
 
     def sample(self, logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None) -> SampleOutput:
-        return sample(logits, info, vocab_mask, self.generator)
+        return sample(logits, info, vocab_mask, self.generator, self.apply_token_bitmask)
 
     def observe(self, info: SamplingBatchInfo, next_token_ids: Tensor) -> None:
         """Record the sampled tokens [B] in the penalty counts (device order, no sync)."""

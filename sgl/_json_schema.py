@@ -17,8 +17,8 @@ from typing import Any, Callable, Mapping
 
 from sgl.errors import InvalidConstraintError
 
-__all__ = ["canonical_json", "nesting_depth", "type_name", "type_json_schema",
-           "unenforceable_keywords"]
+__all__ = ["canonical_json", "nesting_depth", "pattern_json_hazards", "type_name",
+           "type_json_schema", "unenforceable_keywords"]
 
 
 # -- size of a document -------------------------------------------------------------------------
@@ -105,6 +105,105 @@ def unenforceable_keywords(schema: Any, path: str = "#") -> list[tuple[str, str,
                 found += unenforceable_keywords(child, f"{path}/{key}/{i}")
     for key in _SCHEMA_SINGLE:
         found += unenforceable_keywords(schema.get(key), f"{path}/{key}")
+    return found
+
+
+# -- patterns xgrammar would write as invalid JSON ------------------------------------------------
+# xgrammar writes a string with a `pattern` by matching the pattern against the raw characters
+# between the quotes, with no JSON escapes. Character sets (`.`, `\s`, `[^a]`, wide ranges) are
+# filtered to the characters JSON allows raw, but a character the pattern names on its own
+# (`\n`, `\x01`, `"`, a class with no safe member such as `[\x01-\x05]`) is written raw: the
+# document is then invalid JSON. Such patterns are refused before compiling (xgrammar 0.2.9).
+
+_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "v": "\v", "f": "\f", "0": "\0"}
+_CLASS_ESCAPES = frozenset("dDwWsSbB")  # sets (and anchors), not single characters
+
+
+def _unsafe(code: int) -> bool:
+    return code < 0x20 or code == 0x22  # control characters and the quote
+
+
+def _pattern_atom(pattern: str, i: int, in_class: bool) -> tuple[int | None, int]:
+    """The code point pattern[i:] names (None for a set or an anchor) and where it ends."""
+    ch = pattern[i]
+    if ch != "\\" or i + 1 >= len(pattern):
+        return ord(ch), i + 1
+    nxt = pattern[i + 1]
+    if nxt in _SIMPLE_ESCAPES:
+        return ord(_SIMPLE_ESCAPES[nxt]), i + 2
+    if nxt == "b" and in_class:
+        return 8, i + 2  # backspace inside a class
+    if nxt == "c" and i + 2 < len(pattern) and pattern[i + 2].isalpha():
+        return ord(pattern[i + 2]) % 32, i + 3
+    for prefix, digits in (("x", 2), ("u", 4)):
+        text = pattern[i + 2 : i + 2 + digits]
+        if nxt == prefix and len(text) == digits and all(c in "0123456789abcdefABCDEF" for c in text):
+            return int(text, 16), i + 2 + digits
+    if nxt == "u" and pattern[i + 2 : i + 3] == "{":
+        end = pattern.find("}", i + 3)
+        if end > 0:
+            try:
+                return int(pattern[i + 3 : end], 16), end + 1
+            except ValueError:
+                pass
+    if nxt in _CLASS_ESCAPES or nxt.isdigit():
+        return None, i + 2  # a set, an anchor or a back-reference: not one named character
+    return ord(nxt), i + 2  # an escaped literal: \" \. \\ ...
+
+
+def _pattern_unsafe_chars(pattern: str) -> list[int]:
+    """Code points of unsafe characters that xgrammar would write raw for `pattern`: those
+    named outside classes, and those of a positive class with no safe member at all (a class
+    with one is filtered to its safe members; a negated class is always filtered)."""
+    found: list[int] = []
+    i = 0
+    while i < len(pattern):
+        if pattern[i] != "[":
+            code, i = _pattern_atom(pattern, i, False)
+            if code is not None and _unsafe(code):
+                found.append(code)
+            continue
+        negated = pattern[i + 1 : i + 2] == "^"
+        i += 2 if negated else 1
+        members, has_safe = [], False
+        while i < len(pattern) and pattern[i] != "]":
+            low, i = _pattern_atom(pattern, i, True)
+            high = low
+            if pattern[i : i + 1] == "-" and pattern[i + 1 : i + 2] not in ("", "]") and low is not None:
+                high, i = _pattern_atom(pattern, i + 1, True)
+            if low is None or high is None:
+                has_safe = True  # \w, \s, \d...: sets with safe members
+                continue
+            span = range(low, min(high, 0x23) + 1)
+            members += [c for c in span if _unsafe(c)]
+            has_safe = has_safe or high > 0x22 or any(not _unsafe(c) for c in span)
+        i += 1
+        if not negated and not has_safe:
+            found += members
+    return found
+
+
+def pattern_json_hazards(schema: Any, path: str = "#") -> list[tuple[str, str]]:
+    """(JSON pointer of a `pattern`, the character) for every pattern that names a character
+    JSON must escape (see above); each would let a generated string be invalid JSON."""
+    found: list[tuple[str, str]] = []
+    if not isinstance(schema, Mapping):
+        return found
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        found += [(f"{path}/pattern", chr(code)) for code in dict.fromkeys(_pattern_unsafe_chars(pattern))]
+    for key in _SCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, Mapping):
+            for name, child in sub.items():
+                found += pattern_json_hazards(child, f"{path}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, child in enumerate(sub):
+                found += pattern_json_hazards(child, f"{path}/{key}/{i}")
+    for key in _SCHEMA_SINGLE:
+        found += pattern_json_hazards(schema.get(key), f"{path}/{key}")
     return found
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 from sgl._json_schema import (
     canonical_json,
     nesting_depth,
+    pattern_json_hazards,
     type_json_schema,
     type_name,
     unenforceable_keywords,
@@ -43,6 +44,7 @@ __all__ = [
     "escape_regex",
     "grammar_names",
     "load_grammar",
+    "pattern_json_hazards",
     "unenforceable_keywords",
 ]
 
@@ -209,6 +211,20 @@ def _warn_unenforceable(schema: Any, source: str) -> None:
         )
 
 
+def _refuse_pattern_hazards(schema: Any, source: str, field_name: str) -> None:
+    """A `pattern` that names a character JSON must escape would let xgrammar write invalid
+    JSON (sgl._json_schema.pattern_json_hazards): refuse it, naming the pattern."""
+    hazards = pattern_json_hazards(schema)
+    if hazards:
+        pointer, char = hazards[0]
+        raise InvalidConstraintError(
+            f"{source}: the pattern at {pointer} requires the character {char!r}, which a JSON "
+            f"string must escape; constrained decoding writes pattern characters unescaped, so "
+            f"the output would be invalid JSON. Remove {char!r} from the pattern (sets such as "
+            f"\\s or [^a] are fine: they are narrowed to characters JSON allows)",
+            field=field_name)
+
+
 # -- limits -------------------------------------------------------------------------------------
 
 # Without configured limits, schemas are still refused past this depth: the document walkers
@@ -322,6 +338,7 @@ def _from_json_schema(value: Any, limits: ConstraintLimits) -> ConstraintSpec:
             field="json_schema",
         )
     limits.check_depth(parsed, "json_schema", "json_schema")
+    _refuse_pattern_hazards(parsed, "json_schema", "json_schema")
     _warn_unenforceable(parsed, "json_schema")
     return ConstraintSpec("json_schema", canonical_json(parsed), source="json_schema")
 
@@ -330,6 +347,7 @@ def _from_schema(tp: Any, limits: ConstraintLimits) -> ConstraintSpec:
     as_json, parser = type_json_schema(tp)
     source = f"schema {type_name(tp)}"
     limits.check_depth(as_json, f"the JSON schema of {source}", "schema")
+    _refuse_pattern_hazards(as_json, source, "schema")
     _warn_unenforceable(as_json, source)
     return ConstraintSpec("json_schema", canonical_json(as_json), source=source, parser=parser)
 

@@ -155,8 +155,9 @@ def apply_token_bitmask(
     bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32, on logits' device
     indices: torch.Tensor | None = None,
 ) -> None:
-    """The "auto" bitmask kernel for logits' device, for the sampler and the grammar adapter,
-    which the runtime builds without a KernelSet (they do not follow SGL_KERNELS yet)."""
+    """The "auto" bitmask kernel for logits' device: the default of code built without a
+    KernelSet (tests, `grammar.apply_bitmask`). The engine's sampler gets its KernelSet's
+    `apply_token_bitmask` instead, so SGL_KERNELS reaches the grammar mask."""
     if logits.device.type == "cuda" and HAS_TRITON:
         fn = token_bitmask.apply_token_bitmask_triton
     elif logits.device.type == "cpu" and _HAS_XGRAMMAR:

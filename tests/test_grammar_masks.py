@@ -1,0 +1,81 @@
+"""Grammar masks filled beside the step's forward (backend/grammar_masks.py): the same masks
+as a fill in place, errors surface at `result()`, and the runner waits for them before it
+samples."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from tiny_engines import tokenized_tiny_engine
+
+from sgl.backend.grammar import ConstraintState, GrammarBackend, allocate_bitmask, fill_bitmasks
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def backend(default_tokenizer: Any) -> GrammarBackend:
+    backend = GrammarBackend(default_tokenizer, VOCAB, fill_threads=2)
+    yield backend
+    backend.close()
+
+
+def _states(backend: GrammarBackend, n: int) -> list[ConstraintState | None]:
+    compiled = backend.compile("json_schema", '{"type":"object","properties":{"a":{"type":"string"}}}')
+    return [None if i % 4 == 0 else backend.new_state(compiled) for i in range(n)]
+
+
+def test_async_fill_equals_the_fill_in_place(backend: GrammarBackend) -> None:
+    states = _states(backend, 12)  # 9 constrained rows: the fill thread
+    masks = backend.fill_bitmasks_async(states, allocate_bitmask(12, VOCAB))
+    expected = allocate_bitmask(12, VOCAB)
+    fill_bitmasks(states, expected)
+    got = masks.result(timeout=30)
+    assert got is not None and masks.ready and torch.equal(got, expected)
+
+
+def test_small_batches_fill_in_place(backend: GrammarBackend) -> None:
+    masks = backend.fill_bitmasks_async(_states(backend, 4), allocate_bitmask(4, VOCAB))
+    assert masks.ready and masks.result() is not None
+    free = backend.fill_bitmasks_async([None] * 9, allocate_bitmask(9, VOCAB))
+    assert free.result(timeout=30) is None  # nothing constrained: no mask to apply
+
+
+def test_fill_errors_surface_at_result(backend: GrammarBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(states: Any, bitmask: Any) -> bool:
+        raise RuntimeError("fill failed")
+
+    monkeypatch.setattr(backend, "fill_bitmasks", broken)
+    masks = backend.fill_bitmasks_async(_states(backend, 12), allocate_bitmask(12, VOCAB))
+    with pytest.raises(RuntimeError, match="fill failed"):
+        masks.result(timeout=30)
+
+
+@pytest.mark.anyio
+async def test_the_runner_waits_for_slow_masks_before_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fill slower than the forward: were the sampler not to wait, it would sample from the
+    all-allowed mask allocate_bitmask starts with, and the outputs would break the regex."""
+    real = GrammarBackend.fill_bitmasks
+    threads: set[str] = set()
+
+    def slow(self: GrammarBackend, states: Any, bitmask: torch.Tensor) -> bool:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)
+        return real(self, states, bitmask)
+
+    monkeypatch.setattr(GrammarBackend, "fill_bitmasks", slow)
+    engine = tokenized_tiny_engine(random_seed=3)
+    try:
+        outs = await asyncio.gather(*(engine.generate(f"n{i}", max_new_tokens=6, temperature=1.0,
+                                                      regex="[0-9]{2}-[a-z]{2}") for i in range(10)))
+    finally:
+        engine.close()
+    assert any(name.startswith("sgl-grammar-fill") for name in threads)  # the async path ran
+    for out in outs:
+        assert out.finish_reason == "stop" and re.fullmatch("[0-9]{2}-[a-z]{2}", out.text), out
