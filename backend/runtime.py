@@ -44,7 +44,14 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     no_overlap = config.disable_overlap_schedule
     if no_overlap is None:
         no_overlap = not device.startswith("cuda")
-    return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap)
+    quantization = config.quantization
+    if quantization == "auto":
+        quantization = "gguf" if device == "cpu" and config.dtype == "auto" else "none"
+    elif quantization == "gguf" and device != "cpu":
+        raise InvalidConfigError(f"quantization='gguf' runs on the CPU only (device={device!r}): "
+                                 f"use device='cpu', or quantization='none' for float weights")
+    return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
+                          quantization=quantization)
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -117,7 +124,8 @@ class Runtime:
         self.kernels = resolve_kernels(config.kernels, self.device, self.dtype)  # before the slow load
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
-            model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir)
+            model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,
+            quantization=config.quantization)
         model.use_kernels(self.kernels)  # CPU: packs the linears for oneDNN in "auto" mode
         dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
             config.model in PRESETS or (config.model is None and config.model_config)))
