@@ -368,7 +368,23 @@ def _load_gguf_quantized(path: Path, dtype: torch.dtype,
         tensors.pop("lm_head.weight", None)
     floats = install_quantized(module, tensors)
     module.load_weights((name, t.to(dtype)) for name, t in floats.items())
+    del tensors, floats  # (unmaps the file)
+    _return_freed_memory()
     return module, config
+
+
+def _return_freed_memory() -> None:
+    """Hand the load's freed temporaries back to the OS (glibc keeps freed heap resident)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype,

@@ -68,6 +68,19 @@ def _available_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
+def _process_memory() -> tuple[int, int]:
+    """(resident bytes now, peak resident bytes) of this process; zeros where unknown."""
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+        return rss, peak
+    except (ImportError, OSError, ValueError):
+        return 0, 0
+
+
 def resolve_sizes(config: EngineConfig, *, device_type: str, available_bytes: int,
                   model_context_length: int, kv_bytes_per_token: int) -> EngineConfig:
     """The pool, batch and chunk sizes left "auto" (None), from the device and the model.
@@ -127,6 +140,9 @@ class Runtime:
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,
             quantization=config.quantization)
         model.use_kernels(self.kernels)  # CPU: packs the linears for oneDNN in "auto" mode
+        from sgl.backend.quant.install import weight_bytes
+
+        self.weights_bytes = weight_bytes(model)
         dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
             config.model in PRESETS or (config.model is None and config.model_config)))
         self.tokenizer = None
@@ -306,7 +322,18 @@ class Runtime:
             jump_forward_tokens=p.jump_forward_tokens,
             steps=self.core.num_steps,
             tokens_per_s=(sum(n for _, n in window) / span) if span > 0 else 0.0,
+            **self._memory_stats(total - self.kv_pool.allocator.available_size()),
         )
+
+    def _memory_stats(self, kv_used_tokens: int) -> dict[str, int]:
+        pool = self.kv_pool
+        stage = getattr(self.runner.attn_backend, "stage", None)
+        stage_bytes = sum(t.numel() * t.element_size() for t in stage.k + stage.v) if stage else 0
+        rss, peak = _process_memory()
+        return dict(weights_bytes=self.weights_bytes, kv_bytes_reserved=pool.reserved_bytes,
+                    kv_bytes_touched=pool.touched_bytes,
+                    kv_bytes_used=kv_used_tokens * pool.bytes_per_slot,
+                    decode_stage_bytes=stage_bytes, rss_bytes=rss, peak_rss_bytes=peak)
 
     def close(self) -> None:
         self.core.shutdown()

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from sgl.backend.quant import FORMATS, QuantizedWeight, decode
-from sgl.backend.quant.formats import NIBBLE_NATIVE, nibble_native
+from sgl.backend.quant.formats import NIBBLE_NATIVE, nibble_native, q8_0_native
 
 # Byte offsets of each format's fp16 fields inside a block (random bytes there could be
 # NaN/inf, which no real file holds; everything else is random bytes).
@@ -51,6 +51,13 @@ def test_nibble_native_copy_equals_the_full_decode(fmt: str) -> None:
     full = QuantizedWeight.from_decoded(decode(fmt, raw, 96), fmt)
     assert torch.equal(fast.codes, full.codes)
     assert torch.equal(fast.dequantize(), full.dequantize())
+
+
+def test_q8_0_copy_equals_the_full_decode() -> None:
+    raw = torch.from_numpy(random_blocks("Q8_0", 6, 96))
+    codes, scale, zero = q8_0_native(raw, 96)
+    fast = QuantizedWeight(codes, scale, zero, 8, 32, 96, "Q8_0")
+    assert torch.equal(fast.dequantize(), reference("Q8_0", raw.numpy()))
 
 
 def test_rows_of_the_table_dequantize_alone() -> None:

@@ -140,6 +140,15 @@ def nibble_native(format_name: str, raw: torch.Tensor,
     return blocks[..., offset:].reshape(raw.shape[0], -1).contiguous(), d, zero.contiguous()
 
 
+def q8_0_native(raw: torch.Tensor,
+                in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [N, K] int8, scale [N, G], zero [N, G]) of a Q8_0 tensor, codes copied once."""
+    blocks = raw.reshape(raw.shape[0], in_features // 32, 34)  # [N, G, block]
+    codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(raw.shape[0], in_features)
+    d = _f16(blocks[..., 0:2])
+    return codes, d, torch.zeros_like(d)
+
+
 def supported(format_name: str) -> bool:
     return format_name in FORMATS
 
