@@ -76,7 +76,7 @@ def _process_memory() -> tuple[int, int]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * resource.getpagesize()
-        return rss, peak
+        return rss, max(peak, rss)  # (the kernel updates ru_maxrss lazily)
     except (ImportError, OSError, ValueError):
         return 0, 0
 
