@@ -357,9 +357,11 @@ def _gguf_config(path: Path, cache: str | None) -> Any:
 def _load_gguf_quantized(path: Path, dtype: torch.dtype,
                          cache: str | None) -> tuple[nn.Module, ModelConfig]:
     """Quantized tensors into QuantizedWeights, the rest (norms) as float (module doc)."""
+    from sgl.backend.quant import cpu_kernel
     from sgl.backend.quant.gguf_weights import read_gguf
     from sgl.backend.quant.install import install_quantized
 
+    cpu_kernel.available()  # compile the kernel now (first use only), not in the first step
     # Built on the CPU with uninitialized parameters: the linear weights are dropped
     # before anything is written into them, so their memory is never touched.
     module, config = _build(_gguf_config(path, cache), torch.device("cpu"), dtype, [])
