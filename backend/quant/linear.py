@@ -22,7 +22,7 @@ __all__ = ["GEMV_MAX_ROWS", "quant_linear", "quant_linear_reference"]
 
 # Above this many rows the dequantize-then-BLAS path wins (the C kernel re-reads the weight
 # once per 8 rows).
-GEMV_MAX_ROWS = 32
+GEMV_MAX_ROWS = 16
 
 
 def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight,
