@@ -33,6 +33,21 @@ class QuantizedWeight:
     in_features: int
     source_format: str  # the GGUF format it came from ("Q4_1", ...; "mixed" after cat)
 
+    def __post_init__(self) -> None:
+        # The C kernel reads raw pointers: layouts are checked once here, not per call.
+        n, k, gs = self.codes.shape[0], self.in_features, self.group_size
+        width = k // 2 if self.bits == 4 else k
+        ok = ((self.bits, gs) in ((4, 32), (8, 32), (8, 16)) and k % gs == 0
+              and self.codes.shape == (n, width) and self.scale.shape == (n, k // gs)
+              and self.zero.shape == (n, k // gs)
+              and self.scale.dtype == self.zero.dtype == torch.float32
+              and self.codes.dtype == (torch.uint8 if self.bits == 4 else torch.int8)
+              and all(t.is_contiguous() for t in (self.codes, self.scale, self.zero)))
+        if not ok:
+            raise ValueError(f"inconsistent QuantizedWeight: bits={self.bits} group={gs} "
+                             f"codes {tuple(self.codes.shape)} {self.codes.dtype} scale "
+                             f"{tuple(self.scale.shape)} zero {tuple(self.zero.shape)} K={k}")
+
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
