@@ -18,6 +18,7 @@ past its locked cached prefix). A free slot is owned by nobody.
 
 from __future__ import annotations
 
+import mmap
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
@@ -64,6 +65,9 @@ class SlotAllocator:
         self._allocated = np.zeros(num_slots, dtype=bool)
         self._page_fill = np.zeros(self.num_pages, dtype=np.int64)
         self._stack = np.empty(self.num_pages - 1, dtype=np.int64)
+        # Highest page ever handed out: the free stack hands out low pages first and reuses
+        # freed ones first, so pages above it were never written (KVPool's lazy CPU memory).
+        self.high_water_page = 0
         self.clear()
 
     def clear(self) -> None:
@@ -103,6 +107,8 @@ class SlotAllocator:
     def _pop_pages(self, n: int) -> np.ndarray:
         pages = self._stack[self._top - n : self._top][::-1].copy()
         self._top -= n
+        if n:
+            self.high_water_page = max(self.high_water_page, int(pages.max()))
         return pages
 
     def _mark_allocated(self, slots: np.ndarray) -> None:
@@ -277,6 +283,11 @@ class KVPool:
 
     `num_tokens` is the usable capacity; one extra page (page 0, slot 0) is reserved, and the
     total is rounded up to whole pages.
+
+    On the CPU the buffers are views of one anonymous memory map: the capacity is reserved as
+    address space only, and the OS supplies zeroed memory page by page as slots are first
+    written, so the pool grows on demand up to its cap (`touched_bytes` follows the
+    allocator's high-water page). On a GPU they are allocated and zeroed up front.
     """
 
     def __init__(
@@ -300,9 +311,41 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k_buffer: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._arena: mmap.mmap | None = None
+        if self.device.type == "cpu":
+            buffers = self._lazy_buffers(2 * num_layers, shape, dtype)
+            self.k_buffer, self.v_buffer = buffers[:num_layers], buffers[num_layers:]
+        else:
+            self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = SlotAllocator(self.num_slots, page_size)
+
+    def _lazy_buffers(self, count: int, shape: tuple[int, int, int],
+                      dtype: torch.dtype) -> list[torch.Tensor]:
+        """`count` zero buffers of `shape` over one anonymous map (no memory until written)."""
+        per_buffer = shape[0] * shape[1] * shape[2] * dtype.itemsize
+        self._arena = mmap.mmap(-1, count * per_buffer)  # private, zero-filled on first touch
+        flat = torch.frombuffer(self._arena, dtype=torch.uint8)
+        return [flat[i * per_buffer:(i + 1) * per_buffer].view(dtype).view(shape)
+                for i in range(count)]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One token's K and V in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The pool's capacity in bytes (on the CPU: address space, not memory)."""
+        return self.num_slots * self.bytes_per_slot
+
+    @property
+    def touched_bytes(self) -> int:
+        """Bytes of slots ever written: the pool's memory on the CPU (all of it on a GPU)."""
+        if self._arena is None:
+            return self.reserved_bytes
+        pages = self.allocator.high_water_page + 1  # (page 0: the dummy slot padded rows write)
+        return min(pages * self.page_size * self.bytes_per_slot, self.reserved_bytes)
 
 
 def check_kv_integrity(

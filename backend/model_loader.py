@@ -2,9 +2,13 @@
 
 Sources (`load_format`):
 
-- ``gguf``: a `.gguf` file, dequantized to float by transformers' GGUF reader. That takes
-  ~10-15 s, so the first load writes the dequantized tensors (float32, exact) and the config
-  to a cache folder keyed by the file's path, size and mtime; later loads read that instead.
+- ``gguf``: a `.gguf` file. With `quantization="gguf"` (the CPU default, see runtime.py) its
+  quantized tensors stay quantized: the file is memory-mapped and each Linear gets a
+  `QuantizedWeight` (backend/quant/), no float copy and no weights cache; only the config is
+  cached. Otherwise (the float path: an explicit `dtype=`, `quantization="none"`, the GPU) it
+  is dequantized to float by transformers' GGUF reader. That takes ~10-15 s, so the first such
+  load writes the dequantized tensors (float32, exact) and the config to a cache folder keyed
+  by the file's path, size and mtime; later loads read that instead.
 - ``safetensors``: an HF folder (config.json + *.safetensors), streamed file by file.
 - ``dummy``: random weights (seeded) from a config: a preset name, a `model_config` dict of
   HF config fields (overriding the preset's), or the config of a real model path.
@@ -16,7 +20,9 @@ Sources (`load_format`):
 Cache folder: the `cache_dir` option, ``$SGL_CACHE_DIR`` or ``~/.cache/sgl``::
 
     <cache>/default_model/SmolLM2-135M-Instruct.Q4_1.gguf     (only if it had to be downloaded)
-    <cache>/gguf/<stem>-<key>/model.safetensors, config.json   (dequantized weights)
+    <cache>/gguf/<stem>-<key>/config.json                     (every GGUF load)
+    <cache>/gguf/<stem>-<key>/model.safetensors               (float path: dequantized weights)
+    <cache>/kernels/sgl_qlinear-<key>.so                      (quant/cpu_kernel.py)
     <cache>/gguf/<stem>-<key>/tokenizer/                      (written by tokenizer.py)
 """
 
@@ -188,8 +194,12 @@ def load_model(
     model_config: dict[str, Any] | None = None,
     seed: int = 0,
     cache: str | None = None,
+    quantization: str = "none",
 ) -> tuple[nn.Module, ModelConfig]:
-    """Build the model on `device` in `dtype`, eval mode, no autograd; see the module doc."""
+    """Build the model on `device` in `dtype`, eval mode, no autograd; see the module doc.
+
+    `quantization`: "gguf" keeps a GGUF file's quantized tensors quantized (CPU only);
+    "none" dequantizes them (the float path)."""
     device = torch.device(device)
     if load_format == "auto" and (model in PRESETS or (model is None and model_config)):
         load_format = "dummy"
@@ -209,6 +219,8 @@ def load_model(
         raise ModelLoadError(f"load_format={load_format!r} does not fit {path} "
                              f"(a {'GGUF file' if is_gguf else 'model folder'})")
     try:
+        if is_gguf and quantization == "gguf" and device.type == "cpu":
+            return _load_gguf_quantized(path, dtype, cache)
         if is_gguf:  # (the GGUF's tokenizer eos is already the config's eos)
             return _load_gguf(path, device, dtype, cache)
         hf_config, extra_eos = _folder_config(path)
@@ -324,6 +336,57 @@ def _gguf_source(path: Path) -> Any:
     if (cached / "config.json").is_file():
         return AutoConfig.from_pretrained(cached)
     return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _gguf_config(path: Path, cache: str | None) -> Any:
+    """The HF config of a GGUF file, cached as config.json beside the float cache (parsing
+    the file's metadata costs seconds, the cached JSON milliseconds)."""
+    from transformers import AutoConfig
+
+    folder = gguf_cache_folder(path, cache)
+    if (folder / "config.json").is_file():
+        return AutoConfig.from_pretrained(folder)
+    hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp_dir:
+        hf_config.save_pretrained(tmp_dir)
+        os.replace(Path(tmp_dir) / "config.json", folder / "config.json")
+    return hf_config
+
+
+def _load_gguf_quantized(path: Path, dtype: torch.dtype,
+                         cache: str | None) -> tuple[nn.Module, ModelConfig]:
+    """Quantized tensors into QuantizedWeights, the rest (norms) as float (module doc)."""
+    from sgl.backend.quant import cpu_kernel
+    from sgl.backend.quant.gguf_weights import read_gguf
+    from sgl.backend.quant.install import install_quantized
+
+    cpu_kernel.available()  # compile the kernel now (first use only), not in the first step
+    # Built on the CPU with uninitialized parameters: the linear weights are dropped
+    # before anything is written into them, so their memory is never touched.
+    module, config = _build(_gguf_config(path, cache), torch.device("cpu"), dtype, [])
+    tensors = read_gguf(path, config.num_heads, config.num_kv_heads)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    floats = install_quantized(module, tensors)
+    module.load_weights((name, t.to(dtype)) for name, t in floats.items())
+    del tensors, floats  # (unmaps the file)
+    _return_freed_memory()
+    return module, config
+
+
+def _return_freed_memory() -> None:
+    """Hand the load's freed temporaries back to the OS (glibc keeps freed heap resident)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype,

@@ -46,7 +46,14 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     no_overlap = config.disable_overlap_schedule
     if no_overlap is None:
         no_overlap = not device.startswith("cuda")
-    return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap)
+    quantization = config.quantization
+    if quantization == "auto":
+        quantization = "gguf" if device == "cpu" and config.dtype == "auto" else "none"
+    elif quantization == "gguf" and device != "cpu":
+        raise InvalidConfigError(f"quantization='gguf' runs on the CPU only (device={device!r}): "
+                                 f"use device='cpu', or quantization='none' for float weights")
+    return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
+                          quantization=quantization)
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -61,6 +68,19 @@ def _available_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+def _process_memory() -> tuple[int, int]:
+    """(resident bytes now, peak resident bytes) of this process; zeros where unknown."""
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+        return rss, max(peak, rss)  # (the kernel updates ru_maxrss lazily)
+    except (ImportError, OSError, ValueError):
+        return 0, 0
 
 
 def resolve_sizes(config: EngineConfig, *, device_type: str, available_bytes: int,
@@ -121,8 +141,12 @@ class Runtime:
         self.kernels = resolve_kernels(config.kernels, self.device, self.dtype)  # before the slow load
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
-            model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir)
+            model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,
+            quantization=config.quantization)
         model.use_kernels(self.kernels)  # CPU: packs the linears for oneDNN in "auto" mode
+        from sgl.backend.quant.install import weight_bytes
+
+        self.weights_bytes = weight_bytes(model)
         dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
             config.model in PRESETS or (config.model is None and config.model_config)))
         self.tokenizer = None
@@ -306,7 +330,18 @@ class Runtime:
             **_spec_stats(self.scheduler.drafter),
             steps=self.core.num_steps,
             tokens_per_s=(sum(n for _, n in window) / span) if span > 0 else 0.0,
+            **self._memory_stats(total - self.kv_pool.allocator.available_size()),
         )
+
+    def _memory_stats(self, kv_used_tokens: int) -> dict[str, int]:
+        pool = self.kv_pool
+        stage = getattr(self.runner.attn_backend, "stage", None)
+        stage_bytes = sum(t.numel() * t.element_size() for t in stage.k + stage.v) if stage else 0
+        rss, peak = _process_memory()
+        return dict(weights_bytes=self.weights_bytes, kv_bytes_reserved=pool.reserved_bytes,
+                    kv_bytes_touched=pool.touched_bytes,
+                    kv_bytes_used=kv_used_tokens * pool.bytes_per_slot,
+                    decode_stage_bytes=stage_bytes, rss_bytes=rss, peak_rss_bytes=peak)
 
     def close(self) -> None:
         self.core.shutdown()

@@ -1,6 +1,16 @@
 """The engine on the CPU with the default model, against transformers in the same run.
 
-    python bench/cpu_engine.py [--single-tokens 128] [--batch 32]
+    python bench/cpu_engine.py [--single-tokens 128] [--batch 32] [--warm-cache]
+
+Engine rows (each in a fresh process, one after the other, so that peak RSS is the row's own):
+- sgl quantized: the CPU default, the GGUF's Q4_1/Q8_0 tensors kept quantized
+  (backend/quant/), overlap on and off;
+- sgl float32: `quantization="none"`, the weights dequantized to float32 (the former default).
+Each row reports single-stream and batch tok/s, the seconds until the engine was ready, and
+the process's peak RSS after the single stream and then the batch. By default every row
+starts from an empty cache folder (what a first `sgl.Engine()` meets: the float row then
+dequantizes the file first, the quantized one compiles its kernel); `--warm-cache` reuses
+one folder, filled by a first untimed load of each kind.
 
 Workloads (fixed seeds, the same requests for every engine):
 - single: one 128-token prompt, 128 new tokens (EOS ignored), prefill included, best of
@@ -15,8 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +42,12 @@ from common import record, table  # noqa: E402
 import sgl  # noqa: E402
 from sgl.backend.reference import load_reference_model  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)"
+MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+ENGINES: dict[str, dict[str, object]] = {
+    "sgl quantized (overlap)": {"disable_overlap_schedule": False},
+    "sgl quantized (no overlap)": {"disable_overlap_schedule": True},
+    "sgl float32 (no overlap)": {"quantization": "none", "disable_overlap_schedule": True},
+}
 
 
 def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -83,43 +102,75 @@ async def sgl_batch(engine: sgl.Engine, prompts: list[list[int]], outs: list[int
     return sum(outs) / (time.perf_counter() - t)
 
 
+def run_one(name: str, args: argparse.Namespace) -> dict[str, float]:
+    """One engine row, in this (fresh) process: the figures as a dict."""
+    rng = random.Random(1)
+    single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
+    prompts, outs = workload(args.batch)
+    t = time.perf_counter()
+    engine = sgl.Engine(**ENGINES[name])
+    ready = time.perf_counter() - t
+    try:
+        s = asyncio.run(sgl_single(engine, single_prompt, args.single_tokens, args.repeats))
+        b = asyncio.run(sgl_batch(engine, prompts, outs))
+        stats = engine.stats()
+    finally:
+        engine.close()
+    return {"single": s, "batch": b, "ready s": ready, "peak RSS MB": stats.peak_rss_bytes / 2**20,
+            "weights MB": stats.weights_bytes / 2**20, "KV touched MB": stats.kv_bytes_touched / 2**20}
+
+
+def spawn(name: str, args: argparse.Namespace, cache: str) -> dict[str, float]:
+    """Run `name` in a child process with SGL_CACHE_DIR=cache; its figures."""
+    cmd = [sys.executable, __file__, "--one", name, "--single-tokens", str(args.single_tokens),
+           "--batch", str(args.batch), "--repeats", str(args.repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SGL_CACHE_DIR": cache})
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--single-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--warm-cache", action="store_true", help="reuse one cache folder (filled first)")
     ap.add_argument("--repeats", type=int, default=3, help="single stream: best of this many runs")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one engine row, print JSON
     args = ap.parse_args()
-    rng = random.Random(1)
-    single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
+    if args.one:
+        print(json.dumps(run_one(args.one, args)))
+        return
     prompts, outs = workload(args.batch)
-    rows = []
-    figures: dict[str, float] = {}
-
-    for name, options in [("sgl (overlap)", {"disable_overlap_schedule": False}),
-                          ("sgl (no overlap)", {"disable_overlap_schedule": True})]:
-        engine = sgl.Engine(**options)
-        try:
-            s = asyncio.run(sgl_single(engine, single_prompt, args.single_tokens, args.repeats))
-            b = asyncio.run(sgl_batch(engine, prompts, outs))
-        finally:
-            engine.close()
-        rows.append({"engine": name, "single tok/s": s, f"batch{args.batch} out tok/s": b})
-        figures[f"{name} single"] = s
-        figures[f"{name} batch"] = b
+    batch_col = f"batch{args.batch} out tok/s"
+    rows, figures = [], {}
+    with tempfile.TemporaryDirectory() as shared:
+        if args.warm_cache:  # fill the cache with both kinds, untimed
+            for options in ({}, {"quantization": "none"}):
+                os.environ["SGL_CACHE_DIR"] = shared
+                sgl.Engine(**options).close()
+        for name in ENGINES:
+            cache = shared if args.warm_cache else tempfile.mkdtemp(prefix="sgl-bench-")
+            got = spawn(name, args, cache)
+            rows.append({"engine": name, "single tok/s": got["single"], batch_col: got["batch"],
+                         "ready s": got["ready s"], "peak RSS MB": got["peak RSS MB"]})
+            figures.update({f"{name} {key}": value for key, value in got.items()})
 
     if not args.skip_hf:
+        rng = random.Random(1)
+        single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
         ref = load_reference_model()
         s = hf_single(ref, single_prompt, args.single_tokens, args.repeats)
         b = hf_padded_batch(ref, prompts, outs)
-        rows.append({"engine": "transformers generate", "single tok/s": s, f"batch{args.batch} out tok/s": b})
+        rows.append({"engine": "transformers generate", "single tok/s": s, batch_col: b})
         figures["hf single"] = s
         figures["hf padded batch"] = b
-        best = max(figures["sgl (overlap) single"], figures["sgl (no overlap) single"])
+        best = max(figures[f"{n} single"] for n in ENGINES)
         figures["single ratio vs hf"] = best / s
-        figures["batch ratio vs hf"] = max(figures["sgl (overlap) batch"], figures["sgl (no overlap) batch"]) / b
+        figures["batch ratio vs hf"] = max(figures[f"{n} batch"] for n in ENGINES) / b
 
-    print(table(rows, ["engine", "single tok/s", f"batch{args.batch} out tok/s"]))
+    print(table(rows, ["engine", "single tok/s", batch_col, "ready s", "peak RSS MB"]))
     if "single ratio vs hf" in figures:
         print(f"single-stream ratio vs transformers: {figures['single ratio vs hf']:.2f}x; "
               f"batch ratio: {figures['batch ratio vs hf']:.2f}x")

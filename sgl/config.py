@@ -56,6 +56,10 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     random_seed: int = 0
     cache_dir: str | None = None  # dequantized GGUF weights and the default model; None: ~/.cache/sgl
+    # GGUF weights: "gguf" keeps the file's quantized tensors quantized (CPU only: kernels in
+    # sgl/backend/quant), "none" dequantizes them to `dtype` (the float path). "auto": "gguf"
+    # on the CPU when `dtype` is "auto", else "none" (an explicit dtype asks for float weights).
+    quantization: Literal["auto", "none", "gguf"] = "auto"
 
     # -- memory ---------------------------------------------------------------------------
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static

@@ -167,6 +167,14 @@ class EngineStats:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # -- memory, in bytes (docs/operations.md, "Reading engine.stats()") -------------------
+    weights_bytes: int = 0  # model weights as held (quantized tables at their packed size)
+    kv_bytes_reserved: int = 0  # KV pool capacity (CPU: address space, not memory)
+    kv_bytes_touched: int = 0  # KV pool memory ever written (CPU grows on demand; GPU: all)
+    kv_bytes_used: int = 0  # KV slots in use now (requests + radix cache)
+    decode_stage_bytes: int = 0  # CPU decode stage (dense copies of running requests' KV)
+    rss_bytes: int = 0  # the process's resident memory now (0 where unknown)
+    peak_rss_bytes: int = 0  # ... and its peak since the process started
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -17,6 +17,13 @@ row, so a row never outlives the run of consecutive steps it was filled in.
 Rows are keyed by the request's row in the req_to_token table and packed densely at
 [0, B): a leaving request's row is refilled by a joining one or by the last row (moved).
 Attention runs in row order, with q and the output permuted to and from batch order.
+
+Size: rows x capacity positions (each one token's K and V in every layer). A (re)built stage
+takes at most `allowed` = min(the engine's budget `max_positions`, the pool's slot count;
+`HELD_FACTOR` x the tokens the batch's requests hold, or `MIN_POSITIONS` if more), with
+headroom for growth inside that; it is rebuilt smaller once it exceeds twice the current
+`allowed` (the batch shrank). A batch of very uneven lengths whose padded block exceeds
+`allowed` runs without the stage (gathering) and frees it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ import torch
 import torch.nn.functional as F
 
 _POSITION_ROUNDING = 256  # capacity grows in these steps
+_ROW_ROUNDING = 4  # rows grow in these steps
+HELD_FACTOR = 2  # stage positions per token the batch's requests hold, at most
+MIN_POSITIONS = 4 * _POSITION_ROUNDING  # ... or this many (small batches)
 
 
 @dataclass
@@ -80,8 +90,8 @@ class DecodeStage:
             self.reset()
         self._layers_done, self._num_layers = 0, num_layers
         batch, max_len = len(pool_rows), max(lens)
-        if not self._fit(batch, max_len, like, num_layers):
-            self.reset()
+        if not self._fit(batch, max_len, sum(lens), like, num_layers):
+            self.release()
             return None
         rows = self._place(pool_rows)
         rows_t = torch.tensor(rows, dtype=torch.int64)
@@ -131,26 +141,33 @@ class DecodeStage:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _fit(self, batch: int, max_len: int, like: torch.Tensor, num_layers: int) -> bool:
-        rows_cap = self.slots.shape[0]
-        if batch <= rows_cap and max_len <= self.capacity:
+    @property
+    def positions(self) -> int:
+        """Token positions the stage holds memory for (rows x capacity)."""
+        return self.slots.shape[0] * self.capacity
+
+    def _fit(self, batch: int, max_len: int, held: int, like: torch.Tensor,
+             num_layers: int) -> bool:
+        """Make room for `batch` rows of `max_len` positions (`held`: their total length)."""
+        allowed = min(self.max_positions, max(HELD_FACTOR * held, MIN_POSITIONS))
+        fits = batch <= self.slots.shape[0] and max_len <= self.capacity
+        if fits and self.positions <= 2 * allowed:  # (shrinks only when far too big: no thrash)
             return True
-        # Grow geometrically (a grown stage starts empty, so every row is copied in again).
-        # (Allocation is most of a growth's cost: ~0.5 s per GB of zeroed stage on 2 cores.)
-        budget_rows = self.max_positions // max_len
-        new_rows = max(batch, rows_cap, min(max(2 * rows_cap, 8), budget_rows))
-        new_cap = max(max_len, self.capacity * 5 // 4)
-        new_cap = -(-new_cap // _POSITION_ROUNDING) * _POSITION_ROUNDING
-        if new_rows * new_cap > self.max_positions:
-            new_cap = max_len
-            if new_rows * new_cap > self.max_positions:
-                return False
-        shape = (new_rows, like.shape[1], new_cap, like.shape[2])
+        # Rebuild with headroom within `allowed` (a rebuilt stage starts empty, so every row
+        # is copied in again); allocation is most of the cost: ~0.5 s per GB on 2 cores.
+        rows = -(-batch // _ROW_ROUNDING) * _ROW_ROUNDING
+        if rows * max_len > allowed:
+            rows = batch
+        cap = -(-(max_len * 5 // 4) // _POSITION_ROUNDING) * _POSITION_ROUNDING
+        cap = min(cap, allowed // rows)
+        if cap < max_len:
+            return False
+        shape = (rows, like.shape[1], cap, like.shape[2])
         self.k, self.v = [], []  # release the old stage before allocating the new one
         # zeros, not empty: padding keys are masked, but NaN garbage would still poison SDPA
         self.k = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(num_layers)]
-        self.slots = torch.full((new_rows, new_cap), -1, dtype=torch.int64)
+        self.slots = torch.full((rows, cap), -1, dtype=torch.int64)
         self.row_of.clear()
         return True
 

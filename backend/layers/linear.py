@@ -7,6 +7,10 @@ filled in place), so no layer here runs an initializer: the loader writes every 
 weight is replaced by its oneDNN-packed copy (same shape, no extra memory), and so is the LM
 head's table, or a packed copy of it when it is also the input embedding (kernels/onednn_linear.py
 says why).
+
+A layer may instead hold a `QuantizedWeight` (`qweight`, set by quant/install.py when a GGUF
+file loads quantized; `weight` is then None): it runs `quant.quant_linear`, and an Embedding
+dequantizes only the rows it looks up, so a tied head is one quantized table, never a copy.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from torch import nn
 
 from sgl.backend.kernels import onednn_linear
 from sgl.backend.kernels.dispatch import KernelSet
+from sgl.backend.quant.linear import quant_linear
+from sgl.backend.quant.weight import QuantizedWeight
 
 
 def empty_param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -38,10 +44,15 @@ class Linear(nn.Module):
         self.kernels = kernels
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = empty_param(out_features, in_features, device=device, dtype=dtype)
+        self.weight: nn.Parameter | None = empty_param(out_features, in_features, device=device,
+                                                       dtype=dtype)
         self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
+        self.qweight: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return quant_linear(x, self.qweight, self.bias)
+        assert self.weight is not None
         if self.weight.is_mkldnn:  # packed by pack_for_cpu
             return onednn_linear.packed_linear(x, self.weight, self.bias)
         return self.kernels.linear(x, self.weight, self.bias)
@@ -67,7 +78,7 @@ class MergedLinear(Linear):
 
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
         target = self.weight if param_name == "weight" else self.bias
-        if target is None:
+        if target is None:  # (a quantized weight is installed whole, by quant/install.py)
             raise KeyError(f"{shard}.{param_name}: this layer has no bias")
         rows = self.shard_slices[shard]
         if tensor.shape[0] != rows.stop - rows.start or tensor.shape[1:] != target.shape[1:]:
@@ -85,16 +96,25 @@ class Embedding(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.kernels = kernels
-        self.weight = empty_param(vocab_size, dim, device=device, dtype=dtype)
+        self.weight: nn.Parameter | None = empty_param(vocab_size, dim, device=device,
+                                                       dtype=dtype)
+        self.qweight: QuantizedWeight | None = None
+        self.dtype = dtype  # of the rows a quantized table's lookup returns
         # On the CPU (pack_for_cpu), the table packed for oneDNN when this embedding is both
         # the input embedding and the LM head: a copy, since the lookup needs the plain table.
         self.packed_projection: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            rows = self.qweight.dequantize(ids.reshape(-1), self.dtype)  # [T, dim]
+            return rows.view(*ids.shape, rows.shape[-1])
         return F.embedding(ids, self.weight)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]
         """Scores of every table row against each hidden state: the LM head."""
+        if self.qweight is not None:
+            return quant_linear(hidden, self.qweight)
+        assert self.weight is not None
         if self.weight.is_mkldnn:  # an LM head only, packed in place
             return onednn_linear.packed_linear(hidden, self.weight)
         if self.packed_projection is not None:
@@ -109,9 +129,9 @@ def pack_for_cpu(model: nn.Module, head: Embedding | None, *, tied: bool = False
     head gets a packed copy; an untied head is packed in place like a Linear.
     """
     for module in model.modules():
-        if isinstance(module, Linear) and not module.weight.is_mkldnn:
+        if isinstance(module, Linear) and module.weight is not None and not module.weight.is_mkldnn:
             module.weight = nn.Parameter(onednn_linear.pack(module.weight), requires_grad=False)
-    if head is None or head.weight.is_mkldnn:
+    if head is None or head.weight is None or head.weight.is_mkldnn:
         return
     if tied:
         head.packed_projection = onednn_linear.pack(head.weight)

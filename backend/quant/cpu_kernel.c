@@ -1,0 +1,159 @@
+// sgl's CPU kernels for QuantizedWeight (backend/quant/weight.py): y = x @ W^T + b with W
+// kept as integer codes and per-group float scale/zero, activations float32.
+//
+//   y[m, n] = sum_g scale[n, g] * dot(code[n, g, :], x[m, g, :]) + zero[n, g] * sum(x[m, g, :])
+//
+// The per-group dot products run in float (codes converted in registers, AVX2 + FMA): the
+// result equals dequantize-then-matmul up to float32 summation order. The row sums of x per
+// group are computed once per call. Threads split the output features (OpenMP: the same
+// libgomp torch loaded, so the same thread pool). Built at first use by cpu_kernel.py.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_ROWS 8  // rows of x per pass over the weight (accumulators stay in registers)
+#define N_BLOCK 16  // output features per scheduling unit
+
+int sgl_cpu_ok(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+AVX2 INLINE float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One output feature n, rows [m0, m0 + mc) of x. bits 4: 32-wide groups of nibbles;
+// bits 8: int8 codes, group_size a multiple of 8.
+AVX2 INLINE void row4(const float* x, int64_t K, int64_t m0, const int mc,
+                      const uint8_t* codes, const float* s, const float* z,
+                      const float* xsum, int64_t G, float* out) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m256 acc[MAX_ROWS];
+  float zacc[MAX_ROWS];
+  for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); zacc[m] = 0.0f; }
+  for (int64_t g = 0; g < G; g++) {
+    __m128i b = _mm_loadu_si128((const __m128i*)(codes + g * 16));
+    __m128i lo = _mm_and_si128(b, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    __m256 sg = _mm256_set1_ps(s[g]);
+    for (int m = 0; m < mc; m++) {
+      const float* xg = x + (m0 + m) * K + g * 32;
+      __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+      d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), d);
+      d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), d);
+      d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), d);
+      acc[m] = _mm256_fmadd_ps(d, sg, acc[m]);
+      zacc[m] += z[g] * xsum[(m0 + m) * G + g];
+    }
+  }
+  for (int m = 0; m < mc; m++) out[m] = hsum(acc[m]) + zacc[m];
+}
+
+AVX2 INLINE void row8(const float* x, int64_t K, int64_t m0, const int mc,
+                      const int8_t* codes, const float* s, const float* z, const int gs,
+                      const float* xsum, int64_t G, float* out) {
+  __m256 acc[MAX_ROWS];
+  float zacc[MAX_ROWS];
+  for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); zacc[m] = 0.0f; }
+  for (int64_t g = 0; g < G; g++) {
+    __m256 sg = _mm256_set1_ps(s[g]);
+    for (int m = 0; m < mc; m++) {
+      const float* xg = x + (m0 + m) * K + g * gs;
+      __m256 d = _mm256_setzero_ps();
+      for (int v = 0; v < gs; v += 8) {
+        __m128i q = _mm_loadl_epi64((const __m128i*)(codes + g * gs + v));
+        d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                            _mm256_loadu_ps(xg + v), d);
+      }
+      acc[m] = _mm256_fmadd_ps(d, sg, acc[m]);
+      zacc[m] += z[g] * xsum[(m0 + m) * G + g];
+    }
+  }
+  for (int m = 0; m < mc; m++) out[m] = hsum(acc[m]) + zacc[m];
+}
+
+// Constant row counts let the compiler keep the accumulators in registers.
+#define DISPATCH(CALL) switch (mc) { \
+  case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
+  case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; \
+  case 7: CALL(7); break; default: CALL(8); break; }
+
+AVX2 static void feature(int bits, int gs, const float* x, int64_t M, int64_t K,
+                         const void* codes, const float* scale, const float* zero, int64_t n,
+                         int64_t N, const float* bias, const float* xsum, int64_t G, float* y) {
+  float out[MAX_ROWS];
+  const float* s = scale + n * G;
+  const float* z = zero + n * G;
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+    int mc = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+    if (bits == 4) {
+      const uint8_t* c = (const uint8_t*)codes + n * (K / 2);
+#define CALL4(R) row4(x, K, m0, R, c, s, z, xsum, G, out)
+      DISPATCH(CALL4)
+    } else if (gs == 32) {  // constant group sizes: the inner loop unrolls
+      const int8_t* c = (const int8_t*)codes + n * K;
+#define CALL8_32(R) row8(x, K, m0, R, c, s, z, 32, xsum, G, out)
+      DISPATCH(CALL8_32)
+    } else {
+      const int8_t* c = (const int8_t*)codes + n * K;
+#define CALL8_16(R) row8(x, K, m0, R, c, s, z, 16, xsum, G, out)
+      DISPATCH(CALL8_16)
+    }
+    float b = bias ? bias[n] : 0.0f;
+    for (int m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] + b;
+  }
+}
+
+// x [M, K], y [M, N] float32 row-major; codes/scale/zero as in weight.py; bias may be NULL.
+AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
+                      const float* scale, const float* zero, int64_t N, const float* bias,
+                      float* y, int threads) {
+  int64_t G = K / gs;
+  float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * G > 0 ? M * G : 1));
+  for (int64_t i = 0; i < M * G; i++) {
+    float t = 0.0f;
+    for (int j = 0; j < gs; j++) t += x[i * gs + j];
+    xsum[i] = t;
+  }
+  int64_t blocks = (N + N_BLOCK - 1) / N_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t blk = 0; blk < blocks; blk++) {
+    int64_t end = (blk + 1) * N_BLOCK < N ? (blk + 1) * N_BLOCK : N;
+    for (int64_t n = blk * N_BLOCK; n < end; n++)
+      feature(bits, gs, x, M, K, codes, scale, zero, n, N, bias, xsum, G, y);
+  }
+  free(xsum);
+}
+
+// out [N, K] float32 = the dequantized weight (the prefill path: then one float matmul).
+void sgl_qdequant(int bits, int gs, const void* codes, const float* scale, const float* zero,
+                  int64_t N, int64_t K, float* out, int threads) {
+  int64_t G = K / gs;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) {
+    float* o = out + n * K;
+    for (int64_t g = 0; g < G; g++) {
+      float s = scale[n * G + g], z = zero[n * G + g];
+      if (bits == 4) {
+        const uint8_t* c = (const uint8_t*)codes + n * (K / 2) + g * 16;
+        for (int i = 0; i < 16; i++) {
+          o[g * 32 + i] = s * (float)(c[i] & 0xF) + z;
+          o[g * 32 + 16 + i] = s * (float)(c[i] >> 4) + z;
+        }
+      } else {
+        const int8_t* c = (const int8_t*)codes + n * K + g * gs;
+        for (int i = 0; i < gs; i++) o[g * gs + i] = s * (float)c[i] + z;
+      }
+    }
+  }
+}

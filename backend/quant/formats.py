@@ -1,0 +1,162 @@
+"""GGUF block formats decoded into one canonical form: integer codes with a float scale and
+zero per group of `group_size` consecutive weights along K.
+
+    weight[n, k] = scale[n, g] * code[n, k] + zero[n, g]        (g = k // group_size)
+
+Every supported format maps onto it exactly in float32: GGUF stores its block scales as fp16
+and its sub-block scales as 6- or 8-bit integers, so `d * sc` (11-bit mantissa x 8-bit int)
+and `dmin * m` fit float32's 24-bit mantissa without rounding.
+
+    format  block  bytes  codes        group  scale        zero
+    Q4_0    32     18     q in 0..15   32     d            -8 d
+    Q4_1    32     20     q in 0..15   32     d            m
+    Q8_0    32     34     q in -128..  32     d            0
+    Q4_K    256    144    q in 0..15   32     d * sc_j     -dmin * m_j
+    Q5_K    256    176    q in 0..31   32     d * sc_j     -dmin * m_j
+    Q6_K    256    210    q-32 in -32..31  16 d * sc_j     0
+
+The decoders take a tensor's raw bytes `[N, blocks_per_row * block_bytes]` (uint8, the layout
+`gguf.GGUFReader` maps) and return `Decoded(codes [N, K] int16, scale [N, G], zero [N, G])`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+__all__ = ["FORMATS", "Decoded", "decode", "supported"]
+
+
+class Decoded(NamedTuple):
+    codes: torch.Tensor  # [N, K] int16 (fits every format's range)
+    scale: torch.Tensor  # [N, G] float32
+    zero: torch.Tensor  # [N, G] float32
+    bits: int  # 4: codes in 0..15; 8: codes in -128..127
+    group_size: int
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 2] little-endian bytes -> [...] float32 (the fp16 values, exactly)."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles_by_half(qs: torch.Tensor) -> torch.Tensor:
+    """[..., B] bytes -> [..., 2B]: the low nibbles of all bytes, then the high nibbles."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
+
+
+def _q4_0(blocks: torch.Tensor) -> Decoded:  # [N, nb, 18]
+    d = _f16(blocks[..., 0:2])  # [N, nb]
+    codes = _nibbles_by_half(blocks[..., 2:18])  # [N, nb, 32]
+    return Decoded(codes.flatten(1).short(), d, -8.0 * d, 4, 32)
+
+
+def _q4_1(blocks: torch.Tensor) -> Decoded:  # [N, nb, 20]
+    d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    codes = _nibbles_by_half(blocks[..., 4:20])
+    return Decoded(codes.flatten(1).short(), d, m, 4, 32)
+
+
+def _q8_0(blocks: torch.Tensor) -> Decoded:  # [N, nb, 34]
+    d = _f16(blocks[..., 0:2])
+    codes = blocks[..., 2:34].contiguous().view(torch.int8)
+    return Decoded(codes.flatten(1).short(), d, torch.zeros_like(d), 8, 32)
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 scale bytes of a Q4_K/Q5_K block -> (sc [.., 8], m [.., 8]), 6-bit each."""
+    p = packed.long()
+    lo_sc, lo_m = p[..., 0:4] & 63, p[..., 4:8] & 63
+    hi_sc = (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)
+    hi_m = (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)
+    return torch.cat([lo_sc, hi_sc], -1).float(), torch.cat([lo_m, hi_m], -1).float()
+
+
+def _k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per 32-group of a Q4_K/Q5_K block: d*sc and -dmin*m ([N, nb*8])."""
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [N, nb]
+    sc, m = _k_scales(blocks[..., 4:16])  # [N, nb, 8]
+    return (d[..., None] * sc).flatten(1), (-dmin[..., None] * m).flatten(1)
+
+
+def _q4_k(blocks: torch.Tensor) -> Decoded:  # [N, nb, 144]
+    scale, zero = _k_groups(blocks)
+    qs = blocks[..., 16:144].unflatten(-1, (4, 32))  # [N, nb, chunk, 32]: 64 weights each
+    codes = _nibbles_by_half(qs)  # [N, nb, 4, 64]
+    return Decoded(codes.flatten(1).short(), scale, zero, 4, 32)
+
+
+def _q5_k(blocks: torch.Tensor) -> Decoded:  # [N, nb, 176]
+    scale, zero = _k_groups(blocks)
+    qh = blocks[..., 16:48]  # [N, nb, 32]: bit 2c / 2c+1 is the 5th bit of chunk c's halves
+    qs = blocks[..., 48:176].unflatten(-1, (4, 32))  # [N, nb, 4, 32]
+    low = _nibbles_by_half(qs).short()  # [N, nb, 4, 64]
+    shifts = torch.arange(8, dtype=torch.int16).view(4, 2, 1)  # [chunk, half, 1]
+    high = (qh.short()[..., None, None, :] >> shifts) & 1  # [N, nb, 4, 2, 32]
+    codes = low + (high.flatten(-2) << 4)
+    return Decoded(codes.flatten(1), scale, zero, 8, 32)
+
+
+def _q6_k(blocks: torch.Tensor) -> Decoded:  # [N, nb, 210]
+    ql = blocks[..., 0:128].unflatten(-1, (2, 2, 32)).short()  # [N, nb, half, 2, 32]
+    qh = blocks[..., 128:192].unflatten(-1, (2, 32)).short()  # [N, nb, half, 32]
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, nb, 16]
+    d = _f16(blocks[..., 208:210])  # [N, nb]
+    # Within a half (128 weights): quarter r takes nibble r // 2 of ql row r % 2 and bits
+    # 2r, 2r+1 of qh.
+    low = torch.stack([ql[..., 0, :] & 0xF, ql[..., 1, :] & 0xF,
+                       ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], dim=-2)  # [N, nb, half, 4, 32]
+    shifts = torch.arange(0, 8, 2, dtype=torch.int16).view(4, 1)
+    high = (qh[..., None, :] >> shifts) & 3  # [N, nb, half, 4, 32]
+    codes = (low | (high << 4)) - 32
+    scale = (d[..., None] * sc).flatten(1)  # [N, nb * 16]: one per 16 weights
+    return Decoded(codes.flatten(1), scale, torch.zeros_like(scale), 8, 16)
+
+
+# name -> (weights per block, bytes per block, decoder)
+FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], Decoded]]] = {
+    "Q4_0": (32, 18, _q4_0),
+    "Q4_1": (32, 20, _q4_1),
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_K": (256, 144, _q4_k),
+    "Q5_K": (256, 176, _q5_k),
+    "Q6_K": (256, 210, _q6_k),
+}
+
+
+# Formats whose 16 code bytes per block are already QuantizedWeight's 4-bit order (byte i:
+# code i low, code i+16 high): their codes are copied, not decoded and repacked.
+NIBBLE_NATIVE = {"Q4_0": 2, "Q4_1": 4}  # format -> offset of the code bytes in a block
+
+
+def nibble_native(format_name: str, raw: torch.Tensor,
+                  in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [N, K/2] uint8, scale [N, G], zero [N, G]) of a Q4_0/Q4_1 tensor."""
+    offset = NIBBLE_NATIVE[format_name]
+    blocks = raw.reshape(raw.shape[0], in_features // 32, offset + 16)  # [N, G, block]
+    d = _f16(blocks[..., 0:2])
+    zero = -8.0 * d if format_name == "Q4_0" else _f16(blocks[..., 2:4])
+    return blocks[..., offset:].reshape(raw.shape[0], -1).contiguous(), d, zero.contiguous()
+
+
+def q8_0_native(raw: torch.Tensor,
+                in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [N, K] int8, scale [N, G], zero [N, G]) of a Q8_0 tensor, codes copied once."""
+    blocks = raw.reshape(raw.shape[0], in_features // 32, 34)  # [N, G, block]
+    codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(raw.shape[0], in_features)
+    d = _f16(blocks[..., 0:2])
+    return codes, d, torch.zeros_like(d)
+
+
+def supported(format_name: str) -> bool:
+    return format_name in FORMATS
+
+
+def decode(format_name: str, raw: torch.Tensor, in_features: int) -> Decoded:
+    """Raw GGUF rows `[N, row_bytes]` uint8 of a `[N, in_features]` weight -> Decoded."""
+    block, block_bytes, decoder = FORMATS[format_name]
+    if in_features % block or raw.shape[-1] != in_features // block * block_bytes:
+        raise ValueError(f"{format_name}: {tuple(raw.shape)} bytes do not hold rows of "
+                         f"{in_features} weights ({block}-weight blocks of {block_bytes} bytes)")
+    return decoder(raw.reshape(raw.shape[0], -1, block_bytes))

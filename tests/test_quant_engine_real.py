@@ -1,0 +1,40 @@
+"""The real default model kept quantized (Q4_1 layers, Q8_0 tied table) against the same
+engine on the dequantized weights (the float path): greedy outputs token for token, with the
+tie rule of test_engine_real (where they differ, the float reference must be at a tie)."""
+
+from __future__ import annotations
+
+import pytest
+from test_engine_real import CHATS, TEXTS, assert_same_or_tie, build_prompts
+
+import sgl
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+
+NEW_TOKENS = 48
+PROMPTS = 6
+
+
+async def greedy(options: dict[str, object]) -> tuple[list[list[int]], sgl.EngineStats]:
+    async with sgl.Engine(device="cpu", max_total_tokens=8192, **options) as engine:
+        prompts = build_prompts(engine)[:PROMPTS]
+        outs = [await engine.generate(p, max_new_tokens=NEW_TOKENS, temperature=0)
+                for p in prompts]
+        return [o.token_ids for o in outs], engine.stats()
+
+
+async def test_quantized_engine_matches_the_float_path() -> None:
+    assert len(CHATS) + len(TEXTS) >= PROMPTS
+    floats, float_stats = await greedy(dict(quantization="none"))
+    quant, quant_stats = await greedy({})  # the CPU default: quantized
+    # The quantized engine really holds the file's precision: ~115 MB against 538 MB.
+    assert quant_stats.weights_bytes < float_stats.weights_bytes // 4
+    if quant == floats:
+        return
+    from sgl.backend.reference import load_reference_model
+
+    model = load_reference_model()
+    async with sgl.Engine(device="cpu", quantization="none", max_total_tokens=1024) as engine:
+        prompts = build_prompts(engine)[:PROMPTS]
+    for prompt, expected, got in zip(prompts, floats, quant):
+        assert_same_or_tie(model, prompt, expected, got)

@@ -1,0 +1,101 @@
+"""The quantized linear op (backend/quant/linear.py and its C kernel) against its reference,
+dequantize-then-F.linear, on random weights of every format and odd shapes; and the layers
+that dispatch on a QuantizedWeight (Linear, Embedding as input table and tied head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_quant_formats import random_blocks
+
+from sgl.backend.kernels import dispatch
+from sgl.backend.layers.linear import Embedding, Linear
+from sgl.backend.quant import FORMATS, QuantizedWeight, cpu_kernel, decode, linear
+from sgl.backend.quant.linear import quant_linear, quant_linear_reference
+
+CPU = torch.device("cpu")
+KERNELS = dispatch.resolve_kernels("reference", CPU, torch.float32)
+needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
+                                  reason="no C compiler or no AVX2/FMA: the reference serves")
+
+
+def weight(fmt: str, rows: int, cols: int, seed: int = 0) -> QuantizedWeight:
+    raw = torch.from_numpy(random_blocks(fmt, rows, cols, seed))
+    return QuantizedWeight.from_decoded(decode(fmt, raw, cols), fmt)
+
+
+def assert_close_to_sum_order(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                              b: torch.Tensor | None) -> None:
+    """got == x @ w^T + b up to float32 summation order: the error bound scales with the sum
+    of the terms' magnitudes (|x| @ |w|^T), not with the result, which may cancel to ~0."""
+    expected = F.linear(x, w, b)
+    bound = 1e-5 * (F.linear(x.abs(), w.abs()) + (0 if b is None else b.abs())) + 1e-6
+    excess = (got - expected).abs() - bound
+    assert excess.max().item() <= 0, f"off by {excess.max().item():.3g} beyond the bound"
+
+
+def test_kernel_is_built_on_x86_64_with_avx2() -> None:
+    """CI's machines have a compiler and AVX2: the kernel must not silently fall back."""
+    import platform
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    flags = info.read_text() if info.exists() else ""
+    if platform.machine() != "x86_64" or " avx2" not in flags or " fma" not in flags:
+        pytest.skip("not an AVX2/FMA x86-64 machine")
+    assert cpu_kernel.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40])  # across the 8-row passes and the
+@pytest.mark.parametrize("bias", [False, True])          # dequantize-then-BLAS switch
+def test_quant_linear_matches_dequantize_then_matmul(fmt: str, rows: int, bias: bool) -> None:
+    out_features = 37 if FORMATS[fmt][0] == 32 else 21  # not a multiple of any block
+    in_features = 96 if FORMATS[fmt][0] == 32 else 512
+    w = weight(fmt, out_features, in_features, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    assert_close_to_sum_order(quant_linear(x, w, b), x, w.dequantize(), b)
+    assert torch.equal(quant_linear_reference(x, w, b), F.linear(x, w.dequantize(), b))
+
+
+@needs_kernel
+def test_c_dequantize_equals_the_reference() -> None:
+    for fmt in FORMATS:
+        w = weight(fmt, 19, 256)
+        assert torch.equal(cpu_kernel.dequantize(w), w.dequantize()), fmt
+
+
+@needs_kernel
+def test_leading_dims_bfloat16_and_empty_batches() -> None:
+    w = weight("Q4_1", 48, 64)
+    x = torch.randn(2, 3, 64)
+    assert_close_to_sum_order(quant_linear(x, w).view(6, 48), x.view(6, 64), w.dequantize(), None)
+    xb = x.bfloat16()
+    got = quant_linear(xb, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 48)
+    assert quant_linear(torch.randn(0, 64), w).shape == (0, 48)
+
+
+def test_reference_serves_when_the_kernel_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    w = weight("Q6_K", 5, 256)
+    x = torch.randn(2, 256)
+    assert torch.equal(linear.quant_linear(x, w), F.linear(x, w.dequantize()))
+
+
+def test_layers_dispatch_on_the_quantized_weight() -> None:
+    w = weight("Q8_0", 40, 64)
+    lin = Linear(64, 40, bias=False, kernels=KERNELS, device=CPU, dtype=torch.float32)
+    lin.weight, lin.qweight = None, w
+    x = torch.randn(3, 64)
+    assert_close_to_sum_order(lin(x), x, w.dequantize(), None)
+    emb = Embedding(40, 64, kernels=KERNELS, device=CPU, dtype=torch.float32)
+    emb.weight, emb.qweight = None, w
+    ids = torch.tensor([[0, 39], [5, 5]])
+    assert torch.equal(emb(ids), w.dequantize()[ids])
+    assert_close_to_sum_order(emb.project(x), x, w.dequantize(), None)
+    assert list(emb.parameters()) == []  # one quantized table, no float copy

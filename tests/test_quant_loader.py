@@ -1,0 +1,168 @@
+"""Loading a GGUF file quantized (model_loader.py with quantization="gguf", backend/quant/):
+every weight equals the float path's dequantized weight exactly (formats, the llama q/k row
+order, fused q|k|v and gate|up), the tied head is one quantized table, no float cache is
+written, and the engine option resolves as documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from test_quant_formats import random_blocks
+
+from sgl.backend import model_loader
+from sgl.backend.model_loader import load_model
+from sgl.backend.quant import FORMATS
+from sgl.backend.quant.gguf_file import open_gguf
+from sgl.backend.runtime import resolve_device
+from sgl.config import EngineConfig
+from sgl.errors import InvalidConfigError
+
+CPU = torch.device("cpu")
+HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, VOCAB = 256, 2, 4, 2, 512, 64
+# Each projection in its own format, so fused layers mix formats (q|k|v: Q4_K, Q6_K, Q5_K)
+# as a Q4_K_M file does; Q5_0 has no kernel and must load as float.
+LAYER_FORMATS = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_output": "Q4_0",
+                 "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0"}
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "sgl-cache"
+    monkeypatch.setenv("SGL_CACHE_DIR", str(folder))
+    return folder
+
+
+def _write_tiny_gguf(path: Path, tied: bool) -> Path:
+    writer = GGUFWriter(str(path), "llama")
+    for add, value in [(writer.add_context_length, 128), (writer.add_embedding_length, HIDDEN),
+                       (writer.add_block_count, LAYERS), (writer.add_feed_forward_length, INTER),
+                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
+                       (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-5),
+                       (writer.add_vocab_size, VOCAB), (writer.add_bos_token_id, 1),
+                       (writer.add_eos_token_id, 2)]:
+        add(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    rng = np.random.default_rng(0)
+    seed = iter(range(1000))
+
+    def add(name: str, fmt: str, rows: int, cols: int = 0) -> None:
+        if fmt == "F32":
+            writer.add_tensor(name, (rng.standard_normal(rows) * 0.1).astype(np.float32))
+        elif fmt == "Q5_0":
+            from gguf.quants import quantize
+
+            data = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+            writer.add_tensor(name, quantize(data, GGMLQuantizationType.Q5_0),
+                              raw_dtype=GGMLQuantizationType.Q5_0)
+        else:
+            writer.add_tensor(name, random_blocks(fmt, rows, cols, next(seed)),
+                              raw_dtype=GGMLQuantizationType[fmt])
+
+    add("token_embd.weight", "Q8_0", VOCAB, HIDDEN)
+    if not tied:
+        add("output.weight", "Q6_K", VOCAB, HIDDEN)
+    add("output_norm.weight", "F32", HIDDEN)
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", "F32", HIDDEN)
+        add(f"blk.{i}.ffn_norm.weight", "F32", HIDDEN)
+        for proj, fmt in LAYER_FORMATS.items():
+            add(f"blk.{i}.{proj}.weight", fmt, *shapes[proj])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def tiny_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_tiny_gguf(tmp_path_factory.mktemp("qgguf") / "tiny.gguf", request.param)
+
+
+def test_reader_matches_the_gguf_package(tiny_gguf: Path) -> None:
+    from gguf import GGUFReader
+
+    ours = open_gguf(tiny_gguf)
+    theirs = GGUFReader(str(tiny_gguf))
+    assert ours.architecture == "llama"
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.type_name == b.tensor_type.name
+        assert a.shape == tuple(int(d) for d in reversed(b.shape.tolist()))
+        assert np.array_equal(a.data.reshape(-1), np.asarray(b.data).view(np.uint8).reshape(-1))
+
+
+def test_quantized_load_equals_the_float_path(tiny_gguf: Path, cache: Path) -> None:
+    quant, config = load_model(str(tiny_gguf), device=CPU, dtype=torch.float32,
+                               quantization="gguf")
+    assert not (model_loader.gguf_cache_folder(tiny_gguf) / "model.safetensors").exists()
+    float_model, _ = load_model(str(tiny_gguf), device=CPU, dtype=torch.float32)
+    reference = dict(float_model.named_parameters())
+    layer = quant.model.layers[0]
+    assert layer.self_attn.qkv_proj.qweight.source_format == "mixed"
+    assert layer.mlp.gate_up_proj.qweight.source_format == "Q4_1"
+    assert layer.mlp.down_proj.qweight is None  # Q5_0: no kernel, loaded as float
+    checked = 0
+    for name, module in quant.named_modules():
+        qweight = getattr(module, "qweight", None)
+        if qweight is not None:
+            assert torch.equal(qweight.dequantize(), reference[f"{name}.weight"]), name
+            checked += 1
+    assert checked == 1 + LAYERS * 3 + (0 if config.tie_word_embeddings else 1)
+    for name, param in quant.named_parameters():
+        assert torch.equal(param, reference[name]), name
+    if config.tie_word_embeddings:
+        assert quant.lm_head is quant.model.embed_tokens and quant.lm_head.weight is None
+
+
+def test_quantized_forward_equals_the_float_forward(tiny_gguf: Path, cache: Path) -> None:
+    from test_attention_torch import FakePool, Step, make_forward_batch
+
+    from sgl.backend.attention.torch_backend import TorchAttentionBackend
+    from sgl.backend.forward_batch import ForwardMode
+
+    logits = []
+    for quantization in ("gguf", "none"):
+        model, config = load_model(str(tiny_gguf), device=CPU, dtype=torch.float32,
+                                   quantization=quantization)
+        pool = FakePool(LAYERS, 64, KV_HEADS, HIDDEN // HEADS, max_context=32)
+        fb = make_forward_batch(pool, TorchAttentionBackend(), [Step(1, 0, [3, 9, 4, 17, 5])],
+                                ForwardMode.EXTEND)
+        logits.append(model.compute_logits(model(fb)))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("device", "dtype", "option", "expected"), [
+    ("cpu", "auto", "auto", "gguf"),
+    ("cpu", "float32", "auto", "none"),  # an explicit dtype asks for float weights
+    ("cpu", "bfloat16", "gguf", "gguf"),
+    ("cpu", "auto", "none", "none"),
+])
+def test_quantization_option_resolves(device: str, dtype: str, option: str,
+                                      expected: str) -> None:
+    config = resolve_device(EngineConfig(device=device, dtype=dtype, quantization=option))
+    assert config.quantization == expected
+
+
+def test_quantization_gguf_on_a_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(InvalidConfigError, match="quantization='gguf'"):
+        resolve_device(EngineConfig(device="cuda", quantization="gguf"))
+
+
+def test_bad_quantization_value_names_the_choices() -> None:
+    with pytest.raises(InvalidConfigError, match="quantization"):
+        EngineConfig(quantization="int4")  # type: ignore[arg-type]
+
+
+def test_every_kernel_format_is_written_by_this_file() -> None:
+    assert set(LAYER_FORMATS.values()) | {"Q8_0", "Q6_K"} >= set(FORMATS)
