@@ -49,6 +49,30 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+@torch.inference_mode()
+def capture_graphs(forward: Any, sizes: list[int], device: torch.device, graphs: dict[int, Any],
+                   outputs: dict[int, torch.Tensor], pool: Any = None) -> tuple[Any, float]:
+    """Capture `forward(bs)` for every size, largest first so that the smaller graphs reuse its
+    blocks of the shared memory pool; returns (pool, seconds)."""
+    t0 = time.monotonic()
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    for bs in reversed(sizes):
+        # Warm up on the capture stream: Triton compiles, cuBLAS picks its kernels.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward(bs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            outputs[bs] = forward(bs)
+        graphs[bs] = graph
+    torch.cuda.synchronize(device)
+    return pool, time.monotonic() - t0
+
+
 class DecodeGraphs:
     def __init__(self, model: Any, kv_pool: Any, req_pool: Any, attn_backend: Any,
                  future_tokens: torch.Tensor, max_bs: int) -> None:
@@ -74,6 +98,7 @@ class DecodeGraphs:
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> logits [bs, vocab] float32
         self.capture_seconds = 0.0
+        self.pool: Any = None  # the graphs' memory pool once captured
 
     def padded_size(self, batch_size: int) -> int | None:
         """The graph batch size serving `batch_size` requests, or None (run eagerly)."""
@@ -108,25 +133,9 @@ class DecodeGraphs:
         hidden = self.model.forward(fb)  # [bs, hidden]
         return self.model.compute_logits(hidden)  # [bs, vocab]
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        t0 = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        torch.cuda.synchronize(self.device)
-        for bs in reversed(self.sizes):
-            # Warm up on the capture stream: Triton compiles, cuBLAS picks its kernels.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(bs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self._forward(bs)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.monotonic() - t0
+        self.pool, self.capture_seconds = capture_graphs(self._forward, self.sizes, self.device,
+                                                         self.graphs, self.outputs)
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
                     len(self.sizes), self.sizes, self.capture_seconds)
 
@@ -203,24 +212,11 @@ class MultiTokenGraphs:
         hidden = self.model.forward(fb)  # [bs * K, hidden]
         return self.model.compute_logits(hidden)  # [bs * K, vocab]
 
-    @torch.inference_mode()
     def capture(self, pool: Any = None) -> None:
-        t0 = time.monotonic()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        torch.cuda.synchronize(self.device)
-        for bs in reversed(self.sizes):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(bs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self._forward(bs)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.monotonic() - t0
+        """Capture every batch size; `pool`: share another set's memory pool (only one graph
+        runs at a time)."""
+        _, self.capture_seconds = capture_graphs(self._forward, self.sizes, self.device,
+                                                 self.graphs, self.outputs, pool)
         logger.info("captured %d multi-token decode CUDA graphs (K=%d, batch sizes %s) in %.1f s",
                     len(self.sizes), self.k, self.sizes, self.capture_seconds)
 

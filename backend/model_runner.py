@@ -116,7 +116,7 @@ class ModelRunner:
         if multi_bs > 0 and tokens_per_req > 1:
             self.multi_graphs = MultiTokenGraphs(self.model, self.kv_pool, self.req_pool, self.attn_backend,
                                                  self.future_tokens, multi_bs, tokens_per_req)
-            self.multi_graphs.capture()
+            self.multi_graphs.capture(pool=self.graphs.pool)
 
     # -- launch ------------------------------------------------------------------------------
 
