@@ -220,29 +220,36 @@ class ProgramState:
     def partial_iter(self, var_name: str) -> Iterator[Any]:
         """For a streamed `gen(var_name, schema=Model)`: the object complete so far after each
         piece of text (sgl.partial; fields not yet complete are None), the last one whole."""
-        from sgl.partial import parse_partial
-
-        text, last = "", None
+        track = self._partial_tracker(var_name)
         for chunk in self.text_iter(var_name):
-            text += chunk
-            model = self.stream_executor.partial_model(var_name)
-            value = parse_partial(text, model) if model is not None else None
-            if value is not None and value != last:
-                last = value
+            value = track(chunk)
+            if value is not None:
                 yield value
 
     async def partial_async_iter(self, var_name: str) -> AsyncIterator[Any]:
         """`partial_iter` for async code."""
+        track = self._partial_tracker(var_name)
+        async for chunk in self.text_async_iter(var_name):
+            value = track(chunk)
+            if value is not None:
+                yield value
+
+    def _partial_tracker(self, var_name: str) -> Callable[[str], Any]:
+        """Feeds text pieces; returns the partial object when it changed, else None."""
         from sgl.partial import parse_partial
 
-        text, last = "", None
-        async for chunk in self.text_async_iter(var_name):
-            text += chunk
+        state: dict[str, Any] = {"text": "", "last": None}
+
+        def feed(chunk: str) -> Any:
+            state["text"] += chunk
             model = self.stream_executor.partial_model(var_name)
-            value = parse_partial(text, model) if model is not None else None
-            if value is not None and value != last:
-                last = value
-                yield value
+            value = parse_partial(state["text"], model) if model is not None else None
+            if value is None or value == state["last"]:
+                return None
+            state["last"] = value
+            return value
+
+        return feed
 
     def __repr__(self) -> str:
         ex = self.stream_executor
