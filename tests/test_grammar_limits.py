@@ -290,4 +290,6 @@ def test_async_compile_leaves_the_event_loop_running(default_tokenizer: Any) -> 
 
     took, worst_gap = asyncio.run(scenario())
     assert took > 0.3  # slow enough that compiling on the loop would show
-    assert worst_gap < max(0.25, took / 4)  # on the loop, one gap would be the whole compile
+    # On the loop, one gap would be the whole compile; a loaded 2-core machine delays a tick by
+    # a fraction of it (0.37 s of a 1.2 s compile seen in CI), never by half.
+    assert worst_gap < max(0.25, took / 2)

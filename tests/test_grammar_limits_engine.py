@@ -132,8 +132,9 @@ async def test_a_slow_compile_does_not_block_the_loop_or_other_requests(engine: 
     assert slow_done > 0.3  # slow enough that compiling on the loop would have shown
     assert plain_done < slow_done / 2  # the plain request did not wait for the compile
     # The loop kept ticking every 10 ms throughout. Compiling on the loop shows as one gap as
-    # long as the compile; a loaded machine can delay a tick by a fraction of it.
-    assert max(gaps) < max(0.25, slow_done / 4)
+    # long as the compile; a loaded 2-core machine can delay a tick by a good fraction of it
+    # (0.37 s of a 1.2 s compile seen in CI), never by half.
+    assert max(gaps) < max(0.25, slow_done / 2)
 
 
 async def test_compile_time_limit_fails_only_that_request(limited: sgl.Engine) -> None:
