@@ -46,9 +46,11 @@ def engine() -> Iterator[sgl.Engine]:
 
 async def _stopped(engine: sgl.Engine, n: int = REQUESTS, max_new_tokens: int = 16,
                    min_stopped: int | None = None, **constraint: Any) -> list[str]:
-    """The texts of the outputs that finished with "stop" among n sampled at temperature 1."""
+    """The texts of the outputs that finished with "stop" among n sampled at temperature 1
+    (seeded per request: the same outputs whatever the batching, so a failure reproduces)."""
     outs = await asyncio.gather(*(
-        engine.generate(f"Item {i}:", max_new_tokens=max_new_tokens, temperature=1.0, **constraint)
+        engine.generate(f"Item {i}:", max_new_tokens=max_new_tokens, temperature=1.0, seed=1000 + i,
+                        **constraint)
         for i in range(n)))
     assert all(o.finish_reason in ("stop", "length") for o in outs), [o.error for o in outs]
     texts = [o.text for o in outs if o.finish_reason == "stop"]
