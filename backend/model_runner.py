@@ -302,7 +302,7 @@ class ModelRunner:
             host_mask = step.vocab_mask.result() if step.vocab_mask is not None else None
             mask = host_mask.to(self.device, non_blocking=True) if host_mask is not None else None
             res = self.sampler.sample(logits[:S], step.sampling, mask)  # logits[:S]: [S, vocab]
-            if not plan.has_drafts:
+            if not step.batch.has_drafts:  # (speculative steps run in sync: nothing reads futures)
                 self.future_tokens[inputs.future_indices] = res.next_token_ids
             self.sampler.observe(step.sampling, res.next_token_ids)
             result.tokens = res.next_token_ids
@@ -335,7 +335,6 @@ class StepPlan:
     top_logprobs_num: int
     score_top_logprobs_num: int
     has_placeholders: bool = False  # some input id is a future-token placeholder (< 0)
-    has_drafts: bool = False  # speculative rows: the step runs in sync, no future tokens
 
     @property
     def rows_in_order(self) -> bool:
@@ -383,7 +382,6 @@ def _flatten(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
         if it.samples:  # the last token's row, and one row per draft after it
             x.logits_indices.extend(range(start + n - 1 - len(it.draft_ids), start + n))
             x.future_indices.append(it.future_index)
-            plan.has_drafts |= bool(it.draft_ids)
         if r.logprob.return_logprob:
             plan.want_logprobs = True
             plan.top_logprobs_num = max(plan.top_logprobs_num, r.logprob.top_logprobs_num)

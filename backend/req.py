@@ -107,10 +107,6 @@ class Req:
         """Tokens still to compute before the next sample (prefill remainder, or 1 in decode)."""
         return self.seq_len - self.kv_len
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.extend_len > 1 or self.kv_len < len(self.prompt_ids)
-
     def fill_ids(self) -> list[int]:
         """Known tokens: prompt + outputs. Excludes an in-flight sample."""
         return self.prompt_ids + self.output_ids

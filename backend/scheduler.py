@@ -315,11 +315,10 @@ class Scheduler:
         now = time.monotonic()
         for it in batch.items:
             r = it.req
-            sample = None
+            samples = None  # the item's sampled rows: one, or one per draft plus one
             if it.samples:
-                sample = out.sample(k)
                 rows = 1 + len(it.draft_ids)
-                verified = [out.sample(k + j) for j in range(rows)] if it.draft_ids else None
+                samples = [out.sample(k + j) for j in range(rows)]
                 k += rows
                 if r.pending_future == it.future_index:
                     r.pending_future = None
@@ -331,18 +330,18 @@ class Scheduler:
                 continue  # finished in the previous step; this extra token is discarded
             if r.status is ReqStatus.RUNNING and it.prefix_len < len(r.prompt_ids):
                 self.kv.cache_prompt(r)  # (not if retracted since this step was scheduled)
-            if sample is None:
+            if samples is None:
                 if r.params.max_new_tokens == 0 and r.kv_len >= len(r.prompt_ids):
                     self._finish(r, "length")
                 continue
             if r.first_token_at is None:
                 r.first_token_at = now
-            if verified is not None:
-                kept += self._accept_drafts(r, it, verified)
+            if it.draft_ids:
+                kept += self._accept_drafts(r, it, samples)
                 continue
             kept += 1
             self.counters.output_tokens += 1  # before appending: a caller may read stats once done
-            self._append(r, *sample)
+            self._append(r, *samples[0])
         self.counters.recent.append((now, kept))
         if len(self.counters.recent) > 256:
             del self.counters.recent[:128]
