@@ -149,82 +149,91 @@ class DecodeGraphs:
         return self.outputs[bs][:batch_size]
 
 
+def token_bucket_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the multi-token graphs: 1, 2, 4, 8, 16, 24, 32, 48, 64, then steps of
+    32. A step replays the smallest bucket holding its tokens."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64] + list(range(96, max(max_tokens, 1) + 32, 32))
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
 class MultiTokenGraphs:
-    """CUDA graphs for decode steps where a request computes up to K tokens: jump-forward's
-    jumped tokens and speculative verification (1 + drafts), batch sizes up to `max_bs`.
+    """CUDA graphs for decode steps where a request may compute several tokens: jump-forward's
+    jumped tokens and speculative verification (1 + drafts), beside requests decoding one.
 
-    Each request owns exactly K token rows (a uniform layout, so shapes are static): its n <= K
-    real tokens first, then K - n padding rows (id 0, KV written to the reserved slot 0). The
-    attention is the extend kernel with its grid sized for K new tokens per request; the
-    device-side lengths say where each request's keys are. Padding rows sit after the real ones,
-    so causal masking keeps them out of every real row; their own outputs are discarded. Padded
-    requests (rows beyond the batch) use req_to_token row 0 and slot 0, as in `DecodeGraphs`.
+    Ragged: a step's tokens lie end to end as in an eager EXTEND step, and one graph is captured
+    per *token* bucket (`token_bucket_sizes`), not per batch size, so a batch of 256 where a few
+    requests jump costs about what a decode step of 256 does. The request arrays are as long as
+    the token bucket (every request has at least one token); entries beyond the batch have no
+    tokens, and the extend kernel's programs for them return at once. Token rows beyond the
+    step's tokens belong to no request: id 0, position 0, KV written to the reserved slot 0;
+    their outputs are never read. The attention kernel's grid is (query blocks of
+    `max_tokens_per_req`, bucket, heads): every length it reads (prefix, extend, start) comes from
+    the device, so one capture serves every mix of lengths up to that bound.
 
-    Static inputs, one int64 block `inputs[6, max_bs * K]` (token rows use all columns, request
-    rows the first max_bs)::
+    Logits: the graph computes them for the rows listed in `inputs[3]` (the step's sampled rows,
+    then its score rows, padded with row 0), as many as the bucket has tokens; the caller keeps
+    the first S + P.
 
-        inputs[0, :bs*K]  input ids (future placeholders resolved inside the graph)
-        inputs[1, :bs*K]  positions
-        inputs[2, :bs*K]  out_cache_loc
-        inputs[3, :bs]    req_pool_indices
-        inputs[4, :bs]    seq_lens (prefix + K: the kernel reads the prefix as seq_len - K)
+    Static inputs, one int64 block `inputs[9, max_tokens]`::
+
+        token axis    inputs[0] input ids (future placeholders resolved inside the graph)
+                      inputs[1] positions
+                      inputs[2] out_cache_loc
+                      inputs[3] logits rows
+        request axis  inputs[4] req_pool_indices   inputs[5] seq_lens   inputs[6] prefix lens
+                      inputs[7] extend lens (0 beyond the batch)   inputs[8] first token index
     """
 
+    ROWS = 9
+
     def __init__(self, model: Any, kv_pool: Any, req_pool: Any, attn_backend: Any,
-                 future_tokens: torch.Tensor, max_bs: int, tokens_per_req: int) -> None:
+                 future_tokens: torch.Tensor, max_tokens: int, max_tokens_per_req: int) -> None:
         self.model, self.kv_pool, self.attn_backend = model, kv_pool, attn_backend
         self.req_to_token = req_pool.req_to_token
         self.future_tokens = future_tokens
         self.device = future_tokens.device
-        self.k = tokens_per_req
-        self.sizes = [s for s in graph_batch_sizes(max_bs) if s <= max_bs]
-        self.max_bs = self.sizes[-1]
-        self.inputs = torch.zeros(5, self.max_bs * self.k, dtype=torch.int64, device=self.device)
-        self.inputs[4].fill_(self.k)  # padded requests: K keys, all slot 0 through row 0
-        self._k = torch.full((self.max_bs,), self.k, dtype=torch.int64, device=self.device)
-        self._starts = torch.arange(self.max_bs, dtype=torch.int64, device=self.device) * self.k
-        self._rows = torch.arange(self.max_bs * self.k, dtype=torch.int64, device=self.device)
+        self.max_tokens_per_req = max_tokens_per_req
+        self.sizes = token_bucket_sizes(max_tokens)
+        self.max_tokens = self.sizes[-1]
+        self.inputs = torch.zeros(self.ROWS, self.max_tokens, dtype=torch.int64, device=self.device)
         self.graphs: dict[int, Any] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bs -> logits [bs * K, vocab]
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits [bucket, vocab]
         self.capture_seconds = 0.0
 
-    def padded_size(self, batch_size: int) -> int | None:
-        if batch_size > self.max_bs or not self.graphs:
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The token bucket serving a step of `num_tokens` tokens, or None (run eagerly)."""
+        if num_tokens > self.max_tokens or not self.graphs:
             return None
-        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        t = bs * self.k
-        raw = self.inputs[0, :t]
-        input_ids = torch.where(raw < 0, self.future_tokens[(-raw).clamp(min=0)], raw)
-        seq_lens = self.inputs[4, :bs]
+    def _forward(self, t: int) -> torch.Tensor:
+        x = self.inputs[:, :t]
+        input_ids = torch.where(x[0] < 0, self.future_tokens[(-x[0]).clamp(min=0)], x[0])
         fb = ForwardBatch(
-            mode=ForwardMode.EXTEND, batch_size=bs, input_ids=input_ids,
-            positions=self.inputs[1, :t], out_cache_loc=self.inputs[2, :t],
-            req_pool_indices=self.inputs[3, :bs], seq_lens=seq_lens,
-            extend_prefix_lens=seq_lens - self.k, extend_seq_lens=self._k[:bs],
-            extend_start=self._starts[:bs], seq_lens_cpu=[self.k] * bs,
-            extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[self.k] * bs,
-            logits_indices=self._rows[:t], req_to_token=self.req_to_token, kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
+            mode=ForwardMode.EXTEND, batch_size=t, input_ids=input_ids, positions=x[1],
+            out_cache_loc=x[2], req_pool_indices=x[4], seq_lens=x[5], extend_prefix_lens=x[6],
+            extend_seq_lens=x[7], extend_start=x[8],
+            # host lengths: only the longest extend is read (it sizes the attention grid)
+            seq_lens_cpu=[self.max_tokens_per_req] * t, extend_prefix_lens_cpu=[0] * t,
+            extend_seq_lens_cpu=[self.max_tokens_per_req] * t, logits_indices=x[3],
+            req_to_token=self.req_to_token, kv_pool=self.kv_pool, attn_backend=self.attn_backend,
         )  # fmt: skip
-        self.attn_backend.prepare(fb)  # grid from extend_seq_lens_cpu: K per request
-        hidden = self.model.forward(fb)  # [bs * K, hidden]
-        return self.model.compute_logits(hidden)  # [bs * K, vocab]
+        self.attn_backend.prepare(fb)
+        hidden = self.model.forward(fb)  # [t, hidden]
+        return self.model.compute_logits(hidden[x[3]])  # [t, vocab]
 
     def capture(self, pool: Any = None) -> None:
-        """Capture every batch size; `pool`: share another set's memory pool (only one graph
-        runs at a time)."""
+        """Capture every bucket; `pool`: share another set's memory pool (only one graph runs
+        at a time)."""
         _, self.capture_seconds = capture_graphs(self._forward, self.sizes, self.device,
                                                  self.graphs, self.outputs, pool)
-        logger.info("captured %d multi-token decode CUDA graphs (K=%d, batch sizes %s) in %.1f s",
-                    len(self.sizes), self.k, self.sizes, self.capture_seconds)
+        logger.info("captured %d multi-token decode CUDA graphs (tokens %s, up to %d a request) "
+                    "in %.1f s", len(self.sizes), self.sizes, self.max_tokens_per_req,
+                    self.capture_seconds)
 
-    def replay(self, block: torch.Tensor, bs: int) -> torch.Tensor:
-        """block: the step's device copy of the [5, bs * K] layout (model_runner's
-        `_multi_token_layout`).
-        Returns logits [bs * K, vocab] (valid until the next replay)."""
-        self.inputs[:, : bs * self.k].copy_(block)
-        self.graphs[bs].replay()
-        return self.outputs[bs]
-
+    def replay(self, block: torch.Tensor, t: int) -> torch.Tensor:
+        """block: the step's device copy of the [9, t] layout (model_runner's
+        `_multi_token_layout`). Returns logits [t, vocab] (valid until the next replay)."""
+        self.inputs[:, :t].copy_(block)
+        self.graphs[t].replay()
+        return self.outputs[t]

@@ -16,10 +16,19 @@ default on CUDA) splits the run into launch and result::
 
 A request that finishes in step k-1 is already in step k; its extra token is discarded and
 its slots are freed when k-1 is processed (safe: steps execute in order, and the slots are
-handed out again only to a later step). Steps with grammar-constrained requests run
-synchronously, because their token masks need the previous token accepted first; their masks
-are filled beside their own forward (grammar_masks.py). docs/architecture.md ("Grammar masks
-and the overlap loop") designs the cross-step overlap.
+handed out again only to a later step).
+
+Grammar-constrained steps overlap too, though their masks need the previous token accepted:
+step k is launched *deferred* (its forward goes to the device, its masks and sampling wait)::
+
+    iteration k:  schedule(k) -> prepare(k) -> resume(k-1) -> launch forward(k) -> update(k-1)
+                  -> masks(k).start
+    device:       ... sample(k-1) | forward(k) ...... | sample(k) (enqueued by resume(k))
+
+so the mask fill of step k runs beside the scheduling and preparing of step k+1 and the
+device's forward of step k. If `update(k-1)` jumps forward a request that step k is already sampling, that sample
+is dropped (Scheduler._jump_forward): the jump owns what follows. Steps with speculative drafts
+still run synchronously: a draft follows the previous token, which must be known.
 """
 
 from __future__ import annotations
@@ -134,26 +143,32 @@ class EngineCore:
             self._update(batch, self._launch(batch))
 
     def _overlap_loop(self) -> None:
-        prev: tuple[ScheduleBatch, StepHandle] | None = None
+        prev: tuple[ScheduleBatch, StepHandle] | None = None  # launched, its update still to do
         while self._drain_inbox(block=not self.scheduler.has_work and prev is None):
-            if prev is not None and (prev[0].has_constraints or prev[0].has_drafts
-                                     or self.scheduler.needs_sync):
-                self._update(*prev)  # masks need the previous token accepted, drafts it known
+            if prev is not None and (prev[0].has_drafts or self.scheduler.needs_sync):
+                self._update(*prev)  # drafts need the previous tokens known
                 prev = None
             batch = self.scheduler.schedule()
-            handle = self._launch(batch) if batch is not None else None
+            # With a step in flight, this one's masks wait for that step's update; the step in
+            # flight, if deferred, gets its sampling enqueued once this one is prepared.
+            ahead = prev[1] if prev is not None else None
+            handle = self._launch(batch, ahead) if batch is not None else None
+            if ahead is not None:
+                ahead.resume()  # (done already unless preparing failed)
             if prev is not None:
                 self._update(*prev)
+            if handle is not None:
+                handle.start_masks()  # the matchers now hold every token before this step
             prev = (batch, handle) if batch is not None and handle is not None else None
             if prev is None and batch is None:
                 self._idle()
         if prev is not None:
             self._update(*prev)
 
-    def _launch(self, batch: ScheduleBatch) -> StepHandle:
+    def _launch(self, batch: ScheduleBatch, ahead: StepHandle | None = None) -> StepHandle:
         self.num_steps += 1
         try:
-            return self.runner.launch(batch)
+            return self.runner.launch(batch, ahead)
         except Exception as exc:  # preparing the step failed: fail only this batch
             # Its req_to_token writes never ran; some belong to requests outside this batch.
             self.scheduler.kv.requeue_table_writes(batch.table_writes)

@@ -11,25 +11,27 @@ the host filled before launching. xgrammar's fill is C++ that releases the GIL, 
 thread runs it beside the forward (which itself releases the GIL in torch's kernels), and
 xgrammar's `BatchGrammarMatcher` spreads the rows of a large batch over its own threads.
 
-Safety: the fill only reads the matchers; they change only in `Scheduler.update` (accepting
-tokens, jump-forward, rollback), which runs after the step's result was waited for, and the
-runner waits for the masks before sampling. A step whose forward fails before sampling may
-leave its fill running: its requests are failed (no matcher is advanced again), and the next
-fill queues behind it on the same thread.
+Cross-step overlap (the overlap loop, engine_loop.py): step N+1 is launched while step N is
+still running, before its tokens are accepted. Its masks are then a `DeferredMaskFill`: the
+states are listed in `_prepare`, and the loop calls `start()` right after `update(N)`, so the
+fill runs beside the scheduling of step N+2 and the device's forward of step N+1.
 
-What this does not do yet: fill step N+1's masks while step N+1's forward runs AND step N's
-tokens are accepted meanwhile (cross-step overlap); constrained steps still run the loop
-synchronously. docs/architecture.md ("Grammar masks and the overlap loop") has that design.
+Safety: the fill only reads the matchers; they change only in `Scheduler.update` (accepting
+tokens, jump-forward, rollback). A fill starts after the update before it and the next update
+waits for the step whose sampling waited for the fill. A step whose forward fails before
+sampling may leave its fill running: its requests are failed (no matcher is advanced again),
+and the next fill queues behind it on the same thread.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Callable
 
 import torch
 
-__all__ = ["MaskFill"]
+__all__ = ["DeferredMaskFill", "MaskFill"]
 
 
 class MaskFill:
@@ -60,3 +62,37 @@ class MaskFill:
             self._constrained = self._pending.result(timeout)
             self._pending = None
         return self.bitmask if self._constrained else None
+
+
+class DeferredMaskFill:
+    """A step's masks whose fill may only start later (after the update before the step):
+    `start()` begins it, once, on the thread that owns the matchers; `result()` waits for the
+    start (from another thread: the CPU's device worker) and then for the fill."""
+
+    def __init__(self, begin: Callable[[], MaskFill]) -> None:
+        self._begin: Callable[[], MaskFill] | None = begin
+        self._fill: MaskFill | None = None
+        self._error: BaseException | None = None
+        self._started = threading.Event()
+
+    @property
+    def started(self) -> bool:
+        return self._started.is_set()
+
+    def start(self) -> None:
+        if self._begin is None:
+            return
+        begin, self._begin = self._begin, None
+        try:
+            self._fill = begin()
+        except BaseException as exc:  # handed to whoever waits on result()
+            self._error = exc
+        self._started.set()
+
+    def result(self, timeout: float | None = None) -> torch.Tensor | None:
+        if not self._started.wait(timeout):
+            raise TimeoutError("the step's grammar masks were never started")
+        if self._error is not None:
+            raise self._error
+        assert self._fill is not None
+        return self._fill.result(timeout)

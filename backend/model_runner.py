@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
+from sgl.backend.grammar_masks import DeferredMaskFill
 from sgl.backend.req import ScheduleBatch
 from sgl.backend.speculative import draft_states
 from sgl.backend.step_io import FutureRing, StepHandle, StepInputs, StepOutput, StepResult
@@ -105,17 +106,18 @@ class ModelRunner:
         if self.is_cuda:
             torch.cuda.empty_cache()
 
-    def capture_cuda_graphs(self, max_bs: int, multi_bs: int = 0, tokens_per_req: int = 0) -> None:
+    def capture_cuda_graphs(self, max_bs: int, multi_tokens: int = 0, tokens_per_req: int = 0) -> None:
         """Capture decode graphs for padded batch sizes up to `max_bs` (CUDA + Triton only),
-        and multi-token decode graphs (K = `tokens_per_req`) up to `multi_bs` requests."""
+        and multi-token graphs for steps of up to `multi_tokens` tokens, `tokens_per_req` at
+        most for one request."""
         from sgl.backend.cuda_graph import DecodeGraphs, MultiTokenGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_pool, self.req_pool, self.attn_backend,
                                    self.future_tokens, max_bs)
         self.graphs.capture()
-        if multi_bs > 0 and tokens_per_req > 1:
+        if multi_tokens > 0 and tokens_per_req > 1:
             self.multi_graphs = MultiTokenGraphs(self.model, self.kv_pool, self.req_pool, self.attn_backend,
-                                                 self.future_tokens, multi_bs, tokens_per_req)
+                                                 self.future_tokens, multi_tokens, tokens_per_req)
             self.multi_graphs.capture(pool=self.graphs.pool)
 
     # -- launch ------------------------------------------------------------------------------
@@ -124,16 +126,27 @@ class ModelRunner:
         """One step, waited for (tests and the plain loop's callers that need no overlap)."""
         return self.launch(batch).result()
 
-    def launch(self, batch: ScheduleBatch) -> StepHandle:
+    def launch(self, batch: ScheduleBatch, ahead: StepHandle | None = None) -> StepHandle:
         """Prepare on this thread, start the device work, return a handle to its result.
-        Raises only when preparing fails (nothing was started then)."""
-        step = self._prepare(batch)
+        Raises only when preparing fails (nothing was started then).
+
+        `ahead`: the step still in flight before this one (the overlap loop), whose tokens the
+        scheduler has not applied yet. This step's grammar masks are then filled only when the
+        handle's `start_masks()` is called, and on CUDA its sampling is enqueued by `resume()`.
+        A deferred `ahead` is resumed here, after preparing and before launching this step."""
+        step = self._prepare(batch, defer_masks=ahead is not None)
+        if ahead is not None:
+            ahead.resume()
+        deferred = step.vocab_mask if isinstance(step.vocab_mask, DeferredMaskFill) else None
         if self._worker is not None:
             fut = self._worker.submit(lambda: self._execute(step).wait())
-            return StepHandle(fut.result)
-        return StepHandle(self._execute(step).wait)
+            return StepHandle(fut.result, masks=deferred)
+        if deferred is None:
+            return StepHandle(self._execute(step).wait)
+        forwarded = self._forward_part(step)
+        return StepHandle(None, masks=deferred, finish=lambda: self._finish_part(step, forwarded).wait)
 
-    def _prepare(self, batch: ScheduleBatch) -> PreparedStep:
+    def _prepare(self, batch: ScheduleBatch, defer_masks: bool = False) -> PreparedStep:
         inputs, plan = _flatten(batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         num_reqs = len(batch.items)
@@ -144,50 +157,39 @@ class ModelRunner:
             _pad_decode_rows(inputs, graph_bs - num_reqs)
         multi = None
         if mode is ForwardMode.EXTEND and self.multi_graphs is not None:
-            multi = self._multi_token_layout(batch, inputs)
+            multi = self._multi_token_layout(batch, inputs, plan.num_tokens)
         inputs.table_index, inputs.table_value = self._table_writes(batch.table_writes)
         packed, lengths = inputs.pack(pin=self.is_cuda)
         return PreparedStep(
             batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
             multi=multi,
             sampling=self.sampler.build_for(batch),
-            vocab_mask=self._grammar_masks(batch) if batch.has_constraints else None,
+            vocab_mask=self._grammar_masks(batch, defer_masks) if batch.has_constraints else None,
             table_check=self._table_check(batch) if self.verify_table else None,
         )
 
-    def _multi_token_layout(self, batch: ScheduleBatch, x: StepInputs[Any]
-                            ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """A decode step whose requests compute up to K tokens each, in the multi-token graph's
-        layout (cuda_graph.MultiTokenGraphs): (host block [5, bs * K], the logits rows to keep
-        in `logits_indices` order, padded batch size); None when the step does not fit."""
+    def _multi_token_layout(self, batch: ScheduleBatch, x: StepInputs[Any], num_tokens: int
+                            ) -> tuple[torch.Tensor, int] | None:
+        """An EXTEND step whose requests compute at most the graphs' tokens per request, in the
+        multi-token graphs' ragged layout (cuda_graph.MultiTokenGraphs): (host block
+        [9, bucket], bucket); None when the step does not fit one."""
         graphs = self.multi_graphs
-        k, items = graphs.k, batch.items
-        bs = graphs.padded_size(len(items))
-        width = self.req_pool.req_to_token.shape[1]
-        if bs is None or any(it.extend_len > k or it.prefix_len < len(it.req.prompt_ids)
-                             or it.prefix_len + k > width for it in items):
+        t = graphs.padded_size(num_tokens)
+        if t is None or any(it.extend_len > graphs.max_tokens_per_req for it in batch.items):
             return None
-        block = np.zeros((5, bs * k), dtype=np.int64)
-        block[4, len(items):bs] = k  # padded requests: row 0, K keys at slot 0
-        row_of = np.empty(len(x.input_ids), dtype=np.int64)  # token index -> graph row
-        for b, it in enumerate(items):
-            start, n, prefix = x.extend_start[b], it.extend_len, it.prefix_len
-            block[0, b * k : b * k + n] = x.input_ids[start : start + n]
-            block[1, b * k : (b + 1) * k] = np.arange(prefix, prefix + k)
-            block[2, b * k : b * k + n] = x.out_cache_loc[start : start + n]
-            block[3, b] = x.req_pool_indices[b]
-            block[4, b] = prefix + k
-            row_of[start : start + n] = np.arange(b * k, b * k + n)
-        rows = torch.from_numpy(row_of[np.asarray(x.logits_indices, dtype=np.int64)])
+        n, b, rows = num_tokens, len(batch.items), x.logits_indices
+        block = np.zeros((graphs.ROWS, t), dtype=np.int64)  # padding: id 0, slot 0, no tokens
+        block[0, :n], block[1, :n], block[2, :n] = x.input_ids, x.positions, x.out_cache_loc
+        block[3, : len(rows)] = rows
+        for i, field in enumerate((x.req_pool_indices, x.seq_lens, x.extend_prefix_lens,
+                                   x.extend_seq_lens, x.extend_start)):
+            block[4 + i, :b] = field
         host = torch.from_numpy(block)
-        if self.is_cuda:
-            host, rows = host.pin_memory(), rows.pin_memory()
-        return host, rows, bs
+        return (host.pin_memory() if self.is_cuda else host), t
 
-    def _grammar_masks(self, batch: ScheduleBatch) -> MaskFill:
-        # Constrained steps run synchronously (engine_loop.py): every matcher has accepted its
-        # request's latest token, so the masks can be filled now, beside this step's forward;
-        # _sample_and_score waits for them (grammar_masks.py).
+    def _grammar_masks(self, batch: ScheduleBatch, defer: bool) -> MaskFill | DeferredMaskFill:
+        """The step's masks: filled from now on beside the forward (every matcher has accepted
+        its request's latest token), or, deferred, from `start()` on (grammar_masks.py)."""
         states = []
         for it in batch.items:
             if it.samples:
@@ -195,9 +197,12 @@ class ModelRunner:
                 if it.draft_ids:  # verify rows: the grammar state after each draft prefix
                     c = it.req.constraint
                     states.extend(draft_states(c, it.draft_ids) if c is not None else [None] * len(it.draft_ids))
-        assert self.grammar is not None, "a constrained request builds the grammar backend"
-        mask = self.grammar.allocate_bitmask(len(states))  # [S, ceil(tokenizer vocab / 32)] int32
-        return self.grammar.fill_bitmasks_async(states, mask)
+        grammar = self.grammar
+        assert grammar is not None, "a constrained request builds the grammar backend"
+        mask = grammar.allocate_bitmask(len(states))  # [S, ceil(tokenizer vocab / 32)] int32
+        if defer:
+            return DeferredMaskFill(lambda: grammar.fill_bitmasks_async(states, mask))
+        return grammar.fill_bitmasks_async(states, mask)
 
     def _table_check(self, batch: ScheduleBatch) -> list[tuple[int, torch.Tensor]]:
         """Debug mode: what the device rows must hold once this step's writes land."""
@@ -229,9 +234,13 @@ class ModelRunner:
     # -- execute (device order) --------------------------------------------------------------
 
     def _execute(self, step: PreparedStep) -> StepResult:
+        return self._finish_part(step, self._forward_part(step))
+
+    def _forward_part(self, step: PreparedStep) -> _Forwarded:
+        """The step's table writes and forward, up to its logits (enqueued on CUDA)."""
         with torch.inference_mode():
-            timing = self.step_events is not None and self.is_cuda
-            if timing:
+            start_ev = None
+            if self.step_events is not None and self.is_cuda:
                 start_ev = torch.cuda.Event(enable_timing=True)
                 start_ev.record()
             flat = step.packed.to(self.device, non_blocking=True)  # [sum of aligned field lengths]
@@ -248,9 +257,9 @@ class ModelRunner:
                 self.step_hook(step)
             if step.multi is not None:
                 assert self.multi_graphs is not None
-                block, rows, bs = step.multi
-                logits = self.multi_graphs.replay(block.to(self.device, non_blocking=True), bs)
-                logits = logits[rows.to(self.device, non_blocking=True)]  # [S + P, vocab]
+                block, t = step.multi
+                logits = self.multi_graphs.replay(block.to(self.device, non_blocking=True), t)
+                logits = logits[: step.plan.num_samples + step.plan.num_score_rows]  # [S + P, vocab]
             elif step.graph_bs is not None:
                 assert self.graphs is not None
                 logits = self.graphs.replay(flat, step.graph_bs, len(step.batch.items))  # [B, vocab]
@@ -258,13 +267,19 @@ class ModelRunner:
                     logits = logits[inputs.logits_indices]  # [S + P, vocab]
             else:
                 logits = self._forward_eager(step, inputs, table)
-            result = StepResult() if logits is None else self._sample_and_score(step, logits, inputs)
+            return _Forwarded(logits, inputs, start_ev)
+
+    def _finish_part(self, step: PreparedStep, fwd: _Forwarded) -> StepResult:
+        """Sampling and scoring of a forwarded step, and the copies of its results (enqueued
+        on CUDA; the logits of a graph replay stay valid: the next replay is enqueued later)."""
+        with torch.inference_mode():
+            result = StepResult() if fwd.logits is None else self._sample_and_score(step, fwd.logits, fwd.inputs)
             if self.is_cuda:
                 result = result.to_host()
-            if timing:
+            if fwd.start_ev is not None:
                 end_ev = torch.cuda.Event(enable_timing=True)
                 end_ev.record()
-                self.step_events.append((start_ev, end_ev, step.mode, len(step.batch.items)))
+                self.step_events.append((fwd.start_ev, end_ev, step.mode, len(step.batch.items)))
             return result
 
     def _forward_eager(self, step: PreparedStep, inputs: StepInputs[torch.Tensor],
@@ -322,6 +337,15 @@ class ModelRunner:
 
 
 @dataclass
+class _Forwarded:
+    """A step between its forward and its sampling."""
+
+    logits: torch.Tensor | None  # [S + P, vocab], None when nothing is sampled or scored
+    inputs: StepInputs[torch.Tensor]
+    start_ev: Any  # CUDA event of the step's start when timing steps, else None
+
+
+@dataclass
 class StepPlan:
     """Host-side shape of a step, read while building the ForwardBatch and the results."""
 
@@ -353,10 +377,11 @@ class PreparedStep:
     plan: StepPlan
     graph_bs: int | None  # DECODE replayed by the CUDA graph of this (padded) batch size
     sampling: Any  # the sampler's SamplingBatchInfo
-    # multi-token decode replayed by MultiTokenGraphs: (block, logits rows, padded batch size)
-    multi: tuple[torch.Tensor, torch.Tensor, int] | None = None
-    # the [S, ceil(V/32)] int32 CPU grammar bitmask, being filled beside the forward
-    vocab_mask: MaskFill | None = None
+    # a step replayed by MultiTokenGraphs: (host block [9, bucket], token bucket)
+    multi: tuple[torch.Tensor, int] | None = None
+    # the [S, ceil(V/32)] int32 CPU grammar bitmask, being filled beside the forward (or
+    # waiting for the previous step's update first: deferred)
+    vocab_mask: MaskFill | DeferredMaskFill | None = None
     # debug mode: (row, host slots of its first seq_len columns) for each request of the step
     table_check: list[tuple[int, torch.Tensor]] | None = None
 

@@ -95,7 +95,11 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, not finished (prefilling or decoding)
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT * cfg.conservativeness
-        self.num_constrained = 0  # unfinished requests with a grammar (the overlap loop syncs)
+        # Unfinished requests that keep the overlap loop synchronous: constrained ones with
+        # penalties (a dropped in-flight sample, see _jump_forward, would count as generated).
+        self.num_sync_only = 0
+        # Future slots of in-flight samples that a jump made obsolete: update discards them.
+        self._dropped: set[int] = set()
         self.counters = Counters()
         self.drafter = drafter  # n-gram speculation when set (speculative.py)
 
@@ -103,8 +107,8 @@ class Scheduler:
 
     def add(self, r: Req) -> None:
         ro.attach_text_state(r, self.tokenizer)
-        if r.constraint is not None:
-            self.num_constrained += 1
+        if _sync_only(r):
+            self.num_sync_only += 1
         r.status = ReqStatus.WAITING
         self.waiting.append(r)
 
@@ -121,13 +125,13 @@ class Scheduler:
         err.__cause__ = exc
         for it in batch.items:
             it.req.pending_future = None
+            self._dropped.discard(it.future_index)
             self.abort(it.req, f"model step failed: {exc!r}", error=err)
 
     @property
     def needs_sync(self) -> bool:
-        """Whether the next step must wait for this one's tokens: grammar masks need them
-        accepted, drafts need them known."""
-        return bool(self.num_constrained) or (self.drafter is not None and bool(self.running))
+        """Whether the next step must wait for this one's tokens: drafts need them known."""
+        return bool(self.num_sync_only) or (self.drafter is not None and bool(self.running))
 
     @property
     def has_work(self) -> bool:
@@ -316,18 +320,22 @@ class Scheduler:
         for it in batch.items:
             r = it.req
             samples = None  # the item's sampled rows: one, or one per draft plus one
+            dropped = False  # a jump made this sample obsolete while it was in flight
             if it.samples:
                 rows = 1 + len(it.draft_ids)
                 samples = [out.sample(k + j) for j in range(rows)]
                 k += rows
                 if r.pending_future == it.future_index:
                     r.pending_future = None
+                if it.future_index in self._dropped:
+                    self._dropped.discard(it.future_index)
+                    dropped = True
             first, count = it.score_span
             if count and not r.finished:
                 _record_scores(r, first, out.score_logprobs[p : p + count], out.score_top[p : p + count])
             p += count
-            if r.finished:
-                continue  # finished in the previous step; this extra token is discarded
+            if r.finished or dropped:
+                continue  # finished in the previous step, or jumped: this token is discarded
             if r.status is ReqStatus.RUNNING and it.prefix_len < len(r.prompt_ids):
                 self.kv.cache_prompt(r)  # (not if retracted since this step was scheduled)
             if samples is None:
@@ -434,9 +442,15 @@ class Scheduler:
         # Never cut into KV that belongs to the tree (only possible after a retraction).
         if kept - rescore < r.cached_len:
             return
+        if r.pending_future is not None:
+            # The overlap loop: the step in flight samples the token after the one just
+            # appended, but the jump owns what follows, so that sample is dropped. Its step
+            # still computes the KV of the last token (kept unless rolled back below).
+            self._dropped.add(r.pending_future)
+            r.pending_future = None
         r.constraint.apply(plan)
         if plan.rollback:
-            assert r.pending_future is None and plan.rollback <= len(r.output_ids)
+            assert plan.rollback <= len(r.output_ids)
             del r.output_ids[len(r.output_ids) - plan.rollback :]
             del r.output_logprobs[len(r.output_ids) :], r.output_top_logprobs[len(r.output_ids) :]
             if r.detokenizer is not None:
@@ -456,8 +470,8 @@ class Scheduler:
     def _finish(self, r: Req, reason: str, error: BaseException | None = None, text_done: bool = False) -> None:
         self._release(r, cache=error is None)
         r.status = ReqStatus.FINISHED
-        if r.constraint is not None:
-            self.num_constrained -= 1
+        if _sync_only(r):
+            self.num_sync_only -= 1
         if error is not None:
             r.finish_reason = "abort"
             ro.emit(r, "error", error)
@@ -483,6 +497,10 @@ class Scheduler:
     def owned_slots(self) -> list[torch.Tensor]:
         """Slots owned by running requests (not by the tree), for the integrity check."""
         return [self.kv.req_slots(r)[r.cached_len :] for r in self.running]
+
+
+def _sync_only(r: Req) -> bool:
+    return r.constraint is not None and PenaltyPool.needs(r.params)
 
 
 def _decode_len(r: Req) -> int:

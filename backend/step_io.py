@@ -158,11 +158,21 @@ class StepResult:
 
 class StepHandle:
     """A launched step; `result()` waits for it once (CPU worker future or CUDA event) and
-    re-raises whatever made the step fail."""
+    re-raises whatever made the step fail.
 
-    def __init__(self, get: Callable[[], StepOutput]) -> None:
+    A step launched before the update of the step ahead of it, with grammar masks, is
+    *deferred* (cross-step overlap, engine_loop.py): its forward is enqueued, but its masks may
+    only be filled once that update has run. The loop then calls `start_masks()` (after the
+    update) and, on CUDA, `resume()` (before launching the next step: it waits for the masks and
+    enqueues the sampling). `result()` does whatever of both is still to do."""
+
+    def __init__(self, get: Callable[[], StepOutput] | None, masks: Any = None,
+                 finish: Callable[[], Callable[[], StepOutput]] | None = None) -> None:
+        assert (get is None) == (finish is not None), "a deferred step gets its result from finish"
         self._get = get
         self._value: StepOutput | None = None
+        self._masks = masks  # a grammar_masks.DeferredMaskFill, started by start_masks()
+        self._finish = finish  # CUDA: enqueues the sampling, returns the waiting `get`
 
     @classmethod
     def failed(cls, exc: BaseException) -> StepHandle:
@@ -171,8 +181,24 @@ class StepHandle:
 
         return cls(fail)
 
+    def start_masks(self) -> None:
+        if self._masks is not None:
+            self._masks.start()
+
+    def resume(self) -> None:
+        if self._finish is not None:
+            self.start_masks()
+            finish, self._finish = self._finish, None
+            try:
+                self._get = finish()
+            except Exception as exc:  # enqueueing the sampling failed: the step fails
+                self._get = StepHandle.failed(exc)._get
+
     def result(self) -> StepOutput:
         if self._value is None:
+            self.start_masks()
+            self.resume()
+            assert self._get is not None
             self._value = self._get()
         return self._value
 

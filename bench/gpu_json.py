@@ -1,6 +1,6 @@
 """Structured generation at GPU batch sizes, and the cost of a speculative verify step (issue 13).
 
-    python bench/gpu_json.py [--batches 32,128,256] [--new-tokens 128] [--tokenizer PATH]
+    python bench/gpu_json.py [--batches 32,128,256] [--new-tokens 128] [--tokenizer PATH] [--probe] [--cpu]
 
 Llama-3.1-8B shape with random weights (`llama3-8b`, load_format="dummy"), bf16, the default
 model's tokenizer (SmolLM2: its 49,152 tokens inside the model's 128,256-entry vocabulary, so
@@ -77,8 +77,21 @@ def emit(workload: str, figures: dict[str, Any]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+# --cpu: the host side of the same steps on a CPU-only machine: a 2-layer random model with the
+# 8B shape's 128,256-entry vocabulary, so schedule / prepare / update / masks do the work they do
+# on the GPU host, while the "device" (the CPU worker) stays cheap.
+CPU_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=128256, max_position_embeddings=4096, eos_token_id=2)
+ON_CPU = False
+
+
 def make_engine(tokenizer: str, **options: Any) -> sgl.Engine:
     t0 = time.monotonic()
+    if ON_CPU:
+        e = sgl.Engine(model_config=CPU_TINY, load_format="dummy", device="cpu", tokenizer=tokenizer,
+                       max_total_tokens=1 << 18, max_running_requests=256, **options)
+        print(f"  engine {options}: ready in {time.monotonic() - t0:.1f} s", flush=True)
+        return e
     # Two engines live at once (plain and speculative): each takes under half the memory.
     e = sgl.Engine(model=MODEL, load_format="dummy", device="cuda", tokenizer=tokenizer,
                    mem_fraction_static=0.42, **options)
@@ -90,7 +103,8 @@ def close(e: sgl.Engine) -> None:
     e.close()
     e._rt = None
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # CPU time of the step's parts, summed over a run (engine-thread wall time per call).
@@ -133,7 +147,8 @@ def run(e: sgl.Engine, texts: list[str], **kw: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     outs = asyncio.run(go())
     wall = time.perf_counter() - t0
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     after = e.stats()
     events, runner.step_events = runner.step_events, None
     failed = [o for o in outs if isinstance(o, BaseException)]
@@ -210,7 +225,11 @@ def main() -> None:
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--probe", action="store_true", help="time the CPU parts of each step")
     ap.add_argument("--only-verify", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="host side only: tiny model, 128k vocab, on the CPU")
     args = ap.parse_args()
+    if args.cpu:
+        global ON_CPU, MODEL
+        ON_CPU, MODEL = True, "tiny-128k-vocab (cpu)"
     if args.probe:
         install_cpu_probe()
     if args.tokenizer is None:
