@@ -239,10 +239,11 @@ class ModelRunner:
     def _forward_part(self, step: PreparedStep) -> _Forwarded:
         """The step's table writes and forward, up to its logits (enqueued on CUDA)."""
         with torch.inference_mode():
-            start_ev = None
+            timing = None
             if self.step_events is not None and self.is_cuda:
                 start_ev = torch.cuda.Event(enable_timing=True)
                 start_ev.record()
+                timing = (self.step_events, start_ev)  # (the list may be swapped before finish)
             flat = step.packed.to(self.device, non_blocking=True)  # [sum of aligned field lengths]
             inputs = StepInputs.unpack(flat, step.lengths)
             table = self.req_pool.req_to_token
@@ -267,7 +268,7 @@ class ModelRunner:
                     logits = logits[inputs.logits_indices]  # [S + P, vocab]
             else:
                 logits = self._forward_eager(step, inputs, table)
-            return _Forwarded(logits, inputs, start_ev)
+            return _Forwarded(logits, inputs, timing)
 
     def _finish_part(self, step: PreparedStep, fwd: _Forwarded) -> StepResult:
         """Sampling and scoring of a forwarded step, and the copies of its results (enqueued
@@ -276,10 +277,11 @@ class ModelRunner:
             result = StepResult() if fwd.logits is None else self._sample_and_score(step, fwd.logits, fwd.inputs)
             if self.is_cuda:
                 result = result.to_host()
-            if fwd.start_ev is not None:
+            if fwd.timing is not None:
+                events, start_ev = fwd.timing
                 end_ev = torch.cuda.Event(enable_timing=True)
                 end_ev.record()
-                self.step_events.append((fwd.start_ev, end_ev, step.mode, len(step.batch.items)))
+                events.append((start_ev, end_ev, step.mode, len(step.batch.items)))
             return result
 
     def _forward_eager(self, step: PreparedStep, inputs: StepInputs[torch.Tensor],
@@ -342,7 +344,7 @@ class _Forwarded:
 
     logits: torch.Tensor | None  # [S + P, vocab], None when nothing is sampled or scored
     inputs: StepInputs[torch.Tensor]
-    start_ev: Any  # CUDA event of the step's start when timing steps, else None
+    timing: tuple[list[Any], Any] | None  # timing steps: (runner.step_events, start event)
 
 
 @dataclass

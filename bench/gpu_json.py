@@ -167,6 +167,10 @@ def run(e: sgl.Engine, texts: list[str], **kw: Any) -> dict[str, Any]:
         drafts=after.spec_draft_tokens - before.spec_draft_tokens,
         accepted=after.spec_accepted_tokens - before.spec_accepted_tokens,
         invalid=sum(1 for o in outs if o.finish_reason == "stop" and not _valid(o)),
+        # ids the tokenizer does not have (the model's padded vocabulary): the sampler never
+        # picks them from finite logits, so each one is a row of non-finite logits
+        padded_ids=sum(1 for o in outs for t in o.token_ids if t >= len(e.tokenizer)),
+        failed_reasons=sorted({str(x)[:90] for x in failed}),
         cpu_ms_per_step={k: round(1e3 * v / max(steps, 1), 2) for k, v in CPU_PARTS.items()},
     )
 
@@ -246,7 +250,7 @@ def main() -> None:
             run(e_spec, prompts(4), max_new_tokens=16, temperature=0.7, schema=Profile)
         rows = [] if args.only_verify else batch_table(e_plain, e_spec, batches, args.new_tokens)
         print(table(rows, ["batch", "mode", "output_tok_s", "steps", "wall_ms_per_step", "step_vs_plain",
-                           "gpu_ms", "jump_tokens", "drafts", "accepted", "invalid", "failed"]))
+                           "gpu_ms", "jump_tokens", "drafts", "accepted", "invalid", "failed", "padded_ids"]))
         if e_spec is not None:
             rows = verify_cost(e_plain, e_spec, args.new_tokens)
             print(table(rows, ["mode", "output_tok_s", "steps", "wall_ms_per_step", "gpu_ms", "drafts", "accepted"]))
