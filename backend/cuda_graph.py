@@ -1,20 +1,27 @@
-"""CUDA graphs for DECODE steps: the whole model forward plus the LM head, replayed.
+"""CUDA graphs for decode steps: the whole model forward plus the LM head, replayed.
 
 An eager decode step of an 8B model launches ~500 kernels; on a machine with a high launch
 cost that is milliseconds of CPU per step, longer than the GPU needs (a few ms). A graph
 replays them all with one launch.
 
+A graph row is one token that attends to the keys of its request up to itself: a decoding
+request is one row; a request computing several tokens in one step (jump-forward's jumped
+tokens, speculative verification, a short prompt) is one row per token, all on the request's
+`req_to_token` row with growing `seq_lens` (causal by construction: every layer stores the
+step's keys before attending). So the same graphs serve plain decoding and multi-token steps,
+with the decode attention kernel (flash-decoding, the KV heads of a group read once).
+
 Shapes must not change between capture and replay, so one graph is captured per *padded*
-batch size (`graph_batch_sizes`); a batch of B requests replays the smallest graph >= B.
+row count (`graph_batch_sizes`); a step of R rows replays the smallest graph >= R.
 
 Static inputs (one int64 block, `inputs[5, max_bs]`, rows: the first five fields of
-`step_io.StepInputs`) are the only thing a replay changes::
+`step_io.StepInputs` laid out per token) are the only thing a replay changes::
 
     inputs[0, :bs]  input ids (may hold -k future placeholders: resolved inside the graph)
     inputs[1, :bs]  positions
     inputs[2, :bs]  out_cache_loc     (padded rows: 0, the pool's reserved slot)
     inputs[3, :bs]  req_pool_indices  (padded rows: 0, the reserved req_to_token row)
-    inputs[4, :bs]  seq_lens          (padded rows: 1, one key: slot 0)
+    inputs[4, :bs]  seq_lens = position + 1 (padded rows: 1, one key: slot 0)
 
 Everything else the graph reads lives at fixed addresses: weights, the KV pool, the
 `req_to_token` table (updated before the replay, outside the graph), and the future-token
@@ -139,101 +146,11 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
                     len(self.sizes), self.sizes, self.capture_seconds)
 
-    def replay(self, packed: torch.Tensor, bs: int, batch_size: int) -> torch.Tensor:
+    def replay(self, packed: torch.Tensor, bs: int, rows: int) -> torch.Tensor:
         """packed: the step's device copy of `StepInputs` laid out for `bs` rows.
-        Returns logits [batch_size, vocab] (a view of the graph's output: valid until the
-        next replay, which stream order guarantees comes after this step's sampling)."""
+        Returns logits [rows, vocab] (a view of the graph's output: valid until the next
+        replay, which stream order guarantees comes after this step's sampling)."""
         stride = aligned(bs)  # each packed field starts 16-byte aligned
         self.inputs[:, :bs].copy_(packed[: 5 * stride].view(5, stride)[:, :bs])
         self.graphs[bs].replay()
-        return self.outputs[bs][:batch_size]
-
-
-def token_bucket_sizes(max_tokens: int) -> list[int]:
-    """Token counts of the multi-token graphs: 1, 2, 4, 8, 16, 24, 32, 48, 64, then steps of
-    32. A step replays the smallest bucket holding its tokens."""
-    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64] + list(range(96, max(max_tokens, 1) + 32, 32))
-    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
-
-
-class MultiTokenGraphs:
-    """CUDA graphs for decode steps where a request may compute several tokens: jump-forward's
-    jumped tokens and speculative verification (1 + drafts), beside requests decoding one.
-
-    Ragged: a step's tokens lie end to end as in an eager EXTEND step, and one graph is captured
-    per *token* bucket (`token_bucket_sizes`), not per batch size, so a batch of 256 where a few
-    requests jump costs about what a decode step of 256 does. The request arrays are as long as
-    the token bucket (every request has at least one token); entries beyond the batch have no
-    tokens, and the extend kernel's programs for them return at once. Token rows beyond the
-    step's tokens belong to no request: id 0, position 0, KV written to the reserved slot 0;
-    their outputs are never read. The attention kernel's grid is (query blocks of
-    `max_tokens_per_req`, bucket, heads): every length it reads (prefix, extend, start) comes from
-    the device, so one capture serves every mix of lengths up to that bound.
-
-    Logits: the graph computes them for the rows listed in `inputs[3]` (the step's sampled rows,
-    then its score rows, padded with row 0), as many as the bucket has tokens; the caller keeps
-    the first S + P.
-
-    Static inputs, one int64 block `inputs[9, max_tokens]`::
-
-        token axis    inputs[0] input ids (future placeholders resolved inside the graph)
-                      inputs[1] positions
-                      inputs[2] out_cache_loc
-                      inputs[3] logits rows
-        request axis  inputs[4] req_pool_indices   inputs[5] seq_lens   inputs[6] prefix lens
-                      inputs[7] extend lens (0 beyond the batch)   inputs[8] first token index
-    """
-
-    ROWS = 9
-
-    def __init__(self, model: Any, kv_pool: Any, req_pool: Any, attn_backend: Any,
-                 future_tokens: torch.Tensor, max_tokens: int, max_tokens_per_req: int) -> None:
-        self.model, self.kv_pool, self.attn_backend = model, kv_pool, attn_backend
-        self.req_to_token = req_pool.req_to_token
-        self.future_tokens = future_tokens
-        self.device = future_tokens.device
-        self.max_tokens_per_req = max_tokens_per_req
-        self.sizes = token_bucket_sizes(max_tokens)
-        self.max_tokens = self.sizes[-1]
-        self.inputs = torch.zeros(self.ROWS, self.max_tokens, dtype=torch.int64, device=self.device)
-        self.graphs: dict[int, Any] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits [bucket, vocab]
-        self.capture_seconds = 0.0
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The token bucket serving a step of `num_tokens` tokens, or None (run eagerly)."""
-        if num_tokens > self.max_tokens or not self.graphs:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
-
-    def _forward(self, t: int) -> torch.Tensor:
-        x = self.inputs[:, :t]
-        input_ids = torch.where(x[0] < 0, self.future_tokens[(-x[0]).clamp(min=0)], x[0])
-        fb = ForwardBatch(
-            mode=ForwardMode.EXTEND, batch_size=t, input_ids=input_ids, positions=x[1],
-            out_cache_loc=x[2], req_pool_indices=x[4], seq_lens=x[5], extend_prefix_lens=x[6],
-            extend_seq_lens=x[7], extend_start=x[8],
-            # host lengths: only the longest extend is read (it sizes the attention grid)
-            seq_lens_cpu=[self.max_tokens_per_req] * t, extend_prefix_lens_cpu=[0] * t,
-            extend_seq_lens_cpu=[self.max_tokens_per_req] * t, logits_indices=x[3],
-            req_to_token=self.req_to_token, kv_pool=self.kv_pool, attn_backend=self.attn_backend,
-        )  # fmt: skip
-        self.attn_backend.prepare(fb)
-        hidden = self.model.forward(fb)  # [t, hidden]
-        return self.model.compute_logits(hidden[x[3]])  # [t, vocab]
-
-    def capture(self, pool: Any = None) -> None:
-        """Capture every bucket; `pool`: share another set's memory pool (only one graph runs
-        at a time)."""
-        _, self.capture_seconds = capture_graphs(self._forward, self.sizes, self.device,
-                                                 self.graphs, self.outputs, pool)
-        logger.info("captured %d multi-token decode CUDA graphs (tokens %s, up to %d a request) "
-                    "in %.1f s", len(self.sizes), self.sizes, self.max_tokens_per_req,
-                    self.capture_seconds)
-
-    def replay(self, block: torch.Tensor, t: int) -> torch.Tensor:
-        """block: the step's device copy of the [9, t] layout (model_runner's
-        `_multi_token_layout`). Returns logits [t, vocab] (valid until the next replay)."""
-        self.inputs[:, :t].copy_(block)
-        self.graphs[t].replay()
-        return self.outputs[t]
+        return self.outputs[bs][:rows]

@@ -8,8 +8,10 @@ overlap loop can hide CPU work:
   tensor, pinned on CUDA; build the sampling info, grammar masks and logprob plan.
 * `_execute` (the device's turn, in step order): one host->device copy of that tensor, apply
   the `req_to_token` writes, resolve future-token placeholders, run the model (a CUDA graph
-  replay for DECODE batches that fit one), sample, write the sampled tokens into the future
-  buffer, and start the copies of the small results into pinned host memory.
+  replay when the step's tokens fit one: a graph row per token, cuda_graph.py), sample, write
+  the sampled tokens into the future buffer, and start the copies of the small results into
+  pinned host memory. It is `_forward_part` then `_finish_part`; a deferred step (grammar
+  masks that wait for the previous step's update) runs them apart.
 
 On CUDA `_execute` only enqueues work and never waits for the device: no `.item()`,
 `.tolist()` or data-dependent branch on a device tensor; every decision is made from host
@@ -71,7 +73,6 @@ class ModelRunner:
             else None
         )
         self.graphs = None  # a cuda_graph.DecodeGraphs once captured (capture_cuda_graphs)
-        self.multi_graphs = None  # a cuda_graph.MultiTokenGraphs (jumped tokens, verification)
         # Debug mode: after applying a step's table writes, compare the device rows the step
         # reads with the host mirror (a device sync per step).
         self.verify_table = False
@@ -92,7 +93,7 @@ class ModelRunner:
     def free_memory(self) -> None:
         """The engine is closed and no step runs: give the weights, the KV pool and the CUDA
         graphs back, so that a process building engine after engine does not keep them all."""
-        self.graphs = self.multi_graphs = None
+        self.graphs = None
         self.attn_backend.release_memory()
         self.kv_pool.k_buffer.clear()
         self.kv_pool.v_buffer.clear()
@@ -106,19 +107,14 @@ class ModelRunner:
         if self.is_cuda:
             torch.cuda.empty_cache()
 
-    def capture_cuda_graphs(self, max_bs: int, multi_tokens: int = 0, tokens_per_req: int = 0) -> None:
-        """Capture decode graphs for padded batch sizes up to `max_bs` (CUDA + Triton only),
-        and multi-token graphs for steps of up to `multi_tokens` tokens, `tokens_per_req` at
-        most for one request."""
-        from sgl.backend.cuda_graph import DecodeGraphs, MultiTokenGraphs
+    def capture_cuda_graphs(self, max_rows: int) -> None:
+        """Capture decode graphs for padded row counts up to `max_rows` (CUDA + Triton only):
+        a row is a decoding request, or one token of a request computing several."""
+        from sgl.backend.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_pool, self.req_pool, self.attn_backend,
-                                   self.future_tokens, max_bs)
+                                   self.future_tokens, max_rows)
         self.graphs.capture()
-        if multi_tokens > 0 and tokens_per_req > 1:
-            self.multi_graphs = MultiTokenGraphs(self.model, self.kv_pool, self.req_pool, self.attn_backend,
-                                                 self.future_tokens, multi_tokens, tokens_per_req)
-            self.multi_graphs.capture(pool=self.graphs.pool)
 
     # -- launch ------------------------------------------------------------------------------
 
@@ -149,43 +145,21 @@ class ModelRunner:
     def _prepare(self, batch: ScheduleBatch, defer_masks: bool = False) -> PreparedStep:
         inputs, plan = _flatten(batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
-        num_reqs = len(batch.items)
-        graph_bs = None
-        if mode is ForwardMode.DECODE and self.graphs is not None and plan.num_tokens == num_reqs:
-            graph_bs = self.graphs.padded_size(num_reqs)
-        if graph_bs is not None and graph_bs > num_reqs:
-            _pad_decode_rows(inputs, graph_bs - num_reqs)
-        multi = None
-        if mode is ForwardMode.EXTEND and self.multi_graphs is not None:
-            multi = self._multi_token_layout(batch, inputs, plan.num_tokens)
+        rows = plan.num_tokens
+        graph_bs = self.graphs.padded_size(rows) if self.graphs is not None else None
+        if graph_bs is not None:
+            if mode is ForwardMode.EXTEND:  # several tokens of a request: one graph row each
+                _one_row_per_token(inputs)
+            if graph_bs > rows:
+                _pad_decode_rows(inputs, graph_bs - rows)
         inputs.table_index, inputs.table_value = self._table_writes(batch.table_writes)
         packed, lengths = inputs.pack(pin=self.is_cuda)
         return PreparedStep(
             batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
-            multi=multi,
             sampling=self.sampler.build_for(batch),
             vocab_mask=self._grammar_masks(batch, defer_masks) if batch.has_constraints else None,
             table_check=self._table_check(batch) if self.verify_table else None,
         )
-
-    def _multi_token_layout(self, batch: ScheduleBatch, x: StepInputs[Any], num_tokens: int
-                            ) -> tuple[torch.Tensor, int] | None:
-        """An EXTEND step whose requests compute at most the graphs' tokens per request, in the
-        multi-token graphs' ragged layout (cuda_graph.MultiTokenGraphs): (host block
-        [9, bucket], bucket); None when the step does not fit one."""
-        graphs = self.multi_graphs
-        t = graphs.padded_size(num_tokens)
-        if t is None or any(it.extend_len > graphs.max_tokens_per_req for it in batch.items):
-            return None
-        n, b, rows = num_tokens, len(batch.items), x.logits_indices
-        block = np.zeros((graphs.ROWS, t), dtype=np.int64)  # padding: id 0, slot 0, no tokens
-        block[0, :n], block[1, :n], block[2, :n] = x.input_ids, x.positions, x.out_cache_loc
-        block[3, : len(rows)] = rows
-        for i, field in enumerate((x.req_pool_indices, x.seq_lens, x.extend_prefix_lens,
-                                   x.extend_seq_lens, x.extend_start)):
-            block[4 + i, :b] = field
-        host = torch.from_numpy(block)
-        return (host.pin_memory() if self.is_cuda else host), t
 
     def _grammar_masks(self, batch: ScheduleBatch, defer: bool) -> MaskFill | DeferredMaskFill:
         """The step's masks: filled from now on beside the forward (every matcher has accepted
@@ -256,16 +230,11 @@ class ModelRunner:
                 check_table_rows(table, step.table_check)
             if self.step_hook is not None:
                 self.step_hook(step)
-            if step.multi is not None:
-                assert self.multi_graphs is not None
-                block, t = step.multi
-                logits = self.multi_graphs.replay(block.to(self.device, non_blocking=True), t)
-                logits = logits[: step.plan.num_samples + step.plan.num_score_rows]  # [S + P, vocab]
-            elif step.graph_bs is not None:
+            if step.graph_bs is not None:
                 assert self.graphs is not None
-                logits = self.graphs.replay(flat, step.graph_bs, len(step.batch.items))  # [B, vocab]
+                logits = self.graphs.replay(flat, step.graph_bs, step.plan.num_tokens)  # [T, vocab]
                 if not step.plan.rows_in_order:
-                    logits = logits[inputs.logits_indices]  # [S + P, vocab]
+                    logits = logits[inputs.logits_indices]  # [S + P, vocab] (a row per token)
             else:
                 logits = self._forward_eager(step, inputs, table)
             return _Forwarded(logits, inputs, timing)
@@ -377,10 +346,8 @@ class PreparedStep:
     packed: torch.Tensor  # StepInputs.pack(): every integer input in one int64 host tensor
     lengths: tuple[int, ...]
     plan: StepPlan
-    graph_bs: int | None  # DECODE replayed by the CUDA graph of this (padded) batch size
+    graph_bs: int | None  # replayed by the CUDA decode graph of this (padded) row count
     sampling: Any  # the sampler's SamplingBatchInfo
-    # a step replayed by MultiTokenGraphs: (host block [9, bucket], token bucket)
-    multi: tuple[torch.Tensor, int] | None = None
     # the [S, ceil(V/32)] int32 CPU grammar bitmask, being filled beside the forward (or
     # waiting for the previous step's update first: deferred)
     vocab_mask: MaskFill | DeferredMaskFill | None = None
@@ -424,6 +391,15 @@ def _flatten(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
     x.logits_indices.extend(score_rows)  # sampled rows first, then score rows
     x.out_cache_loc = batch.out_cache_loc.to(torch.int64).numpy()
     return x, plan
+
+
+def _one_row_per_token(x: StepInputs[Any]) -> None:
+    """Lay a step out as decode graph rows: every token attends, on its request's table row,
+    to the keys up to its own position (cuda_graph.py). The per-request fields the graph does
+    not read stay as they are."""
+    x.req_pool_indices = np.repeat(np.asarray(x.req_pool_indices, dtype=np.int64),
+                                   np.asarray(x.extend_seq_lens, dtype=np.int64)).tolist()
+    x.seq_lens = [p + 1 for p in x.positions]
 
 
 def _pad_decode_rows(x: StepInputs[Any], pad: int) -> None:

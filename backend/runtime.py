@@ -208,11 +208,9 @@ class Runtime:
             logger.warning("CUDA graphs need attention_backend='triton'; decoding eagerly")
             return
         max_bs = min(config.cuda_graph_max_bs or max_running, max_running)
-        # Multi-token decode steps (jumped tokens, verification): token buckets up to twice the
-        # largest decode batch, so a full batch where many requests jump still replays a graph
-        # (and at least one request's longest run).
-        multi_tokens = max(MULTI_TOKEN_BUCKETS_PER_REQ * max_bs, MULTI_TOKEN_MAX_PER_REQ)
-        self.runner.capture_cuda_graphs(max_bs, multi_tokens=multi_tokens, tokens_per_req=MULTI_TOKEN_MAX_PER_REQ)
+        # A graph row is one token: twice the largest decode batch in rows, so a full batch where
+        # requests jump or verify drafts still replays a graph.
+        self.runner.capture_cuda_graphs(GRAPH_ROWS_PER_REQ * max_bs)
         self.cuda_graph_sizes = list(self.runner.graphs.sizes)
 
     def _attention_backend(self, config: EngineConfig, device: torch.device, pool_slots: int):
@@ -350,10 +348,7 @@ class Runtime:
             self._grammar.close()  # its mask-fill thread (after the engine thread stopped)
 
 
-# A request computes at most this many tokens in a multi-token graph step: one query block of
-# the extend kernel (BLOCK_M), so a larger bound would only cost grid programs that exit at once.
-MULTI_TOKEN_MAX_PER_REQ = 64
-MULTI_TOKEN_BUCKETS_PER_REQ = 2  # multi-token graphs cover steps of up to 2 x cuda_graph_max_bs tokens
+GRAPH_ROWS_PER_REQ = 2  # decode graphs hold up to 2 x cuda_graph_max_bs token rows
 
 
 def _drafter(config: EngineConfig) -> NgramDrafter | None:

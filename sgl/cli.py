@@ -61,7 +61,7 @@ _ABOUT = {
     "speculative_ngram_max_match_window_size": "longest run of last tokens matched for a draft (tried first)",
     "attention_backend": "attention implementation",
     "disable_cuda_graph": "decode without CUDA graphs",
-    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph (graphs hold twice as many token rows)",
     "request_timeout": "seconds a request may take, queueing included (a request's own timeout overrides)",
     "debug_integrity": "check the KV pool and radix tree whenever the engine goes idle (slow; for debugging)",
     "log_level": "engine log level",

@@ -92,7 +92,7 @@ def test_gpu_greedy_equals_cpu(overlap: bool) -> None:
 
 def test_no_host_sync_inside_a_step() -> None:
     """Every step (extend, graph decode, eager decode) only enqueues work on the device."""
-    e = engine("cuda", cuda_graph_max_bs=4)  # batches of 5+ decode eagerly
+    e = engine("cuda", cuda_graph_max_bs=2)  # graphs of up to 4 token rows: 5+ decode eagerly
     runner = e._rt.runner
     execute = runner._execute
     steps: list[Any] = []

@@ -1,5 +1,5 @@
 """Multi-token decode on a CUDA device: speculative verification and jumped tokens replayed
-by `MultiTokenGraphs` give the outputs of one-token decoding.
+by the decode graphs, one graph row per token, give the outputs of one-token decoding.
 
 Marked `gpu` (skipped without CUDA). Tiny random-weight Llama in float32 (as
 tests/test_gpu_engine.py), and the real default model for jump-forward (it needs a tokenizer).
@@ -29,16 +29,18 @@ def _always_draft(e: sgl.Engine) -> None:
 
 
 def _count_replays(e: sgl.Engine) -> list[int]:
-    graphs = e._rt.runner.multi_graphs
-    assert graphs is not None, "multi-token graphs were not captured"
+    """Counts steps where some request computes several tokens and a graph replays them."""
+    runner = e._rt.runner
+    assert runner.graphs is not None, "decode graphs were not captured"
     calls = [0]
-    replay = graphs.replay
+    forward = runner._forward_part  # (every step's forward, deferred or not)
 
-    def counted(*a: Any) -> Any:
-        calls[0] += 1
-        return replay(*a)
+    def counted(step: Any) -> Any:
+        if step.mode.name == "EXTEND" and step.graph_bs is not None:
+            calls[0] += 1
+        return forward(step)
 
-    graphs.replay = counted
+    runner._forward_part = counted
     return calls
 
 
