@@ -92,8 +92,14 @@ def make_engine(tokenizer: str, **options: Any) -> sgl.Engine:
                        max_total_tokens=1 << 18, max_running_requests=256, **options)
         print(f"  engine {options}: ready in {time.monotonic() - t0:.1f} s", flush=True)
         return e
+    from sgl.backend.model_loader import PRESETS
+
+    # The 8B shape with the tokenizer's own end token (SmolLM2's <|im_end|>, id 2): the preset's
+    # Llama-3 ids (128001, 128009) lie beyond this tokenizer, so a grammar could never stop on
+    # them, and a schema completed before max_new_tokens had no allowed token left.
+    shape = dict(PRESETS[MODEL], eos_token_id=2)
     # Two engines live at once (plain and speculative): each takes under half the memory.
-    e = sgl.Engine(model=MODEL, load_format="dummy", device="cuda", tokenizer=tokenizer,
+    e = sgl.Engine(model_config=shape, load_format="dummy", device="cuda", tokenizer=tokenizer,
                    mem_fraction_static=0.42, **options)
     print(f"  engine {options}: ready in {time.monotonic() - t0:.1f} s", flush=True)
     return e

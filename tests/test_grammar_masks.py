@@ -48,10 +48,10 @@ def test_small_batches_fill_in_place(backend: GrammarBackend) -> None:
 
 
 def test_fill_errors_surface_at_result(backend: GrammarBackend, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(states: Any, bitmask: Any) -> bool:
+    def broken(matchers: Any, bitmask: Any, rows: Any) -> None:
         raise RuntimeError("fill failed")
 
-    monkeypatch.setattr(backend, "fill_bitmasks", broken)
+    monkeypatch.setattr(backend, "_fill_rows", broken)
     masks = backend.fill_bitmasks_async(_states(backend, 12), allocate_bitmask(12, VOCAB))
     with pytest.raises(RuntimeError, match="fill failed"):
         masks.result(timeout=30)
@@ -61,15 +61,15 @@ def test_fill_errors_surface_at_result(backend: GrammarBackend, monkeypatch: pyt
 async def test_the_runner_waits_for_slow_masks_before_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fill slower than the forward: were the sampler not to wait, it would sample from the
     all-allowed mask allocate_bitmask starts with, and the outputs would break the regex."""
-    real = GrammarBackend.fill_bitmasks
+    real = GrammarBackend._fill_rows
     threads: set[str] = set()
 
-    def slow(self: GrammarBackend, states: Any, bitmask: torch.Tensor) -> bool:
+    def slow(self: GrammarBackend, matchers: Any, bitmask: torch.Tensor, rows: Any) -> None:
         threads.add(threading.current_thread().name)
         time.sleep(0.05)
-        return real(self, states, bitmask)
+        real(self, matchers, bitmask, rows)
 
-    monkeypatch.setattr(GrammarBackend, "fill_bitmasks", slow)
+    monkeypatch.setattr(GrammarBackend, "_fill_rows", slow)
     engine = tokenized_tiny_engine(random_seed=3)
     try:
         outs = await asyncio.gather(*(engine.generate(f"n{i}", max_new_tokens=6, temperature=1.0,
