@@ -158,8 +158,9 @@ class GrammarBackend:
                                max_jump_tokens=self.max_jump_forward_tokens)
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
-        """[batch_size, ceil(mask_vocab_size / 32)] int32, all ones."""
-        return allocate_bitmask(batch_size, self.mask_vocab_size)
+        """[batch_size, ceil(mask_vocab_size / 32)] int32, uninitialized: `fill_bitmasks` and
+        `fill_bitmasks_async` write every row (a step's mask is allocated anew each step)."""
+        return torch.empty(batch_size, -(-self.mask_vocab_size // 32), dtype=torch.int32)
 
     def fill_bitmasks(
         self, states: Sequence[ConstraintState | None], bitmask: torch.Tensor
