@@ -21,12 +21,14 @@ handed out again only to a later step).
 Grammar-constrained steps overlap too, though their masks need the previous token accepted:
 step k is launched *deferred* (its forward goes to the device, its masks and sampling wait)::
 
-    iteration k:  schedule(k) -> prepare(k) -> resume(k-1) -> launch forward(k) -> update(k-1)
+    iteration k:  schedule(k) -> resume(k-1) -> prepare(k), launch forward(k) -> update(k-1)
                   -> masks(k).start
     device:       ... sample(k-1) | forward(k) ...... | sample(k) (enqueued by resume(k))
 
-so the mask fill of step k runs beside the scheduling and preparing of step k+1 and the
-device's forward of step k. If `update(k-1)` jumps forward a request that step k is already sampling, that sample
+so the mask fill of step k runs beside the scheduling of step k+1 and the device's forward of
+step k, and the device samples step k while step k+1 is prepared. The period of a step is then
+about update + schedule + prepare on the host (all Python on one thread) when that is longer
+than the forward. If `update(k-1)` jumps forward a request that step k is already sampling, that sample
 is dropped (Scheduler._jump_forward): the jump owns what follows. Steps with speculative drafts
 still run synchronously: a draft follows the previous token, which must be known.
 """
@@ -149,12 +151,13 @@ class EngineCore:
                 self._update(*prev)  # drafts need the previous tokens known
                 prev = None
             batch = self.scheduler.schedule()
-            # With a step in flight, this one's masks wait for that step's update; the step in
-            # flight, if deferred, gets its sampling enqueued once this one is prepared.
+            # With a step in flight, this one's masks wait for that step's update. The step in
+            # flight, if deferred, gets its sampling enqueued now: its masks were filled beside
+            # this schedule, and the device runs the sampling while this step is prepared.
             ahead = prev[1] if prev is not None else None
-            handle = self._launch(batch, ahead) if batch is not None else None
             if ahead is not None:
-                ahead.resume()  # (done already unless preparing failed)
+                ahead.resume()
+            handle = self._launch(batch, ahead) if batch is not None else None
             if prev is not None:
                 self._update(*prev)
             if handle is not None:

@@ -129,7 +129,7 @@ class ModelRunner:
         `ahead`: the step still in flight before this one (the overlap loop), whose tokens the
         scheduler has not applied yet. This step's grammar masks are then filled only when the
         handle's `start_masks()` is called, and on CUDA its sampling is enqueued by `resume()`.
-        A deferred `ahead` is resumed here, after preparing and before launching this step."""
+        A deferred `ahead` is resumed (if the caller has not yet) before this step launches."""
         step = self._prepare(batch, defer_masks=ahead is not None)
         if ahead is not None:
             ahead.resume()
