@@ -31,7 +31,6 @@ N fills on the device; `_execute` replaces negative ids by `future_tokens[k]` on
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -42,7 +41,20 @@ from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.grammar_masks import DeferredMaskFill
 from sgl.backend.req import ScheduleBatch
 from sgl.backend.speculative import draft_states
-from sgl.backend.step_io import FutureRing, StepHandle, StepInputs, StepOutput, StepResult
+from sgl.backend.step_io import (
+    FutureRing,
+    StepHandle,
+    StepInputs,
+    StepOutput,
+    StepPlan,
+    StepResult,
+    check_table_rows,
+    flatten_batch,
+    last_write_wins,
+    one_row_per_token,
+    pad_decode_rows,
+    writes_overlap,
+)
 
 if TYPE_CHECKING:
     from sgl.backend.attention.base import AttentionBackend
@@ -143,15 +155,15 @@ class ModelRunner:
         return StepHandle(None, masks=deferred, finish=lambda: self._finish_part(step, forwarded).wait)
 
     def _prepare(self, batch: ScheduleBatch, defer_masks: bool = False) -> PreparedStep:
-        inputs, plan = _flatten(batch)
+        inputs, plan = flatten_batch(batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         rows = plan.num_tokens
         graph_bs = self.graphs.padded_size(rows) if self.graphs is not None else None
         if graph_bs is not None:
             if mode is ForwardMode.EXTEND:  # several tokens of a request: one graph row each
-                _one_row_per_token(inputs)
+                one_row_per_token(inputs)
             if graph_bs > rows:
-                _pad_decode_rows(inputs, graph_bs - rows)
+                pad_decode_rows(inputs, graph_bs - rows)
         inputs.table_index, inputs.table_value = self._table_writes(batch.table_writes)
         packed, lengths = inputs.pack(pin=self.is_cuda)
         return PreparedStep(
@@ -203,7 +215,7 @@ class ModelRunner:
             offsets = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
             index = np.repeat(bases, lens) + offsets
         # (deduplicating sorts every written position: a prefill step can write ~10^5)
-        return last_write_wins(index, values) if _writes_overlap(writes) else (index, values)
+        return last_write_wins(index, values) if writes_overlap(writes) else (index, values)
 
     # -- execute (device order) --------------------------------------------------------------
 
@@ -317,27 +329,6 @@ class _Forwarded:
 
 
 @dataclass
-class StepPlan:
-    """Host-side shape of a step, read while building the ForwardBatch and the results."""
-
-    seq_lens: list[int]
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    num_tokens: int
-    num_samples: int
-    num_score_rows: int
-    want_logprobs: bool
-    top_logprobs_num: int
-    score_top_logprobs_num: int
-    has_placeholders: bool = False  # some input id is a future-token placeholder (< 0)
-
-    @property
-    def rows_in_order(self) -> bool:
-        """Every token is sampled, in order (plain decode): the logits need no gather."""
-        return self.num_samples == self.num_tokens and not self.num_score_rows
-
-
-@dataclass
 class PreparedStep:
     """The runner's plan of one step, built on the scheduler thread."""
 
@@ -353,105 +344,3 @@ class PreparedStep:
     vocab_mask: MaskFill | DeferredMaskFill | None = None
     # debug mode: (row, host slots of its first seq_len columns) for each request of the step
     table_check: list[tuple[int, torch.Tensor]] | None = None
-
-
-def _flatten(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
-    """The batch's tokens laid end to end, request by request (forward_batch.py)."""
-    x: StepInputs[list[int]] = StepInputs(*([] for _ in dataclasses.fields(StepInputs)))
-    score_rows: list[int] = []
-    plan = StepPlan([], [], [], 0, 0, 0, False, 0, 0)
-    for it in batch.items:
-        r, n, prefix, start = it.req, it.extend_len, it.prefix_len, plan.num_tokens
-        x.input_ids.extend(it.input_ids)
-        if n == 1:  # (decode: most items of most steps)
-            x.positions.append(prefix)
-            plan.has_placeholders |= it.input_ids[0] < 0
-        else:
-            x.positions.extend(range(prefix, prefix + n))
-        x.req_pool_indices.append(r.req_pool_idx)
-        x.seq_lens.append(prefix + n)
-        x.extend_prefix_lens.append(prefix)
-        x.extend_seq_lens.append(n)
-        x.extend_start.append(start)
-        if it.samples:  # the last token's row, and one row per draft after it
-            x.logits_indices.extend(range(start + n - 1 - len(it.draft_ids), start + n))
-            x.future_indices.append(it.future_index)
-        if r.logprob.return_logprob:
-            plan.want_logprobs = True
-            plan.top_logprobs_num = max(plan.top_logprobs_num, r.logprob.top_logprobs_num)
-        first, count = it.score_span
-        if count:
-            plan.score_top_logprobs_num = max(plan.score_top_logprobs_num, r.logprob.top_logprobs_num)
-            score_rows.extend(range(start + first - prefix, start + first - prefix + count))
-            x.score_targets.extend(r.fill_ids()[first + 1 : first + 1 + count])
-        plan.num_tokens += n
-    plan.num_samples, plan.num_score_rows = len(x.logits_indices), len(score_rows)
-    plan.seq_lens, plan.prefix_lens, plan.extend_lens = (
-        list(x.seq_lens), list(x.extend_prefix_lens), list(x.extend_seq_lens))
-    x.logits_indices.extend(score_rows)  # sampled rows first, then score rows
-    x.out_cache_loc = batch.out_cache_loc.to(torch.int64).numpy()
-    return x, plan
-
-
-def _one_row_per_token(x: StepInputs[Any]) -> None:
-    """Lay a step out as decode graph rows: every token attends, on its request's table row,
-    to the keys up to its own position (cuda_graph.py). The per-request fields the graph does
-    not read stay as they are."""
-    x.req_pool_indices = np.repeat(np.asarray(x.req_pool_indices, dtype=np.int64),
-                                   np.asarray(x.extend_seq_lens, dtype=np.int64)).tolist()
-    x.seq_lens = [p + 1 for p in x.positions]
-
-
-def _pad_decode_rows(x: StepInputs[Any], pad: int) -> None:
-    """Padded CUDA-graph rows: id 0 at position 0, KV written to the reserved slot 0,
-    attending through the reserved req_to_token row 0 over one key (slot 0). Harmless."""
-    x.input_ids = x.input_ids + [0] * pad
-    x.positions = x.positions + [0] * pad
-    x.out_cache_loc = np.concatenate([x.out_cache_loc, np.zeros(pad, dtype=np.int64)])
-    x.req_pool_indices = x.req_pool_indices + [0] * pad
-    x.seq_lens = x.seq_lens + [1] * pad
-
-
-def _writes_overlap(writes: list[tuple[int, int, Any]]) -> bool:
-    """Whether two writes of one batch cover the same req_to_token position."""
-    spans: dict[int, list[tuple[int, int]]] = {}
-    for row, col, slots in writes:
-        spans.setdefault(row, []).append((col, col + slots.shape[0]))
-    for row_spans in spans.values():
-        if len(row_spans) > 1:
-            row_spans.sort()
-            if any(a_end > b_start for (_, a_end), (b_start, _) in zip(row_spans, row_spans[1:])):
-                return True
-    return False
-
-
-def last_write_wins(index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Keep only the last write to each `req_to_token` position, in list order.
-
-    One batch can carry two writes to the same position: after a request's prefill,
-    `cache_prompt` queues a rewrite of its row's prefix onto the tree's slots; if the request
-    finishes before another step runs, the row is freed and the next request that gets it
-    queues its own slots for the same columns, in the same batch. The host mirror applies
-    writes in order (the last wins), but `index_copy_` on CUDA keeps an arbitrary one of
-    duplicate indices, so the device row could point at the previous owner's slots: wrong
-    keys, run to run nondeterministic, and only where the radix cache rewrote a row.
-    """
-    if index.size < 2:
-        return index, values
-    # np.unique on the reversed index: `first` is each position's last write in list order.
-    unique, first = np.unique(index[::-1], return_index=True)
-    if unique.size == index.size:
-        return index, values
-    keep = np.sort(index.size - 1 - first)
-    return index[keep], values[keep]
-
-
-def check_table_rows(table: torch.Tensor, expected: list[tuple[int, torch.Tensor]]) -> None:
-    """Debug mode: the device `req_to_token` rows a step reads equal the host mirror's."""
-    for row, want in expected:
-        got = table[row, : want.shape[0]].to("cpu", torch.int64)
-        if not torch.equal(got, want):
-            col = int((got != want).nonzero()[0])
-            raise AssertionError(
-                f"req_to_token row {row} column {col} holds slot {int(got[col])} on the device "
-                f"but {int(want[col])} on the host: a table write was lost or reordered")

@@ -1,6 +1,6 @@
 """What crosses between the host and the device in one step: named inputs and typed results.
 
-    ScheduleBatch --runner._prepare--> StepInputs (host arrays, one per field)
+    ScheduleBatch --flatten_batch--> StepInputs (host arrays, one per field) + StepPlan
                                         | pack(): ONE int64 host tensor (pinned on CUDA)
                                         v one host->device copy, unpack(): device views
                   --runner._execute--> StepResult (device tensors -> pinned host copies)
@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from sgl.backend.req import ScheduleBatch
 
 A = TypeVar("A")  # np.ndarray on the host, torch.Tensor on the device
 
@@ -206,3 +209,129 @@ class StepHandle:
 def _pairs(vals: torch.Tensor | None, ids: torch.Tensor) -> list[list[tuple[float, int]]]:
     assert vals is not None
     return [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())]
+
+
+# -- laying a batch out as step inputs (model_runner._prepare) ------------------------------
+
+
+@dataclass
+class StepPlan:
+    """Host-side shape of a step, read while building the ForwardBatch and the results."""
+
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    num_tokens: int
+    num_samples: int
+    num_score_rows: int
+    want_logprobs: bool
+    top_logprobs_num: int
+    score_top_logprobs_num: int
+    has_placeholders: bool = False  # some input id is a future-token placeholder (< 0)
+
+    @property
+    def rows_in_order(self) -> bool:
+        """Every token is sampled, in order (plain decode): the logits need no gather."""
+        return self.num_samples == self.num_tokens and not self.num_score_rows
+
+
+def flatten_batch(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
+    """The batch's tokens laid end to end, request by request (forward_batch.py)."""
+    x: StepInputs[list[int]] = StepInputs(*([] for _ in dataclasses.fields(StepInputs)))
+    score_rows: list[int] = []
+    plan = StepPlan([], [], [], 0, 0, 0, False, 0, 0)
+    for it in batch.items:
+        r, n, prefix, start = it.req, it.extend_len, it.prefix_len, plan.num_tokens
+        x.input_ids.extend(it.input_ids)
+        if n == 1:  # (decode: most items of most steps)
+            x.positions.append(prefix)
+            plan.has_placeholders |= it.input_ids[0] < 0
+        else:
+            x.positions.extend(range(prefix, prefix + n))
+        x.req_pool_indices.append(r.req_pool_idx)
+        x.seq_lens.append(prefix + n)
+        x.extend_prefix_lens.append(prefix)
+        x.extend_seq_lens.append(n)
+        x.extend_start.append(start)
+        if it.samples:  # the last token's row, and one row per draft after it
+            x.logits_indices.extend(range(start + n - 1 - len(it.draft_ids), start + n))
+            x.future_indices.append(it.future_index)
+        if r.logprob.return_logprob:
+            plan.want_logprobs = True
+            plan.top_logprobs_num = max(plan.top_logprobs_num, r.logprob.top_logprobs_num)
+        first, count = it.score_span
+        if count:
+            plan.score_top_logprobs_num = max(plan.score_top_logprobs_num, r.logprob.top_logprobs_num)
+            score_rows.extend(range(start + first - prefix, start + first - prefix + count))
+            x.score_targets.extend(r.fill_ids()[first + 1 : first + 1 + count])
+        plan.num_tokens += n
+    plan.num_samples, plan.num_score_rows = len(x.logits_indices), len(score_rows)
+    plan.seq_lens, plan.prefix_lens, plan.extend_lens = (
+        list(x.seq_lens), list(x.extend_prefix_lens), list(x.extend_seq_lens))
+    x.logits_indices.extend(score_rows)  # sampled rows first, then score rows
+    x.out_cache_loc = batch.out_cache_loc.to(torch.int64).numpy()
+    return x, plan
+
+
+def one_row_per_token(x: StepInputs[Any]) -> None:
+    """Lay a step out as decode graph rows: every token attends, on its request's table row,
+    to the keys up to its own position (cuda_graph.py). The per-request fields the graph does
+    not read stay as they are."""
+    x.req_pool_indices = np.repeat(np.asarray(x.req_pool_indices, dtype=np.int64),
+                                   np.asarray(x.extend_seq_lens, dtype=np.int64)).tolist()
+    x.seq_lens = [p + 1 for p in x.positions]
+
+
+def pad_decode_rows(x: StepInputs[Any], pad: int) -> None:
+    """Padded CUDA-graph rows: id 0 at position 0, KV written to the reserved slot 0,
+    attending through the reserved req_to_token row 0 over one key (slot 0). Harmless."""
+    x.input_ids = x.input_ids + [0] * pad
+    x.positions = x.positions + [0] * pad
+    x.out_cache_loc = np.concatenate([x.out_cache_loc, np.zeros(pad, dtype=np.int64)])
+    x.req_pool_indices = x.req_pool_indices + [0] * pad
+    x.seq_lens = x.seq_lens + [1] * pad
+
+
+def writes_overlap(writes: list[tuple[int, int, Any]]) -> bool:
+    """Whether two writes of one batch cover the same req_to_token position."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for row, col, slots in writes:
+        spans.setdefault(row, []).append((col, col + slots.shape[0]))
+    for row_spans in spans.values():
+        if len(row_spans) > 1:
+            row_spans.sort()
+            if any(a_end > b_start for (_, a_end), (b_start, _) in zip(row_spans, row_spans[1:])):
+                return True
+    return False
+
+
+def last_write_wins(index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keep only the last write to each `req_to_token` position, in list order.
+
+    One batch can carry two writes to the same position: after a request's prefill,
+    `cache_prompt` queues a rewrite of its row's prefix onto the tree's slots; if the request
+    finishes before another step runs, the row is freed and the next request that gets it
+    queues its own slots for the same columns, in the same batch. The host mirror applies
+    writes in order (the last wins), but `index_copy_` on CUDA keeps an arbitrary one of
+    duplicate indices, so the device row could point at the previous owner's slots: wrong
+    keys, run to run nondeterministic, and only where the radix cache rewrote a row.
+    """
+    if index.size < 2:
+        return index, values
+    # np.unique on the reversed index: `first` is each position's last write in list order.
+    unique, first = np.unique(index[::-1], return_index=True)
+    if unique.size == index.size:
+        return index, values
+    keep = np.sort(index.size - 1 - first)
+    return index[keep], values[keep]
+
+
+def check_table_rows(table: torch.Tensor, expected: list[tuple[int, torch.Tensor]]) -> None:
+    """Debug mode: the device `req_to_token` rows a step reads equal the host mirror's."""
+    for row, want in expected:
+        got = table[row, : want.shape[0]].to("cpu", torch.int64)
+        if not torch.equal(got, want):
+            col = int((got != want).nonzero()[0])
+            raise AssertionError(
+                f"req_to_token row {row} column {col} holds slot {int(got[col])} on the device "
+                f"but {int(want[col])} on the host: a table write was lost or reordered")

@@ -227,7 +227,7 @@ def test_debug_mode_catches_a_lost_table_write(monkeypatch: pytest.MonkeyPatch) 
 def test_last_write_wins_keeps_the_last_of_duplicates() -> None:
     import numpy as np
 
-    from sgl.backend.model_runner import last_write_wins
+    from sgl.backend.step_io import last_write_wins
 
     index = np.array([10, 11, 12, 10, 11, 20])
     values = np.array([1, 2, 3, 4, 5, 6])
@@ -239,8 +239,8 @@ def test_last_write_wins_keeps_the_last_of_duplicates() -> None:
 def test_only_overlapping_writes_are_deduplicated() -> None:
     import torch
 
-    from sgl.backend.model_runner import _writes_overlap
+    from sgl.backend.step_io import writes_overlap
 
     s = lambda n: torch.arange(n)  # noqa: E731
-    assert not _writes_overlap([(1, 0, s(4)), (2, 0, s(4)), (1, 4, s(2))])  # rows apart, spans apart
-    assert _writes_overlap([(1, 0, s(4)), (2, 0, s(4)), (1, 3, s(2))])  # row 1 column 3 twice
+    assert not writes_overlap([(1, 0, s(4)), (2, 0, s(4)), (1, 4, s(2))])  # rows apart, spans apart
+    assert writes_overlap([(1, 0, s(4)), (2, 0, s(4)), (1, 3, s(2))])  # row 1 column 3 twice
