@@ -25,7 +25,7 @@ import torch
 from sgl.backend.radix_cache import MatchResult
 from sgl.backend.req import Req
 
-TableWrite = tuple[int, int, torch.Tensor]  # (row, first column, slots)
+TableWrite = tuple[int, int, "torch.Tensor | np.ndarray"]  # (row, first column, slots)
 
 
 class KVManager:
@@ -92,7 +92,7 @@ class KVManager:
         end = r.kv_len if end is None else end
         return self.req_pool.table[r.req_pool_idx, :end].clone()
 
-    def write_row(self, r: Req, start: int, slots: torch.Tensor) -> None:
+    def write_row(self, r: Req, start: int, slots: torch.Tensor | np.ndarray) -> None:
         n = slots.shape[0]  # (len() and torch setitem cost ~10 us: this runs per request per step)
         if n == 0:
             return

@@ -206,8 +206,7 @@ class ModelRunner:
         # it avoids per-write tensor calls (len() of a tensor alone costs ~1 us).
         lens = np.array([s.shape[0] for _, _, s in writes], dtype=np.int64)
         bases = np.array([row * width + col for row, col, _ in writes], dtype=np.int64)
-        slots = [s for _, _, s in writes]
-        values = np.asarray(torch.cat(slots) if len(slots) > 1 else slots[0], dtype=np.int64)
+        values = np.concatenate([np.asarray(s) for _, _, s in writes]).astype(np.int64, copy=False)
         if int(lens.max()) == 1:
             index = bases
         else:

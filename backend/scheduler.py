@@ -202,10 +202,11 @@ class Scheduler(StepUpdate):
     def _commit(self, items: list[ScheduledReq], locs: list[torch.Tensor]) -> ScheduleBatch:
         """Record the new slots in the table, advance the lengths, assign future slots."""
         out_cache_loc = torch.cat(locs) if len(locs) > 1 else locs[0]
+        slots = out_cache_loc.numpy()  # (a numpy slice per request costs a tenth of a tensor's)
         start = 0
         for it in items:
             r = it.req
-            self.kv.write_row(r, r.kv_len, out_cache_loc[start : start + it.extend_len])
+            self.kv.write_row(r, r.kv_len, slots[start : start + it.extend_len])
             start += it.extend_len
             r.kv_len += it.extend_len
             if it.samples:

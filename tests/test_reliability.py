@@ -285,7 +285,7 @@ async def test_model_faults_fail_their_step_only_and_the_engine_keeps_serving(ov
         if not overlap:  # no step in flight: device table + this step's writes == CPU mirror
             device = rt.req_pool.req_to_token.clone()
             for row, start, slots in step.batch.table_writes:
-                device[row, start : start + len(slots)] = slots.to(device.dtype)
+                device[row, start : start + len(slots)] = torch.as_tensor(slots).to(device.dtype)
             for r in rt.scheduler.running:
                 row = r.req_pool_idx
                 if not torch.equal(device[row, : r.kv_len].long(), rt.req_pool.table[row, : r.kv_len]):
