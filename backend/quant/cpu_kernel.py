@@ -32,7 +32,8 @@ from sgl.backend.quant.weight import QuantizedWeight
 
 logger = logging.getLogger("sgl.engine")
 
-_SOURCE = Path(__file__).with_name("cpu_kernel.c")
+# The quantized linear and the fused decode ops (cpu_ops.c, wrapped by cpu_ops.py): one library.
+_SOURCES = (Path(__file__).with_name("cpu_kernel.c"), Path(__file__).with_name("cpu_ops.c"))
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -44,7 +45,7 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *_FLAGS, "-o", str(out), str(_SOURCE)],
+        done = subprocess.run([compiler, *_FLAGS, "-o", str(out), *map(str, _SOURCES)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-800:]}")
@@ -58,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     from sgl.backend.model_loader import cache_dir
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"sgl_qlinear-{key}.so"
     try:
@@ -75,6 +76,9 @@ def _library() -> ctypes.CDLL | None:
     lib.sgl_qlinear.restype = None
     lib.sgl_qdequant.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
     lib.sgl_qdequant.restype = None
+    from sgl.backend.quant import cpu_ops
+
+    cpu_ops.declare(lib)
     return lib
 
 
