@@ -89,14 +89,14 @@ class TorchAttentionBackend(AttentionBackend):
         # stage_positions: the DecodeStage's budget in token positions (0: no stage), used
         # where the fused path does not apply; fused_cpu: use cpu_ops where it applies.
         self.stage = DecodeStage(stage_positions) if stage_positions > 0 else None
-        self.fused_cpu = fused_cpu and cpu_ops.available()
+        self.fused_cpu = fused_cpu and cpu_ops.likely_available()
 
     def _fused(self, fb: ForwardBatch) -> bool:
         """The fused CPU path serves this pool (float32 on the CPU, int32 table)."""
         like = fb.kv_pool.k_buffer[0]
         return (self.fused_cpu and like.device.type == "cpu" and like.dtype == torch.float32
                 and like.is_contiguous() and fb.req_to_token.dtype == torch.int32
-                and fb.req_to_token.is_contiguous())
+                and fb.req_to_token.is_contiguous() and cpu_ops.available())
 
     def release_memory(self) -> None:
         if self.stage is not None:

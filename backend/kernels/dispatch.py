@@ -105,8 +105,8 @@ def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -
         # call each instead of 5-15 torch dispatches, most of a small model's decode step.
         from sgl.backend.quant import cpu_ops
 
-        if cpu_ops.available():
-            ops.update(cpu_ops.kernel_set_ops())
+        if cpu_ops.likely_available():  # (builds in the background; the ops fall back
+            ops.update(cpu_ops.kernel_set_ops())  # to the references if the build fails)
     return KernelSet(
         mode=normalized,  # type: ignore[arg-type]
         device=device,

@@ -10,7 +10,9 @@ int4, 270 ms int8 per-channel, against 80 ms for float32 oneDNN), and int8 has n
 scales at all. So sgl carries one small C file, compiled with the system C compiler into the
 cache folder (`<cache>/kernels/`, keyed by the source's hash) and loaded through ctypes (which
 drops the GIL for the call). Without a compiler, or on a CPU without AVX2/FMA, `available()`
-is False and the layers fall back to the reference (dequantize, then F.linear).
+is False and the layers fall back to the reference (dequantize, then F.linear). The engine
+starts the build on a background thread at load (`start_build`) and decides its kernel set
+from `likely_available()`; whatever runs first after that waits for the build.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -39,7 +42,7 @@ _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         raise OSError("no C compiler (cc/gcc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -52,9 +55,48 @@ def _build(target: Path) -> None:
         os.replace(out, target)  # atomic: concurrent engines never load half a file
 
 
-@functools.cache
+_lock = threading.Lock()
+_resolved: list[ctypes.CDLL | None] = []  # the library (or None) once built or failed
+
+
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be built or run (logged once)."""
+    """The compiled kernel, or None where it cannot be built or run (logged once). The first
+    caller builds it; concurrent callers (the background build, a first step) wait for it."""
+    if _resolved:
+        return _resolved[0]
+    with _lock:
+        if not _resolved:
+            _resolved.append(_load())
+    return _resolved[0]
+
+
+def start_build() -> None:
+    """Build or load the library on a background thread, so that compiling (1-4 s from a
+    cold cache) overlaps the rest of the engine's load; the first use waits for it."""
+    if not _resolved and not _lock.locked():
+        threading.Thread(target=_library, name="sgl-cpu-kernel-build", daemon=True).start()
+
+
+@functools.cache
+def likely_available() -> bool:
+    """Whether the library should build here (x86-64, a C compiler, AVX2 and FMA listed),
+    decided without building it; `available()` is the answer."""
+    if _resolved:
+        return _resolved[0] is not None
+    if platform.machine() not in ("x86_64", "AMD64") or _compiler() is None:
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return True  # (not Linux: the build and its CPU check decide)
+    return "avx2" in flags and "fma" in flags
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _load() -> ctypes.CDLL | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
     from sgl.backend.model_loader import cache_dir

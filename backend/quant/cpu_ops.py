@@ -24,7 +24,7 @@ from sgl.backend.kernels.kv_store import kv_store_reference
 from sgl.backend.kernels.rmsnorm import fused_add_rmsnorm_reference, rmsnorm_reference
 from sgl.backend.kernels.rotary import rotary_embedding_reference
 
-__all__ = ["available", "decode_attention", "fused_add_rmsnorm", "kv_store", "rmsnorm",
+__all__ = ["available", "likely_available", "decode_attention", "fused_add_rmsnorm", "kv_store", "rmsnorm",
            "rotary_embedding", "silu_and_mul", "kernel_set_ops"]
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -53,13 +53,27 @@ def _lib() -> ctypes.CDLL:
 
 
 def available() -> bool:
+    """The library is built and loaded (waits for a build in progress)."""
     from sgl.backend.quant import cpu_kernel
 
     return cpu_kernel.available()
 
 
+def likely_available() -> bool:
+    """Starts building the library in the background; whether it should build here. Ops
+    chosen on this promise still fall back to the references if the build then fails."""
+    from sgl.backend.quant import cpu_kernel
+
+    cpu_kernel.start_build()
+    return cpu_kernel.likely_available()
+
+
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == _F32 and t.device.type == "cpu" for t in tensors)
+    """float32 CPU tensors, and the library loaded (the first call may wait for its build)."""
+    from sgl.backend.quant import cpu_kernel
+
+    return (all(t.dtype == _F32 and t.device.type == "cpu" for t in tensors)
+            and cpu_kernel._library() is not None)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
