@@ -141,13 +141,16 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> t
     return y
 
 
-def dequantize(w: QuantizedWeight) -> torch.Tensor:
-    """[N, K] float32, the C twin of `QuantizedWeight.dequantize` (prefill: several times
-    faster than the torch ops, which materialize int16 and float intermediates)."""
+def dequantize(w: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
+    """[n, K] float32 weights of the output features in `rows` (a step-1 slice; all by
+    default), the C twin of `QuantizedWeight.dequantize` (prefill: several times faster than
+    the torch ops, which materialize int16 and float intermediates)."""
     lib = _library()
     assert lib is not None
-    out = torch.empty(w.shape, dtype=torch.float32)
-    lib.sgl_qdequant(w.bits, w.group_size, w.codes.data_ptr(), w.scale.data_ptr(),
-                     w.zero.data_ptr(), w.out_features, w.in_features, out.data_ptr(),
-                     torch.get_num_threads())
+    start, stop, _ = rows.indices(w.out_features)
+    n = max(stop - start, 0)
+    out = torch.empty(n, w.in_features, dtype=torch.float32)
+    lib.sgl_qdequant(w.bits, w.group_size, w.codes[start].data_ptr() if n else 0,
+                     w.scale[start].data_ptr() if n else 0, w.zero[start].data_ptr() if n else 0,
+                     n, w.in_features, out.data_ptr(), torch.get_num_threads())
     return out
