@@ -125,7 +125,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    return _library() is not None
+    return (_resolved[0] if _resolved else _library()) is not None
 
 
 def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

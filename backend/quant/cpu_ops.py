@@ -23,6 +23,7 @@ from sgl.backend.kernels.activation import silu_and_mul_reference
 from sgl.backend.kernels.kv_store import kv_store_reference
 from sgl.backend.kernels.rmsnorm import fused_add_rmsnorm_reference, rmsnorm_reference
 from sgl.backend.kernels.rotary import rotary_embedding_reference
+from sgl.backend.quant import cpu_kernel
 
 __all__ = ["available", "likely_available", "decode_attention", "fused_add_rmsnorm", "kv_store", "rmsnorm",
            "rotary_embedding", "silu_and_mul", "kernel_set_ops"]
@@ -45,8 +46,6 @@ def declare(lib: ctypes.CDLL) -> None:
 
 
 def _lib() -> ctypes.CDLL:
-    from sgl.backend.quant import cpu_kernel
-
     lib = cpu_kernel._library()
     assert lib is not None, "cpu_ops used where cpu_ops.available() is False"
     return lib
@@ -54,26 +53,23 @@ def _lib() -> ctypes.CDLL:
 
 def available() -> bool:
     """The library is built and loaded (waits for a build in progress)."""
-    from sgl.backend.quant import cpu_kernel
-
     return cpu_kernel.available()
 
 
 def likely_available() -> bool:
     """Starts building the library in the background; whether it should build here. Ops
     chosen on this promise still fall back to the references if the build then fails."""
-    from sgl.backend.quant import cpu_kernel
-
     cpu_kernel.start_build()
     return cpu_kernel.likely_available()
 
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
-    """float32 CPU tensors, and the library loaded (the first call may wait for its build)."""
-    from sgl.backend.quant import cpu_kernel
-
-    return (all(t.dtype == _F32 and t.device.type == "cpu" for t in tensors)
-            and cpu_kernel._library() is not None)
+    """float32 CPU tensors, and the library loaded (the first call may wait for its build).
+    (A plain loop: this runs ~180 times per decode step.)"""
+    for t in tensors:
+        if t.dtype is not _F32 or not t.is_cpu:
+            return False
+    return cpu_kernel._library() is not None
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -40,6 +40,9 @@ def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight,
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    if (x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS
+            and not x.is_cuda and x.is_contiguous() and bias is None and cpu_kernel.available()):
+        return cpu_kernel.qlinear(x, w, None)  # a decode step's case, with nothing to convert
     if x.device.type != "cpu" or not cpu_kernel.available():
         return quant_linear_reference(x, w, bias)
     lead = x.shape[:-1]
