@@ -175,7 +175,8 @@ AVX2 static void single_row4(const float* xp, int64_t K, const void* codes, cons
   int64_t n = n0;
   for (; n + 4 <= end; n += 4)
     four_features4(xp, K, (const uint8_t*)codes + n * (K / 2), scale + n * G, G, y + n);
-  for (; n < end; n++) row4(xp, K, 0, 1, (const uint8_t*)codes + n * (K / 2), scale + n * G, G, y + n);
+  for (; n < end; n++)
+    row4(xp, K, 0, 1, (const uint8_t*)codes + n * (K / 2), scale + n * G, G, y + n);
   for (n = n0; n < end; n++) {
     zero_terms(zero + n * G, xsum, G, 0, 1, y + n);
     if (bias) y[n] += bias[n];

@@ -124,7 +124,8 @@ void sgl_kv_store(float* kbuf, float* vbuf, const float* k, int64_t k_stride, co
 AVX2 INLINE float dot(const float* a, const float* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= D; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   float s = hsum8(acc);
   for (; i < D; i++) s += a[i] * b[i];
   return s;
@@ -166,7 +167,8 @@ AVX2 static void attend_one(const float* q, float* out, int64_t G, int64_t kvh, 
       float* a = acc + g * D;
       int64_t i = 0;
       for (; i + 8 <= D; i += 8)
-        _mm256_storeu_ps(a + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i), _mm256_loadu_ps(a + i)));
+        _mm256_storeu_ps(a + i,
+                         _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i), _mm256_loadu_ps(a + i)));
       for (; i < D; i++) a[i] += scores[g * len + j] * vp[i];
     }
   }

@@ -25,8 +25,9 @@ from sgl.backend.kernels.rmsnorm import fused_add_rmsnorm_reference, rmsnorm_ref
 from sgl.backend.kernels.rotary import rotary_embedding_reference
 from sgl.backend.quant import cpu_kernel
 
-__all__ = ["available", "likely_available", "decode_attention", "fused_add_rmsnorm", "kv_store", "rmsnorm",
-           "rotary_embedding", "silu_and_mul", "kernel_set_ops"]
+__all__ = ["available", "decode_attention", "decode_attention_supported", "fused_add_rmsnorm",
+           "kernel_set_ops", "kv_store",
+           "likely_available", "rmsnorm", "rotary_embedding", "silu_and_mul"]
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _F32 = torch.float32
