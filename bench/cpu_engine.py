@@ -151,7 +151,9 @@ def run_llama_cpp(args: argparse.Namespace) -> dict[str, float]:
     ready = time.perf_counter() - t
 
     def generate(prompt: list[int], new: int) -> None:
-        for count, _token in enumerate(llm.generate(prompt, temp=0.0, reset=True), 1):
+        llm.reset()  # every run prefills its prompt (generate would reuse a cached prefix)
+        # (a copy: generate reuses the list it is given; it never stops at EOS by itself)
+        for count, _token in enumerate(llm.generate(list(prompt), temp=0.0, reset=True), 1):
             if count >= new:
                 break
 
