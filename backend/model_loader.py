@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sgl.backend.gguf_metadata import config_from_gguf
 from sgl.backend.models.registry import get_model_class, resolve_architecture
 from sgl.errors import ModelLoadError
 
@@ -335,7 +336,7 @@ def _gguf_source(path: Path) -> Any:
     cached = gguf_cache_folder(path)
     if (cached / "config.json").is_file():
         return AutoConfig.from_pretrained(cached)
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return config_from_gguf(path)
 
 
 def _gguf_config(path: Path, cache: str | None) -> Any:
@@ -346,7 +347,7 @@ def _gguf_config(path: Path, cache: str | None) -> Any:
     folder = gguf_cache_folder(path, cache)
     if (folder / "config.json").is_file():
         return AutoConfig.from_pretrained(folder)
-    hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    hf_config = config_from_gguf(path)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp_dir:
         hf_config.save_pretrained(tmp_dir)
@@ -361,7 +362,7 @@ def _load_gguf_quantized(path: Path, dtype: torch.dtype,
     from sgl.backend.quant.gguf_weights import read_gguf
     from sgl.backend.quant.install import install_quantized
 
-    cpu_kernel.available()  # compile the kernel now (first use only), not in the first step
+    cpu_kernel.start_build()  # (compiles beside the load from a cold cache; first use waits)
     # Built on the CPU with uninitialized parameters: the linear weights are dropped
     # before anything is written into them, so their memory is never touched.
     module, config = _build(_gguf_config(path, cache), torch.device("cpu"), dtype, [])
@@ -444,11 +445,11 @@ def _assign_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> N
 
 
 def _write_gguf_cache(path: Path, cached: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     print(f"sgl: dequantizing {path.name} once (about 15 s); cache: {cached}", file=sys.stderr)
-    hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    hf_config = config_from_gguf(path)
     # The reader maps GGUF names to HF names through a model skeleton; meta costs nothing.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)

@@ -228,8 +228,12 @@ class Runtime:
             return TritonAttentionBackend(self.kernels)
         from sgl.backend.attention.torch_backend import TorchAttentionBackend
 
-        # On the CPU, decode keys persist between steps in a stage as large as the pool at most.
-        return TorchAttentionBackend(stage_positions=pool_slots if device.type == "cpu" else 0)
+        # On the CPU in "auto" mode, decode attention reads the pool in place (cpu_ops.c);
+        # elsewhere on the CPU, decode keys persist between steps in a stage as large as the
+        # pool at most.
+        cpu = device.type == "cpu"
+        return TorchAttentionBackend(stage_positions=pool_slots if cpu else 0,
+                                     fused_cpu=cpu and self.kernels.mode == "auto")
 
     # -- services for the facade -------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Tokenizer loading (only loading: encoding and detokenizing live with their users).
 
-A GGUF file's tokenizer is rebuilt from its metadata by transformers, which takes seconds,
-so the result is saved next to the file's dequantized weights and loaded from there later.
+A GGUF file's tokenizer is rebuilt from its metadata by transformers (gguf_metadata.py keeps
+that under a second for the default model; other files can take seconds), so the result is
+saved next to the file's dequantized weights and loaded from there later.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sgl.backend.gguf_metadata import tokenizer_from_gguf
 from sgl.backend.model_loader import gguf_cache_folder
 from sgl.errors import ModelLoadError
 
@@ -47,7 +49,7 @@ def _gguf_tokenizer(path: Path, cache: str | None) -> Any:
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     try:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tok = tokenizer_from_gguf(path)
     except Exception as exc:
         raise ModelLoadError(f"could not read the tokenizer of {path}: {exc}") from exc
     cached.parent.mkdir(parents=True, exist_ok=True)

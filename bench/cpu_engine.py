@@ -12,6 +12,11 @@ starts from an empty cache folder (what a first `sgl.Engine()` meets: the float 
 dequantizes the file first, the quantized one compiles its kernel); `--warm-cache` reuses
 one folder, filled by a first untimed load of each kind.
 
+Peer row, when `llama-cpp-python` is installed (it is not a dependency of sgl): llama.cpp on
+the same GGUF file, in its own fresh process too, with torch's thread count; its Python API
+runs one sequence per model, so the batch workload runs its requests one after another
+("sequential": the figure is still requested output tokens / wall time).
+
 Workloads (fixed seeds, the same requests for every engine):
 - single: one 128-token prompt, 128 new tokens (EOS ignored), prefill included, best of
   `--repeats` runs for each engine (the shared machine is noisy).
@@ -120,6 +125,52 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, float]:
             "weights MB": stats.weights_bytes / 2**20, "KV touched MB": stats.kv_bytes_touched / 2**20}
 
 
+LLAMA_CPP = "llama.cpp (sequential)"
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def run_llama_cpp(args: argparse.Namespace) -> dict[str, float]:
+    """The llama.cpp peer row, in this (fresh) process: greedy, EOS ignored (we stop it)."""
+    import resource
+
+    from llama_cpp import Llama
+
+    from sgl.backend.model_loader import resolve_model_path
+
+    rng = random.Random(1)
+    single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
+    prompts, outs = workload(args.batch)
+    t = time.perf_counter()
+    llm = Llama(model_path=str(resolve_model_path(None)), n_ctx=1024, n_batch=512,
+                n_threads=torch.get_num_threads(), seed=0, verbose=False)
+    ready = time.perf_counter() - t
+
+    def generate(prompt: list[int], new: int) -> None:
+        llm.reset()  # every run prefills its prompt (generate would reuse a cached prefix)
+        # (a copy: generate reuses the list it is given; it never stops at EOS by itself)
+        for count, _token in enumerate(llm.generate(list(prompt), temp=0.0, reset=True), 1):
+            if count >= new:
+                break
+
+    generate(single_prompt[:16], 4)  # warm-up
+    single = 0.0
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        generate(single_prompt, args.single_tokens)
+        single = max(single, args.single_tokens / (time.perf_counter() - t))
+    t = time.perf_counter()
+    for prompt, new in zip(prompts, outs):
+        generate(prompt, new)
+    batch = sum(outs) / (time.perf_counter() - t)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"single": single, "batch": batch, "ready s": ready, "peak RSS MB": peak / 2**20}
+
+
 def spawn(name: str, args: argparse.Namespace, cache: str) -> dict[str, float]:
     """Run `name` in a child process with SGL_CACHE_DIR=cache; its figures."""
     cmd = [sys.executable, __file__, "--one", name, "--single-tokens", str(args.single_tokens),
@@ -140,7 +191,8 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one engine row, print JSON
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args)))
+        got = run_llama_cpp(args) if args.one == LLAMA_CPP else run_one(args.one, args)
+        print(json.dumps(got))
         return
     prompts, outs = workload(args.batch)
     batch_col = f"batch{args.batch} out tok/s"
@@ -150,12 +202,18 @@ def main() -> None:
             for options in ({}, {"quantization": "none"}):
                 os.environ["SGL_CACHE_DIR"] = shared
                 sgl.Engine(**options).close()
-        for name in ENGINES:
+        names = [*ENGINES, *([LLAMA_CPP] if llama_cpp_available() else [])]
+        for name in names:
             cache = shared if args.warm_cache else tempfile.mkdtemp(prefix="sgl-bench-")
             got = spawn(name, args, cache)
             rows.append({"engine": name, "single tok/s": got["single"], batch_col: got["batch"],
                          "ready s": got["ready s"], "peak RSS MB": got["peak RSS MB"]})
             figures.update({f"{name} {key}": value for key, value in got.items()})
+    if LLAMA_CPP in names:  # sgl's best rows against llama.cpp on the same file
+        figures["single ratio vs llama.cpp"] = (max(figures[f"{n} single"] for n in ENGINES)
+                                                / figures[f"{LLAMA_CPP} single"])
+        figures["batch ratio vs llama.cpp"] = (max(figures[f"{n} batch"] for n in ENGINES)
+                                               / figures[f"{LLAMA_CPP} batch"])
 
     if not args.skip_hf:
         rng = random.Random(1)

@@ -17,6 +17,11 @@ from sgl.backend.attention.torch_backend import TorchAttentionBackend
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.kernels.attention_decode import decode_attention_reference
 from sgl.backend.kernels.attention_extend import extend_attention_reference
+from sgl.backend.quant import cpu_ops
+
+# The backend's fused CPU path (cpu_ops.c decode attention and KV store) where it builds.
+FUSED = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_ops.available(), reason="no C compiler or no AVX2/FMA"))]
 
 
 class FakePool:
@@ -97,11 +102,15 @@ def naive_attention(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor,
 
 
 def _run_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
-              mode: ForwardMode, dtype: torch.dtype = torch.float32) -> None:
+              mode: ForwardMode, dtype: torch.dtype = torch.float32, fused: bool = False,
+              head_dim: int = 16) -> None:
     torch.manual_seed(0)
-    head_dim, layer = 16, 1
-    pool = FakePool(2, 1024, kv_heads, head_dim, dtype=dtype)
-    backend = TorchAttentionBackend()
+    layer = 1
+    total, longest = sum(prefix_lens) + sum(new_lens), max(map(sum, zip(prefix_lens, new_lens)))
+    pool = FakePool(2, max(1024, 2 * total), kv_heads, head_dim, dtype=dtype,
+                    max_context=max(512, longest + 1))
+    backend = TorchAttentionBackend(fused_cpu=fused)
+    assert backend.fused_cpu == (fused and cpu_ops.likely_available())
     # Fill each request's prefix KV directly in the pool (as an earlier step would have).
     seqs_k, seqs_v, steps = [], [], []
     for b, (prefix, n) in enumerate(zip(prefix_lens, new_lens)):
@@ -144,9 +153,19 @@ def _run_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads:
     assert pool.k_buffer[0].abs().sum() == 0  # other layers untouched
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_decode_ragged_batch(heads: int, kv_heads: int) -> None:
-    _run_case([5, 0, 17, 1, 40], [1, 1, 1, 1, 1], heads, kv_heads, ForwardMode.DECODE)
+def test_decode_ragged_batch(heads: int, kv_heads: int, fused: bool) -> None:
+    _run_case([5, 0, 17, 1, 40], [1, 1, 1, 1, 1], heads, kv_heads, ForwardMode.DECODE,
+              fused=fused)
+
+
+@pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("head_dim", [64, 20])  # 20: the C loops' tails past 8-wide vectors
+def test_decode_long_keys_across_threads(head_dim: int, fused: bool) -> None:
+    # Enough keys that the fused kernel splits (request, KV head) tasks over threads.
+    _run_case([700, 3, 1500, 260], [1, 1, 1, 1], 9, 3, ForwardMode.DECODE, fused=fused,
+              head_dim=head_dim)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
@@ -154,15 +173,18 @@ def test_extend_without_prefix(heads: int, kv_heads: int) -> None:
     _run_case([0, 0, 0], [7, 1, 12], heads, kv_heads, ForwardMode.EXTEND)
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_extend_with_prefix_and_decode_rows(heads: int, kv_heads: int) -> None:
+def test_extend_with_prefix_and_decode_rows(heads: int, kv_heads: int, fused: bool) -> None:
     # Chunked-prefill continuation, a fresh prompt, and decode rows riding along.
-    _run_case([9, 0, 30, 4, 0], [6, 5, 1, 1, 3], heads, kv_heads, ForwardMode.EXTEND)
+    _run_case([9, 0, 30, 4, 0], [6, 5, 1, 1, 3], heads, kv_heads, ForwardMode.EXTEND,
+              fused=fused)
 
 
-def test_bfloat16_decode_and_extend() -> None:
-    _run_case([3, 20], [1, 1], 6, 2, ForwardMode.DECODE, torch.bfloat16)
-    _run_case([3, 0, 20], [4, 6, 1], 6, 2, ForwardMode.EXTEND, torch.bfloat16)
+@pytest.mark.parametrize("fused", [False, True])  # fused: a bfloat16 pool falls back to SDPA
+def test_bfloat16_decode_and_extend(fused: bool) -> None:
+    _run_case([3, 20], [1, 1], 6, 2, ForwardMode.DECODE, torch.bfloat16, fused=fused)
+    _run_case([3, 0, 20], [4, 6, 1], 6, 2, ForwardMode.EXTEND, torch.bfloat16, fused=fused)
 
 
 def test_prepare_metadata_is_reused_across_layers() -> None:

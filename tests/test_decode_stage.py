@@ -163,7 +163,9 @@ def test_engine_frees_the_stage_when_idle_and_rebuilds_it(overlap: bool) -> None
 
     from test_engine_core import assert_clean, make_engine, prompts
 
-    engine = make_engine(disable_overlap_schedule=not overlap)
+    # The stage serves where the fused C decode attention does not ("reference" kernels, or
+    # no C library); "auto" reads the pool in place and never builds it (test_quant_memory).
+    engine = make_engine(disable_overlap_schedule=not overlap, kernels="reference")
     try:
         core, stage = engine._rt.core, engine._rt.runner.attn_backend.stage
         core.idle_release_s = 0.3

@@ -1,6 +1,8 @@
 """The engine's kernel set: resolved once at load from SGL_KERNELS, held by every layer and the
 attention backend, and on the CPU made of the very `*_reference` functions that
-tests/test_kernels*.py check the Triton kernels against."""
+tests/test_kernels*.py check the Triton kernels against (in "reference" mode; "auto" swaps in
+the fused C ops of backend/quant/cpu_ops.c where they build, each tested against those same
+references in tests/test_quant_cpu_ops.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from sgl.backend.kernels import (
     triton_compat,
 )
 from sgl.backend.models.llama import _KERNEL_LAYERS
+from sgl.backend.quant import cpu_ops
 from sgl.errors import InvalidConfigError
 
 # (module, function) of every reference a CPU forward pass calls
@@ -44,8 +47,13 @@ def test_kernel_set_resolves_each_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     auto = dispatch.resolve_kernels("auto", cpu, torch.float32)
     assert auto.attention == "torch"
     assert auto.pack_linears == onednn_linear.available(cpu, torch.float32)
-    assert all(getattr(auto, op) is reference[op] for op in auto.ops()
+    fused = cpu_ops.kernel_set_ops() if cpu_ops.likely_available() else {}
+    assert all(getattr(auto, op) is fused.get(op, reference[op]) for op in auto.ops()
                if op != "apply_token_bitmask")  # xgrammar's on the CPU, when installed
+    # bfloat16 on the CPU: the C ops are float32 only, so the references serve
+    cpu_bf16 = dispatch.resolve_kernels("auto", cpu, torch.bfloat16)
+    assert all(getattr(cpu_bf16, op) is reference[op] for op in cpu_bf16.ops()
+               if op != "apply_token_bitmask")
     on_gpu = dispatch.resolve_kernels("auto", cuda, torch.bfloat16)
     ops = dispatch._triton_ops() if triton_compat.HAS_TRITON else reference
     assert all(getattr(on_gpu, op) is ops[op] for op in on_gpu.ops())
@@ -82,6 +90,11 @@ def test_cpu_engine_runs_the_reference_functions(mode: str,
     calls: Counter[str] = Counter()
     for module, name in SPIED:
         monkeypatch.setattr(module, name, _spy(calls, name, getattr(module, name)))
+    fused = mode == "auto" and cpu_ops.available()
+    if fused:  # the C ops: spied under the reference names they replace
+        for name in ("rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding"):
+            monkeypatch.setattr(cpu_ops, name,
+                                _spy(calls, f"{name}_reference", getattr(cpu_ops, name)))
     monkeypatch.setenv("SGL_KERNELS", mode)
     with make_engine() as engine:
         rt = engine._rt
@@ -92,8 +105,8 @@ def test_cpu_engine_runs_the_reference_functions(mode: str,
     layers = [m for m in model.modules() if isinstance(m, _KERNEL_LAYERS)]
     assert len(layers) > 10 and all(m.kernels is rt.kernels for m in layers)
     # Norms per forward: 2 layers x 2 plus the final one; all fused with the residual add but
-    # the very first (the fused reference calls the plain one inside).
-    assert calls["rmsnorm_reference"] == 5 * forwards
+    # the very first (the fused reference calls the plain one inside; the C op does not).
+    assert calls["rmsnorm_reference"] == (1 if fused else 5) * forwards
     assert calls["fused_add_rmsnorm_reference"] == 4 * forwards
     assert calls["silu_and_mul_reference"] == 2 * forwards
     assert calls["rotary_embedding_reference"] == 2 * forwards

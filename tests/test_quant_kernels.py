@@ -67,6 +67,33 @@ def test_c_dequantize_equals_the_reference() -> None:
     for fmt in FORMATS:
         w = weight(fmt, 19, 256)
         assert torch.equal(cpu_kernel.dequantize(w), w.dequantize()), fmt
+        for rows in (slice(0, 5), slice(5, 19), slice(18, 19)):  # tiles
+            assert torch.equal(cpu_kernel.dequantize(w, rows), w.dequantize(rows)), (fmt, rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_run_tile_by_tile(fmt: str, bias: bool,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above GEMV_MAX_ROWS the weight is dequantized a tile of output features at a time:
+    with the smallest tile (64 features), 150 features are three tiles, the last partial."""
+    monkeypatch.setattr(linear, "TILE_BYTES", 1)
+    seen: list[slice] = []
+    real = cpu_kernel.dequantize
+
+    def spy(w: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
+        seen.append(rows)
+        return real(w, rows)
+
+    monkeypatch.setattr(cpu_kernel, "dequantize", spy)
+    in_features = 96 if FORMATS[fmt][0] == 32 else 512
+    w = weight(fmt, 150, in_features, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(linear.GEMV_MAX_ROWS + 7, in_features, generator=gen)
+    b = torch.randn(150, generator=gen) if bias else None
+    assert_close_to_sum_order(quant_linear(x, w, b), x, w.dequantize(), b)
+    assert seen == [slice(0, 64), slice(64, 128), slice(128, 150)]
 
 
 @needs_kernel

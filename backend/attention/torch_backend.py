@@ -21,7 +21,11 @@ Per step, `prepare` splits the requests in two groups and builds their gather in
 
 Softmax and accumulation run in float32 inside SDPA for every input dtype.
 
-With `stage_positions > 0` (the CPU engine) the single-token rows read their keys from a
+With `fused_cpu` (the CPU engine in kernel mode "auto", float32 KV, the C library built) the
+single-token rows run `cpu_ops.decode_attention` instead: one C call per layer that reads each
+request's keys in place from the pool through its req_to_token row (no gather, no padded
+block, no stage memory), and new K/V rows are stored by `cpu_ops.kv_store`. Otherwise, with
+`stage_positions > 0` (the CPU engine) the single-token rows read their keys from a
 `DecodeStage`, which keeps the padded block from one step to the next and copies in only what
 changed (decode_stage.py); without it (the reference, and on GPUs) the block is gathered anew.
 """
@@ -37,6 +41,7 @@ from sgl.backend.attention.base import AttentionBackend
 from sgl.backend.attention.decode_stage import DecodeStage, StagePlan
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.kernels.kv_store import kv_store_reference
+from sgl.backend.quant import cpu_ops
 
 
 @dataclass
@@ -57,6 +62,15 @@ class _DecodeRows:
 
 
 @dataclass
+class _FusedDecodeRows:
+    """Single-token rows for `cpu_ops.decode_attention` (pool read in place)."""
+
+    rows: torch.Tensor | None  # [B] int64 rows of q holding the queries; None: all rows
+    table_rows: torch.Tensor  # [B] int64 rows of req_to_token
+    lens: torch.Tensor  # [B] int64 keys per request (this step's token included)
+
+
+@dataclass
 class _ExtendRequest:
     start: int  # first row of this request's queries in q
     num_new: int
@@ -66,23 +80,39 @@ class _ExtendRequest:
 
 @dataclass
 class TorchAttentionMetadata:
-    decode: _DecodeRows | None
+    decode: _DecodeRows | _FusedDecodeRows | None
     extends: list[_ExtendRequest]
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, stage_positions: int = 0) -> None:
-        # stage_positions: the DecodeStage's budget in token positions (0: no stage)
+    def __init__(self, stage_positions: int = 0, fused_cpu: bool = False) -> None:
+        # stage_positions: the DecodeStage's budget in token positions (0: no stage), used
+        # where the fused path does not apply; fused_cpu: use cpu_ops where it applies.
         self.stage = DecodeStage(stage_positions) if stage_positions > 0 else None
+        self.fused_cpu = fused_cpu and cpu_ops.likely_available()
+
+    def _fused(self, fb: ForwardBatch) -> bool:
+        """The fused CPU path serves this pool (float32 on the CPU, int32 table)."""
+        like = fb.kv_pool.k_buffer[0]
+        return (self.fused_cpu and like.device.type == "cpu" and like.dtype == torch.float32
+                and like.is_contiguous() and fb.req_to_token.dtype == torch.int32
+                and fb.req_to_token.is_contiguous() and cpu_ops.available())
 
     def release_memory(self) -> None:
         if self.stage is not None:
             self.stage.release()
 
     def prepare(self, fb: ForwardBatch) -> None:
+        fused = self._fused(fb)
+        if fused and self.stage is not None:
+            self.stage.release()  # (a no-op once released: the fused path never fills it)
         if fb.mode is ForwardMode.DECODE:
-            all_rows = list(range(fb.batch_size))
-            fb.attn_metadata = TorchAttentionMetadata(self._decode_rows(fb, all_rows, True), [])
+            if fused:
+                decode: _DecodeRows | _FusedDecodeRows = _FusedDecodeRows(
+                    None, fb.req_pool_indices.contiguous(), fb.seq_lens.contiguous())
+            else:
+                decode = self._decode_rows(fb, list(range(fb.batch_size)), True)
+            fb.attn_metadata = TorchAttentionMetadata(decode, [])
             return
         single: list[int] = []
         extends: list[_ExtendRequest] = []
@@ -105,12 +135,17 @@ class TorchAttentionBackend(AttentionBackend):
                 query_pos = torch.arange(prefix, seq_len, device=device)  # [num_new]
                 mask = key_pos[None, :] <= query_pos[:, None]  # [num_new, seq_len]
             extends.append(_ExtendRequest(starts[b], num_new, row, mask))
-        decode = self._decode_rows(fb, single, False) if single else None
-        if decode is None and self.stage is not None:
+        mixed: _DecodeRows | _FusedDecodeRows | None = None
+        if single and fused:
+            sel = torch.tensor(single)
+            mixed = _FusedDecodeRows(None, fb.req_pool_indices[sel], fb.seq_lens[sel])
+        elif single:
+            mixed = self._decode_rows(fb, single, False)
+        if mixed is None and self.stage is not None:
             self.stage.reset()  # no request of the stage is in this step
-        if decode is not None:
-            decode.rows = torch.tensor([starts[b] for b in single], device=fb.seq_lens.device)
-        fb.attn_metadata = TorchAttentionMetadata(decode, extends)
+        if mixed is not None:
+            mixed.rows = torch.tensor([starts[b] for b in single], device=fb.seq_lens.device)
+        fb.attn_metadata = TorchAttentionMetadata(mixed, extends)
 
     def _decode_rows(self, fb: ForwardBatch, reqs: list[int], every: bool) -> _DecodeRows:
         lens_cpu = [fb.seq_lens_cpu[b] for b in reqs]
@@ -156,8 +191,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         k_buffer = fb.kv_pool.k_buffer[layer_id]  # [num_slots, kv_heads, head_dim]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
-        kv_store_reference(k_buffer, v_buffer, k, v, fb.out_cache_loc)
         meta: TorchAttentionMetadata = fb.attn_metadata
+        if isinstance(meta.decode, _FusedDecodeRows):
+            return self._forward_fused(q, k, v, k_buffer, v_buffer, scale, fb)
+        kv_store_reference(k_buffer, v_buffer, k, v, fb.out_cache_loc)
         if meta.decode is not None and not meta.extends and meta.decode.rows is None:
             return self._attend_decode(q, k_buffer, v_buffer, meta.decode, layer_id, scale)
         out = torch.empty_like(q)
@@ -165,11 +202,30 @@ class TorchAttentionBackend(AttentionBackend):
             rows = meta.decode.rows
             out[rows] = self._attend_decode(q[rows], k_buffer, v_buffer, meta.decode, layer_id,
                                             scale)
-        for req in meta.extends:
+        self._attend_extends(q, k_buffer, v_buffer, meta.extends, scale, out)
+        return out
+
+    def _forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_buffer: torch.Tensor, v_buffer: torch.Tensor, scale: float,
+                       fb: ForwardBatch) -> torch.Tensor:  # [T, num_heads, head_dim]
+        meta: TorchAttentionMetadata = fb.attn_metadata
+        decode = meta.decode
+        assert isinstance(decode, _FusedDecodeRows)
+        cpu_ops.kv_store(k_buffer, v_buffer, k, v, fb.out_cache_loc)
+        if not cpu_ops.decode_attention_supported(q, k_buffer, fb.req_to_token):
+            q = q.float().contiguous()  # (a model whose q is not a plain [T, heads, d] view)
+        out = torch.empty(q.shape, dtype=q.dtype)  # [T, heads, head_dim]
+        cpu_ops.decode_attention(q, k_buffer, v_buffer, fb.req_to_token, decode.table_rows,
+                                 decode.lens, scale, decode.rows, out)
+        self._attend_extends(q, k_buffer, v_buffer, meta.extends, scale, out)
+        return out
+
+    def _attend_extends(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                        extends: list[_ExtendRequest], scale: float, out: torch.Tensor) -> None:
+        for req in extends:
             end = req.start + req.num_new
             out[req.start : end] = self._attend_extend(q[req.start : end], k_buffer, v_buffer,
                                                        req, scale)
-        return out
 
     def _attend_decode(
         self,

@@ -15,8 +15,10 @@ passes it here; this module never reads the environment:
                our GEMV for one-row 16-bit decode, cuBLAS otherwise), and attention_backend
                "auto" means the Triton backend. Elsewhere the references, with the CPU's
                fast paths: linear weights packed for oneDNN at load (`onednn_linear`;
-               `F.linear` on the plain weight is their reference) and xgrammar's bitmask
-               kernel when xgrammar is installed; attention "auto" means the torch backend.
+               `F.linear` on the plain weight is their reference), in float32 the fused C
+               ops of `sgl.backend.quant.cpu_ops` for the norms, SiLU*mul, rotary and KV
+               store (where a C compiler and AVX2 exist), and xgrammar's bitmask kernel when
+               xgrammar is installed; attention "auto" means the torch backend.
     reference  the pure-torch references on every device, nothing packed (debugging,
                bisecting a numerical difference); attention "auto" means the torch backend.
     triton     the Triton kernels on every device; on the CPU that needs TRITON_INTERPRET=1 set
@@ -98,6 +100,13 @@ def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -
     if normalized == "auto" and device.type == "cpu" and _HAS_XGRAMMAR:
         # Same layout and rule as the reference, about twice as fast on the CPU.
         ops["apply_token_bitmask"] = token_bitmask.apply_token_bitmask_xgrammar
+    if normalized == "auto" and device.type == "cpu" and dtype == torch.float32:
+        # The fused C ops of backend/quant/cpu_ops.c (norms, SiLU*mul, rotary, KV store): one
+        # call each instead of 5-15 torch dispatches, most of a small model's decode step.
+        from sgl.backend.quant import cpu_ops
+
+        if cpu_ops.likely_available():  # (builds in the background; the ops fall back
+            ops.update(cpu_ops.kernel_set_ops())  # to the references if the build fails)
     return KernelSet(
         mode=normalized,  # type: ignore[arg-type]
         device=device,

@@ -5,7 +5,8 @@
 //
 // The per-group dot products run in float (codes converted in registers, AVX2 + FMA): the
 // result equals dequantize-then-matmul up to float32 summation order. The row sums of x per
-// group are computed once per call. Threads split the output features (OpenMP: the same
+// group, and for 4-bit codes x permuted to the order the codes widen to, are computed once
+// per call. Threads split the output features (OpenMP: the same
 // libgomp torch loaded, so the same thread pool). Built at first use by cpu_kernel.py.
 #include <immintrin.h>
 #include <stdint.h>
@@ -28,43 +29,67 @@ AVX2 INLINE float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One output feature n, rows [m0, m0 + mc) of x. bits 4: 32-wide groups of nibbles;
-// bits 8: int8 codes, group_size a multiple of 8.
-AVX2 INLINE void row4(const float* x, int64_t K, int64_t m0, const int mc,
-                      const uint8_t* codes, const float* s, const float* z,
-                      const float* xsum, int64_t G, float* out) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m256 acc[MAX_ROWS];
-  float zacc[MAX_ROWS];
-  for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); zacc[m] = 0.0f; }
+// One output feature n, rows [m0, m0 + mc) of x. bits 4: 32-wide groups of nibbles, read
+// against `xp`, x with each group's features permuted into the order the codes widen to
+// (`permute4`): one lane-crossing widen per group instead of four. The zero term is added
+// by the caller (`zero_terms`). bits 8: int8 codes, group_size a multiple of 8.
+AVX2 INLINE void row4(const float* xp, int64_t K, int64_t m0, const int mc,
+                      const uint8_t* codes, const float* s, int64_t G, float* out) {
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 acc[MAX_ROWS], acc_odd[MAX_ROWS];  // two chains: groups alternate between them
+  for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); acc_odd[m] = _mm256_setzero_ps(); }
   for (int64_t g = 0; g < G; g++) {
-    __m128i b = _mm_loadu_si128((const __m128i*)(codes + g * 16));
-    __m128i lo = _mm_and_si128(b, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    __m256 sg = _mm256_set1_ps(s[g]);
+    // 16 bytes -> 16 int16 lanes: low nibbles are codes 0-15, high nibbles codes 16-31;
+    // unpacking with zero (within 128-bit halves) yields int32 codes in permute4's order.
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(codes + g * 16)));
+    __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi16(v, 4);
+    __m256 w0 = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(lo, zero));
+    __m256 w1 = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(lo, zero));
+    __m256 w2 = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(hi, zero));
+    __m256 w3 = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(hi, zero));
+    __m256 sg = _mm256_broadcast_ss(s + g);
     for (int m = 0; m < mc; m++) {
-      const float* xg = x + (m0 + m) * K + g * 32;
+      const float* xg = xp + (m0 + m) * K + g * 32;
       __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-      d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), d);
+      __m256 d2 = _mm256_mul_ps(w1, _mm256_loadu_ps(xg + 8));
       d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), d);
-      d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), d);
-      acc[m] = _mm256_fmadd_ps(d, sg, acc[m]);
-      zacc[m] += z[g] * xsum[(m0 + m) * G + g];
+      d2 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), d2);
+      if (g & 1) acc_odd[m] = _mm256_fmadd_ps(_mm256_add_ps(d, d2), sg, acc_odd[m]);
+      else acc[m] = _mm256_fmadd_ps(_mm256_add_ps(d, d2), sg, acc[m]);
     }
   }
-  for (int m = 0; m < mc; m++) out[m] = hsum(acc[m]) + zacc[m];
+  for (int m = 0; m < mc; m++) out[m] = hsum(_mm256_add_ps(acc[m], acc_odd[m]));
+}
+
+// The order in which row4 widens a group's 32 codes (see there).
+static const int PERMUTE4[32] = {0,  1,  2,  3,  8,  9,  10, 11, 4,  5,  6,  7,  12, 13, 14, 15,
+                                 16, 17, 18, 19, 24, 25, 26, 27, 20, 21, 22, 23, 28, 29, 30, 31};
+
+static void permute4(const float* x, int64_t n, float* xp) {
+  for (int64_t i = 0; i < n; i += 32)
+    for (int j = 0; j < 32; j++) xp[i + j] = x[i + PERMUTE4[j]];
+}
+
+// sum over groups of zero[n, g] * (sum of x[m]'s group g), for rows [m0, m0 + mc).
+AVX2 INLINE void zero_terms(const float* z, const float* xsum, int64_t G, int64_t m0, int mc,
+                            float* out) {
+  for (int m = 0; m < mc; m++) {
+    const float* xs = xsum + (m0 + m) * G;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), acc);
+    float t = hsum(acc);
+    for (; g < G; g++) t += z[g] * xs[g];
+    out[m] += t;
+  }
 }
 
 AVX2 INLINE void row8(const float* x, int64_t K, int64_t m0, const int mc,
-                      const int8_t* codes, const float* s, const float* z, const int gs,
-                      const float* xsum, int64_t G, float* out) {
+                      const int8_t* codes, const float* s, const int gs, int64_t G, float* out) {
   __m256 acc[MAX_ROWS];
-  float zacc[MAX_ROWS];
-  for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); zacc[m] = 0.0f; }
+  for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
     __m256 sg = _mm256_set1_ps(s[g]);
     for (int m = 0; m < mc; m++) {
@@ -76,10 +101,9 @@ AVX2 INLINE void row8(const float* x, int64_t K, int64_t m0, const int mc,
                             _mm256_loadu_ps(xg + v), d);
       }
       acc[m] = _mm256_fmadd_ps(d, sg, acc[m]);
-      zacc[m] += z[g] * xsum[(m0 + m) * G + g];
     }
   }
-  for (int m = 0; m < mc; m++) out[m] = hsum(acc[m]) + zacc[m];
+  for (int m = 0; m < mc; m++) out[m] = hsum(acc[m]);
 }
 
 // Constant row counts let the compiler keep the accumulators in registers.
@@ -88,7 +112,7 @@ AVX2 INLINE void row8(const float* x, int64_t K, int64_t m0, const int mc,
   case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; \
   case 7: CALL(7); break; default: CALL(8); break; }
 
-AVX2 static void feature(int bits, int gs, const float* x, int64_t M, int64_t K,
+AVX2 static void feature(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
                          const void* codes, const float* scale, const float* zero, int64_t n,
                          int64_t N, const float* bias, const float* xsum, int64_t G, float* y) {
   float out[MAX_ROWS];
@@ -98,19 +122,64 @@ AVX2 static void feature(int bits, int gs, const float* x, int64_t M, int64_t K,
     int mc = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
     if (bits == 4) {
       const uint8_t* c = (const uint8_t*)codes + n * (K / 2);
-#define CALL4(R) row4(x, K, m0, R, c, s, z, xsum, G, out)
+#define CALL4(R) row4(xp, K, m0, R, c, s, G, out)
       DISPATCH(CALL4)
     } else if (gs == 32) {  // constant group sizes: the inner loop unrolls
       const int8_t* c = (const int8_t*)codes + n * K;
-#define CALL8_32(R) row8(x, K, m0, R, c, s, z, 32, xsum, G, out)
+#define CALL8_32(R) row8(x, K, m0, R, c, s, 32, G, out)
       DISPATCH(CALL8_32)
     } else {
       const int8_t* c = (const int8_t*)codes + n * K;
-#define CALL8_16(R) row8(x, K, m0, R, c, s, z, 16, xsum, G, out)
+#define CALL8_16(R) row8(x, K, m0, R, c, s, 16, G, out)
       DISPATCH(CALL8_16)
     }
+    zero_terms(z, xsum, G, m0, mc, out);
     float b = bias ? bias[n] : 0.0f;
     for (int m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] + b;
+  }
+}
+
+// One row of x (a single stream's decode), bits 4: four output features [n, n + 4) per pass
+// over x's groups, so each group of x is loaded once for four features and the four
+// accumulator chains overlap (the per-feature row4 spends a third of its time on latencies
+// and x loads at K = 576). Writes y[n .. n + 3] without the zero term.
+AVX2 static void four_features4(const float* xp, int64_t K, const uint8_t* codes,
+                                const float* s, int64_t G, float* y) {
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  const __m256i zero = _mm256_setzero_si256();
+  const int64_t row = K / 2;
+  __m256 acc[4];
+  for (int f = 0; f < 4; f++) acc[f] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    const float* xg = xp + g * 32;
+    __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+    __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+    for (int f = 0; f < 4; f++) {
+      __m256i v = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128((const __m128i*)(codes + f * row + g * 16)));
+      __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi16(v, 4);
+      __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_unpacklo_epi16(lo, zero)), x0);
+      __m256 d2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_unpackhi_epi16(lo, zero)), x1);
+      d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_unpacklo_epi16(hi, zero)), x2, d);
+      d2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_unpackhi_epi16(hi, zero)), x3, d2);
+      acc[f] = _mm256_fmadd_ps(_mm256_add_ps(d, d2), _mm256_broadcast_ss(s + f * G + g), acc[f]);
+    }
+  }
+  for (int f = 0; f < 4; f++) y[f] = hsum(acc[f]);
+}
+
+// Features [n0, end) for one row of 4-bit codes: four at a time, the rest one by one.
+AVX2 static void single_row4(const float* xp, int64_t K, const void* codes, const float* scale,
+                             const float* zero, int64_t n0, int64_t end, const float* bias,
+                             const float* xsum, int64_t G, float* y) {
+  int64_t n = n0;
+  for (; n + 4 <= end; n += 4)
+    four_features4(xp, K, (const uint8_t*)codes + n * (K / 2), scale + n * G, G, y + n);
+  for (; n < end; n++)
+    row4(xp, K, 0, 1, (const uint8_t*)codes + n * (K / 2), scale + n * G, G, y + n);
+  for (n = n0; n < end; n++) {
+    zero_terms(zero + n * G, xsum, G, 0, 1, y + n);
+    if (bias) y[n] += bias[n];
   }
 }
 
@@ -120,6 +189,8 @@ AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, co
                       float* y, int threads) {
   int64_t G = K / gs;
   float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * G > 0 ? M * G : 1));
+  float* xp = bits == 4 ? (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1)) : NULL;
+  if (xp != NULL) permute4(x, M * K, xp);
   for (int64_t i = 0; i < M * G; i++) {
     float t = 0.0f;
     for (int j = 0; j < gs; j++) t += x[i * gs + j];
@@ -129,10 +200,15 @@ AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, co
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < blocks; blk++) {
     int64_t end = (blk + 1) * N_BLOCK < N ? (blk + 1) * N_BLOCK : N;
+    if (bits == 4 && M == 1) {
+      single_row4(xp, K, codes, scale, zero, blk * N_BLOCK, end, bias, xsum, G, y);
+      continue;
+    }
     for (int64_t n = blk * N_BLOCK; n < end; n++)
-      feature(bits, gs, x, M, K, codes, scale, zero, n, N, bias, xsum, G, y);
+      feature(bits, gs, x, xp, M, K, codes, scale, zero, n, N, bias, xsum, G, y);
   }
   free(xsum);
+  free(xp);
 }
 
 // out [N, K] float32 = the dequantized weight (the prefill path: then one float matmul).

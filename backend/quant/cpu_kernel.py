@@ -10,7 +10,9 @@ int4, 270 ms int8 per-channel, against 80 ms for float32 oneDNN), and int8 has n
 scales at all. So sgl carries one small C file, compiled with the system C compiler into the
 cache folder (`<cache>/kernels/`, keyed by the source's hash) and loaded through ctypes (which
 drops the GIL for the call). Without a compiler, or on a CPU without AVX2/FMA, `available()`
-is False and the layers fall back to the reference (dequantize, then F.linear).
+is False and the layers fall back to the reference (dequantize, then F.linear). The engine
+starts the build on a background thread at load (`start_build`) and decides its kernel set
+from `likely_available()`; whatever runs first after that waits for the build.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -32,33 +35,73 @@ from sgl.backend.quant.weight import QuantizedWeight
 
 logger = logging.getLogger("sgl.engine")
 
-_SOURCE = Path(__file__).with_name("cpu_kernel.c")
+# The quantized linear and the fused decode ops (cpu_ops.c, wrapped by cpu_ops.py): one library.
+_SOURCES = (Path(__file__).with_name("cpu_kernel.c"), Path(__file__).with_name("cpu_ops.c"))
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         raise OSError("no C compiler (cc/gcc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *_FLAGS, "-o", str(out), str(_SOURCE)],
+        done = subprocess.run([compiler, *_FLAGS, "-o", str(out), *map(str, _SOURCES)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-800:]}")
         os.replace(out, target)  # atomic: concurrent engines never load half a file
 
 
-@functools.cache
+_lock = threading.Lock()
+_resolved: list[ctypes.CDLL | None] = []  # the library (or None) once built or failed
+
+
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be built or run (logged once)."""
+    """The compiled kernel, or None where it cannot be built or run (logged once). The first
+    caller builds it; concurrent callers (the background build, a first step) wait for it."""
+    if _resolved:
+        return _resolved[0]
+    with _lock:
+        if not _resolved:
+            _resolved.append(_load())
+    return _resolved[0]
+
+
+def start_build() -> None:
+    """Build or load the library on a background thread, so that compiling (1-4 s from a
+    cold cache) overlaps the rest of the engine's load; the first use waits for it."""
+    if not _resolved and not _lock.locked():
+        threading.Thread(target=_library, name="sgl-cpu-kernel-build", daemon=True).start()
+
+
+@functools.cache
+def likely_available() -> bool:
+    """Whether the library should build here (x86-64, a C compiler, AVX2 and FMA listed),
+    decided without building it; `available()` is the answer."""
+    if _resolved:
+        return _resolved[0] is not None
+    if platform.machine() not in ("x86_64", "AMD64") or _compiler() is None:
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return True  # (not Linux: the build and its CPU check decide)
+    return "avx2" in flags and "fma" in flags
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _load() -> ctypes.CDLL | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
     from sgl.backend.model_loader import cache_dir
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"sgl_qlinear-{key}.so"
     try:
@@ -75,11 +118,14 @@ def _library() -> ctypes.CDLL | None:
     lib.sgl_qlinear.restype = None
     lib.sgl_qdequant.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
     lib.sgl_qdequant.restype = None
+    from sgl.backend.quant import cpu_ops
+
+    cpu_ops.declare(lib)
     return lib
 
 
 def available() -> bool:
-    return _library() is not None
+    return (_resolved[0] if _resolved else _library()) is not None
 
 
 def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -95,13 +141,16 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> t
     return y
 
 
-def dequantize(w: QuantizedWeight) -> torch.Tensor:
-    """[N, K] float32, the C twin of `QuantizedWeight.dequantize` (prefill: several times
-    faster than the torch ops, which materialize int16 and float intermediates)."""
+def dequantize(w: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
+    """[n, K] float32 weights of the output features in `rows` (a step-1 slice; all by
+    default), the C twin of `QuantizedWeight.dequantize` (prefill: several times faster than
+    the torch ops, which materialize int16 and float intermediates)."""
     lib = _library()
     assert lib is not None
-    out = torch.empty(w.shape, dtype=torch.float32)
-    lib.sgl_qdequant(w.bits, w.group_size, w.codes.data_ptr(), w.scale.data_ptr(),
-                     w.zero.data_ptr(), w.out_features, w.in_features, out.data_ptr(),
-                     torch.get_num_threads())
+    start, stop, _ = rows.indices(w.out_features)
+    n = max(stop - start, 0)
+    out = torch.empty(n, w.in_features, dtype=torch.float32)
+    lib.sgl_qdequant(w.bits, w.group_size, w.codes[start].data_ptr() if n else 0,
+                     w.scale[start].data_ptr() if n else 0, w.zero[start].data_ptr() if n else 0,
+                     n, w.in_features, out.data_ptr(), torch.get_num_threads())
     return out

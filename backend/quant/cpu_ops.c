@@ -1,0 +1,215 @@
+// sgl's fused CPU ops for one decode step (float32, AVX2 + FMA), beside the quantized linear
+// of cpu_kernel.c and compiled into the same library (cpu_kernel.py). Each replaces a chain of
+// small torch ops (5-15 dispatches of ~3-10 us each at decode sizes) with one call:
+//
+//   sgl_rmsnorm       (x [+ r]) -> normed, and the sum              (RMSNorm, fused residual add)
+//   sgl_silu_mul      [T, 2I] gate|up -> [T, I] silu(gate) * up
+//   sgl_rope          rotate-half RoPE of T rows of `heads` heads, in place
+//   sgl_kv_store      k, v rows -> their pool slots
+//   sgl_decode_attn   one query row per request against its KV, read in place from the pool
+//                     through the request's row of req_to_token (no gather, no padded copy)
+//
+// Every op has the torch reference it is tested against (tests/test_quant_cpu_ops.py).
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+AVX2 INLINE float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for 8 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes'
+// coefficients), 2^n built in the exponent bits. Relative error ~1e-7; inputs are clamped to
+// [-87.3, 88.3], the range where 2^n stays a normal float.
+AVX2 INLINE __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                                23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// out = rmsnorm(x + r) (r may be NULL: rmsnorm(x)); with r, sum = x + r is written too (it may
+// alias r: each element is read before it is written). Rows of H floats, contiguous.
+AVX2 void sgl_rmsnorm(const float* x, const float* r, const float* w, float eps, int64_t T,
+                      int64_t H, float* out, float* sum) {
+  for (int64_t t = 0; t < T; t++) {
+    const float* xt = x + t * H;
+    float* ot = out + t * H;
+    const float* src = xt;
+    if (r != NULL) {
+      const float* rt = r + t * H;
+      float* st = sum + t * H;
+      for (int64_t i = 0; i < H; i++) st[i] = xt[i] + rt[i];
+      src = st;
+    }
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8) {
+      __m256 v = _mm256_loadu_ps(src + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum8(acc);
+    for (; i < H; i++) ss += src[i] * src[i];
+    float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    for (i = 0; i < H; i++) ot[i] = (src[i] * inv) * w[i];
+  }
+}
+
+// out [T, I] = silu(x[:, :I]) * x[:, I:], x rows of 2I floats.
+AVX2 void sgl_silu_mul(const float* x, int64_t T, int64_t I, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t t = 0; t < T; t++) {
+    const float* g = x + t * 2 * I;
+    const float* u = g + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+      __m256 gv = _mm256_loadu_ps(g + i);
+      __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+  }
+}
+
+// x: T rows (stride `row_stride` floats) of `heads` heads of D floats, rotated in place by
+// the cos|sin row of each token's position: cache [P, 2 * half] (cos then sin), rotating the
+// first 2 * half features of each head (x1 = [0, half), x2 = [half, 2 half)).
+void sgl_rope(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t D,
+              const int64_t* positions, const float* cache, int64_t half) {
+  for (int64_t t = 0; t < T; t++) {
+    const float* cs = cache + positions[t] * 2 * half;
+    const float* sn = cs + half;
+    for (int64_t h = 0; h < heads; h++) {
+      float* x1 = x + t * row_stride + h * D;
+      float* x2 = x1 + half;
+      for (int64_t i = 0; i < half; i++) {  // (auto-vectorized: no aliasing inside a head)
+        float a = x1[i], b = x2[i];
+        x1[i] = a * cs[i] - b * sn[i];
+        x2[i] = b * cs[i] + a * sn[i];
+      }
+    }
+  }
+}
+
+// k, v: T rows of W floats (strides k_stride, v_stride) -> rows loc[t] of the pool buffers
+// [slots, W].
+void sgl_kv_store(float* kbuf, float* vbuf, const float* k, int64_t k_stride, const float* v,
+                  int64_t v_stride, const int64_t* loc, int64_t T, int64_t W) {
+  for (int64_t t = 0; t < T; t++) {
+    memcpy(kbuf + loc[t] * W, k + t * k_stride, sizeof(float) * (size_t)W);
+    memcpy(vbuf + loc[t] * W, v + t * v_stride, sizeof(float) * (size_t)W);
+  }
+}
+
+AVX2 INLINE float dot(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum8(acc);
+  for (; i < D; i++) s += a[i] * b[i];
+  return s;
+}
+
+// softmax of n scores in place; returns nothing (the scores become probabilities).
+AVX2 INLINE void softmax(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+  __m256 m8 = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float total = hsum8(acc);
+  for (; j < n; j++) total += (s[j] = expf(s[j] - mx));
+  float inv = 1.0f / total;
+  for (j = 0; j < n; j++) s[j] *= inv;
+}
+
+// One (request, KV head) task: the G = heads / kv_heads query heads that share KV head h.
+AVX2 static void attend_one(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
+                            int64_t D, const float* kbuf, const float* vbuf, const int32_t* row,
+                            int64_t len, float scale, float* work) {
+  float* scores = work;        // [G, len]
+  float* acc = work + G * len;  // [G, D]
+  for (int64_t j = 0; j < len; j++) {
+    const float* kp = kbuf + ((int64_t)row[j] * kvh + h) * D;
+    for (int64_t g = 0; g < G; g++) scores[g * len + j] = dot(q + g * D, kp, D) * scale;
+  }
+  for (int64_t g = 0; g < G; g++) softmax(scores + g * len, len);
+  memset(acc, 0, sizeof(float) * (size_t)(G * D));
+  for (int64_t j = 0; j < len; j++) {
+    const float* vp = vbuf + ((int64_t)row[j] * kvh + h) * D;
+    for (int64_t g = 0; g < G; g++) {
+      __m256 p = _mm256_set1_ps(scores[g * len + j]);
+      float* a = acc + g * D;
+      int64_t i = 0;
+      for (; i + 8 <= D; i += 8)
+        _mm256_storeu_ps(a + i,
+                         _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i), _mm256_loadu_ps(a + i)));
+      for (; i < D; i++) a[i] += scores[g * len + j] * vp[i];
+    }
+  }
+  memcpy(out, acc, sizeof(float) * (size_t)(G * D));
+}
+
+// Decode attention of B requests, one query row each.
+//   q: rows q_rows[b] (or b when q_rows is NULL), stride q_stride floats, [heads, D] each;
+//   out: the same rows of a [*, heads, D] contiguous tensor;
+//   KV of request b: positions [0, lens[b]) at slots table[table_rows[b] * table_stride + j]
+//   of the pool buffers [slots, kv_heads, D].
+// Returns 0, or -1 when a work buffer could not be allocated.
+AVX2 int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows, int64_t B,
+                         int64_t heads, int64_t kvh, int64_t D, const float* kbuf,
+                         const float* vbuf, const int32_t* table, int64_t table_stride,
+                         const int64_t* table_rows, const int64_t* lens, float scale, float* out,
+                         int threads) {
+  int64_t G = heads / kvh, max_len = 0, total = 0;
+  for (int64_t b = 0; b < B; b++) {
+    max_len = lens[b] > max_len ? lens[b] : max_len;
+    total += lens[b];
+  }
+  int failed = 0;
+  // Small steps run on the calling thread: a parallel region costs more than it saves.
+  int use = total * heads * D < (1 << 16) ? 1 : threads;
+#pragma omp parallel num_threads(use)
+  {
+    float* work = (float*)malloc(sizeof(float) * (size_t)(G * (max_len + D)));
+    if (work == NULL) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * kvh; task++) {
+      if (work == NULL) continue;
+      int64_t b = task / kvh, h = task % kvh;
+      int64_t qr = q_rows ? q_rows[b] : b;
+      attend_one(q + qr * q_stride + h * G * D, out + (qr * heads + h * G) * D, G, kvh, h, D,
+                 kbuf, vbuf, table + table_rows[b] * table_stride, lens[b], scale, work);
+    }
+    free(work);
+  }
+  return failed ? -1 : 0;
+}

@@ -1,0 +1,110 @@
+"""The fused CPU ops (backend/quant/cpu_ops.c) against the torch references they replace in
+the CPU "auto" kernel set: RMSNorm (plain and with the residual add), SiLU*mul, rotary in
+place on views of a fused qkv, the KV store; on odd sizes that exercise the C loops' tails,
+and inputs they do not cover falling back to the reference. Decode attention is tested through
+the attention backend (tests/test_attention_torch.py, `fused`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl.backend.kernels.activation import silu_and_mul_reference
+from sgl.backend.kernels.kv_store import kv_store_reference
+from sgl.backend.kernels.rmsnorm import fused_add_rmsnorm_reference, rmsnorm_reference
+from sgl.backend.kernels.rotary import make_cos_sin_cache, rope_inv_freq, \
+    rotary_embedding_reference
+from sgl.backend.quant import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(),
+                                reason="no C compiler or no AVX2/FMA: the references serve")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (3, 37), (5, 8)])
+def test_rmsnorm_matches_the_reference(tokens: int, hidden: int) -> None:
+    gen = _gen(hidden)
+    x = torch.randn(tokens, hidden, generator=gen) * 3
+    r = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(hidden, generator=gen)
+    torch.testing.assert_close(cpu_ops.rmsnorm(x, w, 1e-5), rmsnorm_reference(x, w, 1e-5),
+                               rtol=2e-6, atol=2e-6)
+    normed, summed = cpu_ops.fused_add_rmsnorm(x, r, w, 1e-5)
+    ref_normed, ref_summed = fused_add_rmsnorm_reference(x, r, w, 1e-5)
+    assert torch.equal(summed, ref_summed)  # the residual stream is bit-exact
+    torch.testing.assert_close(normed, ref_normed, rtol=2e-6, atol=2e-6)
+    assert not torch.equal(x, summed)  # (the inputs are left alone)
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (4, 13)])
+def test_silu_and_mul_matches_the_reference(tokens: int, inter: int) -> None:
+    gen = _gen(inter)
+    x = torch.randn(tokens, 2 * inter, generator=gen) * 4
+    x[0, :4] = torch.tensor([-120.0, -88.0, 90.0, 0.0])  # past exp's clamp on both sides
+    got = cpu_ops.silu_and_mul(x)
+    torch.testing.assert_close(got, silu_and_mul_reference(x), rtol=2e-6, atol=1e-6)
+
+
+def _cache(max_pos: int, rotary_dim: int) -> torch.Tensor:
+    return make_cos_sin_cache(max_pos, rotary_dim, inv_freq=rope_inv_freq(rotary_dim, 10000.0),
+                              device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fused_qkv", [True, False])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (20, 12)])
+def test_rotary_in_place_matches_the_reference(fused_qkv: bool, head_dim: int,
+                                               rotary_dim: int) -> None:
+    tokens, heads, kv_heads = 5, 6, 2
+    gen = _gen(head_dim)
+    cache = _cache(300, rotary_dim)
+    positions = torch.tensor([0, 7, 299, 3, 150])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    if fused_qkv:  # views of one projection output: the one-pass layout
+        q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    else:
+        q = torch.randn(tokens, heads, head_dim, generator=gen)
+        k = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    ref_q, ref_k = rotary_embedding_reference(positions, q.clone(), k.clone(), cache, False)
+    got_q, got_k = cpu_ops.rotary_embedding(positions, q, k, cache, True)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    torch.testing.assert_close(q, ref_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, ref_k, rtol=1e-6, atol=1e-6)
+    if fused_qkv:  # v, after k in the same rows, is untouched
+        v = qkv[:, (heads + kv_heads) * head_dim:]
+        assert torch.equal(v, torch.randn(tokens, (heads + 2 * kv_heads) * head_dim,
+                                          generator=_gen(head_dim))[:, (heads + kv_heads)
+                                                                     * head_dim:])
+
+
+def test_kv_store_writes_strided_rows_to_their_slots() -> None:
+    tokens, kv_heads, head_dim = 4, 3, 20
+    gen = _gen(0)
+    qkv = torch.randn(tokens, 5 * kv_heads * head_dim, generator=gen)
+    k = qkv[:, 3 * kv_heads * head_dim:4 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 4 * kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    loc = torch.tensor([9, 2, 31, 5])
+    got_k, got_v = torch.zeros(40, kv_heads, head_dim), torch.zeros(40, kv_heads, head_dim)
+    ref_k, ref_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
+    cpu_ops.kv_store(got_k, got_v, k, v, loc)
+    kv_store_reference(ref_k, ref_v, k, v, loc)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+
+
+def test_uncovered_inputs_fall_back_to_the_reference() -> None:
+    gen = _gen(1)
+    x = torch.randn(3, 40, generator=gen).bfloat16()
+    w = torch.randn(40, generator=gen).bfloat16()
+    assert torch.equal(cpu_ops.rmsnorm(x, w), rmsnorm_reference(x, w))
+    strided = torch.randn(40, 3, generator=gen).t()  # [3, 40], not contiguous
+    assert torch.equal(cpu_ops.silu_and_mul(strided), silu_and_mul_reference(strided))
+    cache = _cache(16, 8)
+    q, k = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 1, 8, generator=gen)
+    pos = torch.tensor([1, 2])
+    out_q, out_k = cpu_ops.rotary_embedding(pos, q, k, cache, False)  # out of place
+    ref_q, ref_k = rotary_embedding_reference(pos, q, k, cache, False)
+    assert out_q.data_ptr() != q.data_ptr()
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
