@@ -46,14 +46,34 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     no_overlap = config.disable_overlap_schedule
     if no_overlap is None:
         no_overlap = not device.startswith("cuda")
-    quantization = config.quantization
-    if quantization == "auto":
-        quantization = "gguf" if device == "cpu" and config.dtype == "auto" else "none"
-    elif quantization == "gguf" and device != "cpu":
-        raise InvalidConfigError(f"quantization='gguf' runs on the CPU only (device={device!r}): "
-                                 f"use device='cpu', or quantization='none' for float weights")
     return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
-                          quantization=quantization)
+                          quantization=_resolve_quantization(config, device))
+
+
+def _resolve_quantization(config: EngineConfig, device: str) -> str:
+    """"auto": a GGUF stays quantized on the CPU when no dtype was asked for (the C kernels
+    beat float32 there, docs/benchmarks.md); float weights on the GPU, where the quantized
+    Triton kernels are an opt-in (`quantization="gguf"` or "fp8") until the device figures
+    show them no slower than bf16 at batch (docs/architecture.md), and for dummy models,
+    whose random weights are float unless quantization is asked for."""
+    from sgl.backend.model_loader import PRESETS
+
+    quantization = config.quantization
+    dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
+        config.model in PRESETS or (config.model is None and bool(config.model_config))))
+    if quantization == "auto":
+        return "gguf" if device == "cpu" and config.dtype == "auto" and not dummy else "none"
+    if quantization == "fp8" and not device.startswith("cuda"):
+        raise InvalidConfigError(
+            f"quantization='fp8' needs a CUDA device (device={device!r}): sgl has no FP8 "
+            "kernel for the CPU; use quantization='gguf' with a GGUF file for quantized "
+            "weights there, or 'none' for float weights")
+    if quantization == "gguf" and config.load_format == "safetensors":
+        raise InvalidConfigError(
+            "quantization='gguf' keeps a GGUF file's quantized tensors, but load_format="
+            "'safetensors' loads float weights: use a .gguf model, or quantization='fp8' "
+            "(GPU) or 'none'")
+    return quantization
 
 
 def _available_bytes(device: torch.device) -> int:

@@ -60,6 +60,13 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight with its tensors on `device` (the GPU path loads on the CPU, from
+        the mapped file, and moves each layer's weight as it is built)."""
+        move = [t.to(device) for t in (self.codes, self.scale, self.zero)]
+        return QuantizedWeight(*move, self.bits, self.group_size, self.in_features,
+                               self.source_format)
+
     @classmethod
     def from_decoded(cls, d: Decoded, source_format: str) -> QuantizedWeight:
         n, k = d.codes.shape
