@@ -1,0 +1,162 @@
+"""Quantized linears (backend/quant: Triton GEMV / tiled / scratch + cuBLAS) vs bf16 at the
+Llama-3.1-8B layer shapes: the kernel-level view of issue 14's GPU targets.
+
+    python bench/quant_gemv_bench.py [--no-sweep] [--rows 1,4,16,64,256,1024]
+
+Weights per projection (qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down
+4096x14336, LM head 128256x4096): bf16 (cuBLAS, and our bf16 GEMV at one row), Q4 (4-bit
+codes, float32 scale and zero per 32: Q4_K's mapping, 0.75 bytes per weight), Q8/16 (8-bit
+codes per 16: Q6_K's mapping, the usual head of a Q4_K_M file, 1.5 bytes) and FP8 (1 byte
+plus a float32 scale per row). For each row count: microseconds of the shipped dispatch
+(`quant_linear`) and the weight TB/s that implies; at one row the best of a small config
+sweep of the GEMV; from 16 rows on both the tiled kernel and scratch + cuBLAS, so the switch
+point (`GEMM_MAX_ROWS`) can be checked. Timing as in bench/gemv_bench.py: calls replayed from
+one CUDA graph, cycling through enough weight copies that the L2 cannot serve a repeat.
+Prints a table; one JSON line to bench/results/quant_gemv_bench.jsonl (and $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ensure_sgl_importable  # noqa: E402
+
+ensure_sgl_importable()
+from gemv_bench import SHAPES, graph_us  # noqa: E402
+
+from sgl.backend.kernels import gemv  # noqa: E402
+from sgl.backend.quant import linear  # noqa: E402
+from sgl.backend.quant.fp8 import Fp8Weight  # noqa: E402
+from sgl.backend.quant.triton_gemm import fp8_gemm, qgemm  # noqa: E402
+from sgl.backend.quant.triton_gemv import QGemvConfig, fp8_gemv, qgemv  # noqa: E402
+from sgl.backend.quant.weight import QuantizedWeight  # noqa: E402
+
+DEV = torch.device("cuda")
+KINDS = ("bf16", "q4", "q8g16", "fp8")
+
+
+def make_weight(kind: str, n: int, k: int, seed: int) -> Any:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    if kind == "bf16":
+        return torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) * 0.02
+    if kind == "fp8":
+        return Fp8Weight.quantize(torch.randn(n, k, device=DEV, generator=gen) * 0.02)
+    bits, group = (4, 32) if kind == "q4" else (8, 16)
+    width = k // 2 if bits == 4 else k
+    codes = torch.randint(0, 256, (n, width), device=DEV, generator=gen, dtype=torch.int32)
+    codes = codes.to(torch.uint8) if bits == 4 else (codes - 128).to(torch.int8)
+    scale = torch.rand(n, k // group, device=DEV, generator=gen) * 0.01
+    return QuantizedWeight(codes, scale, -8 * scale, bits, group, k, kind)
+
+
+def weight_nbytes(w: Any) -> int:
+    return w.numel() * 2 if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def shipped(w: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    if isinstance(w, torch.Tensor):
+        return lambda x: gemv.linear_triton(x, w)  # the engine's bf16 linear
+    return lambda x: linear.quant_linear(x, w)
+
+
+def tiled(w: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    if isinstance(w, Fp8Weight):
+        return lambda x: fp8_gemm(x, w.weight, w.scale)
+    return lambda x: qgemm(x, w)
+
+
+def scratch(w: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    from sgl.backend.quant.triton_gemm import fp8_dequant, qdequant
+
+    if isinstance(w, Fp8Weight):
+        deq: Callable[[slice], torch.Tensor] = lambda sl: fp8_dequant(w.weight, w.scale, torch.bfloat16, sl)  # noqa: E731
+    else:
+        deq = lambda sl: qdequant(w, torch.bfloat16, sl)  # noqa: E731
+    return lambda x: linear.dense_via_scratch(x, w.shape[0], w.shape[1], None, deq)
+
+
+def gemv_sweep(w: Any, x: torch.Tensor) -> tuple[float, list[int]] | None:
+    best = None
+    for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8)):
+        cfg = QGemvConfig(bn, bk, warps)
+        if isinstance(w, Fp8Weight):
+            fn: Callable[[], Any] = lambda c=cfg: fp8_gemv(x, w.weight, w.scale, config=c)  # noqa: E731
+        else:
+            fn = lambda c=cfg: qgemv(x, w, config=c)  # noqa: E731
+        try:
+            us = graph_us([fn], reps=5)
+        except Exception as exc:  # a config that does not compile or fit: skip it
+            print(f"    sweep {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        if best is None or us < best[0]:
+            best = (us, list(cfg))
+    return best
+
+
+def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for kind in KINDS:
+        if kind == "q8g16" and name != "lm_head":
+            continue  # the 8-bit/16 layout is a head's (Q6_K) in a Q4_K_M file
+        w0 = make_weight(kind, n, k, 0)
+        nbytes = weight_nbytes(w0)
+        copies = max(1, -(-256 * 2**20 // nbytes))  # >= 256 MiB of weights: no L2 reuse
+        ws = [w0] + [make_weight(kind, n, k, i) for i in range(1, copies)]
+        tb = lambda us: nbytes / (us * 1e-6) / 1e12  # noqa: E731
+        for m in rows:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            us = graph_us([lambda f=shipped(w): f(x) for w in ws])
+            row: dict[str, Any] = dict(us=us, TB_s=tb(us), weight_MB=nbytes / 2**20)
+            if kind != "bf16" and m == 1 and sweep:
+                best = gemv_sweep(w0, x)
+                if best:
+                    row.update(best_us=best[0], best_TB_s=tb(best[0]), best_config=best[1])
+            if kind != "bf16" and m >= 16:
+                row["tiled_us"] = graph_us([lambda f=tiled(w): f(x) for w in ws], reps=5)
+                row["scratch_us"] = graph_us([lambda f=scratch(w): f(x) for w in ws], reps=5)
+            if kind == "bf16":
+                row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws], reps=5)
+            figures[f"{name}_{kind}_m{m}"] = row
+            extra = "  ".join(f"{key} {val:.1f}" for key, val in row.items()
+                              if key.endswith("_us") and key != "us")
+            print(f"{name:8} {kind:6} M={m:<5} {us:8.1f} us {tb(us):5.2f} TB/s  {extra}"
+                  f"{'  best ' + str(row['best_config']) if 'best_config' in row else ''}",
+                  flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return figures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-sweep", action="store_true", help="no GEMV config sweep at one row")
+    ap.add_argument("--rows", default="1,4,16,64,256,1024")
+    args = ap.parse_args()
+    import triton
+
+    rows = [int(r) for r in args.rows.split(",")]
+    figures: dict[str, Any] = {}
+    for name, (n, k) in SHAPES.items():
+        figures.update(bench_shape(name, n, k, rows, not args.no_sweep))
+    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
+    from common import record
+
+    row = record("quant_gemv_bench", "llama3-8b", "quantized linears vs bf16 (graph-timed)", figures)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "quant_gemv_bench.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
