@@ -254,6 +254,35 @@ def test_dispatch_by_rows(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
         assert calls.count("qdequant") == 4  # 37 rows in slices of 10
 
 
+@needs_triton
+def test_a_quantized_model_forward_through_the_triton_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole (small, random Q4_K_M-layout) model, prefill of 5 tokens then one decode
+    token: the CUDA path's kernels (tiled, then GEMV, through the layers, the 8-bit/16 tied
+    head, odd N and K of 5 and 11 groups) give the CPU path's logits."""
+    from test_attention_torch import FakePool, Step, make_forward_batch
+
+    from sgl.backend.attention.torch_backend import TorchAttentionBackend
+    from sgl.backend.forward_batch import ForwardMode
+    from sgl.backend.model_loader import load_model
+
+    small = {"num_hidden_layers": 2, "vocab_size": 1000, "hidden_size": 160,
+             "intermediate_size": 352, "num_attention_heads": 5, "num_key_value_heads": 1}
+    model, cfg = load_model("smollm2-135m", device="cpu", dtype=torch.float32,
+                            model_config=small, quantization="gguf")
+    runs = []
+    for triton_path in (False, True):
+        monkeypatch.setattr(linear, "use_triton", lambda x, _t=triton_path: _t)
+        pool = FakePool(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, max_context=32)
+        backend = TorchAttentionBackend()
+        prefill = make_forward_batch(pool, backend, [Step(0, 0, [3, 9, 4, 17, 5])],
+                                     ForwardMode.EXTEND)
+        first = model.compute_logits(model(prefill)[-1:])
+        decode = make_forward_batch(pool, backend, [Step(0, 5, [11])], ForwardMode.DECODE)
+        runs.append(torch.cat([first, model.compute_logits(model(decode))]))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-4)
+
+
 def test_reference_paths_on_the_cpu() -> None:
     """Without the Triton path (CPU tensors) FP8 runs its reference, exactly."""
     _, w8 = fp8_weight(9, 32)
