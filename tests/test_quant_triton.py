@@ -24,6 +24,7 @@ from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imp
 from test_quant_formats import random_blocks
 
 from sgl.backend.quant import FORMATS, QuantizedWeight, decode, linear
+from sgl.backend.quant.factored import factor, unfactor
 from sgl.backend.quant.fp8 import FP8_MAX, Fp8Weight, fp8_linear, fp8_linear_reference
 from sgl.backend.quant.triton_gemm import (
     GemmConfig,
@@ -39,11 +40,20 @@ needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
 FMTS = sorted(FORMATS)
 
 
-def qweight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def qweight(fmt: str, n: int, k: int, seed: int = 0, factored: bool = False) -> QuantizedWeight:
+    """A random `fmt` weight on DEVICE; `factored`: its scales in the factored form (the
+    K-quants always factor; the others have no such form and stay plain)."""
     raw = torch.from_numpy(random_blocks(fmt, n, k, seed))
     w = QuantizedWeight.from_decoded(decode(fmt, raw, k), fmt)
-    return QuantizedWeight(w.codes.to(DEVICE), w.scale.to(DEVICE), w.zero.to(DEVICE), w.bits,
-                           w.group_size, k, fmt)
+    w = QuantizedWeight(w.codes.to(DEVICE), w.scale.to(DEVICE), w.zero.to(DEVICE), w.bits,
+                        w.group_size, k, fmt)
+    if factored:
+        w = factor(w)
+        assert bool(w.super_groups) == (fmt in K_QUANTS)
+    return w
 
 
 def shape_of(fmt: str) -> tuple[int, int]:
@@ -96,9 +106,13 @@ def assert_same_16_bit(got: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool) -> None:
+@pytest.mark.parametrize("factored", [False, True])
+def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
+                                              factored: bool) -> None:
+    if factored and fmt not in K_QUANTS:
+        pytest.skip("no factored form")
     n, k = shape_of(fmt)
-    w = qweight(fmt, n, k, seed=m)
+    w = qweight(fmt, n, k, seed=m, factored=factored)
     x, b = inputs(m, k, n, torch.float32, bias, seed=m)
     assert_matches(qgemv(x, w, b), x, w.dequantize(), b)
     # Several K steps with a ragged last one, and a ragged last row block.
@@ -110,9 +124,13 @@ def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool) -> N
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [3, 17])
 @pytest.mark.parametrize("bias", [False, True])
-def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool) -> None:
+@pytest.mark.parametrize("factored", [False, True])
+def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
+                                              factored: bool) -> None:
+    if factored and fmt not in K_QUANTS:
+        pytest.skip("no factored form")
     n, k = shape_of(fmt)
-    w = qweight(fmt, n, k, seed=m)
+    w = qweight(fmt, n, k, seed=m, factored=factored)
     x, b = inputs(m, k, n, torch.float32, bias, seed=m)
     assert_matches(qgemm(x, w, b), x, w.dequantize(), b)
     cfg = GemmConfig(block_m=16, block_n=16, block_k=ragged_block_k(w), num_warps=1,
@@ -147,12 +165,42 @@ def test_leading_dims_and_strided_rows() -> None:
 
 @needs_triton
 @pytest.mark.parametrize("fmt", FMTS)
-def test_qdequant_equals_the_reference(fmt: str) -> None:
+@pytest.mark.parametrize("factored", [False, True])
+def test_qdequant_equals_the_reference(fmt: str, factored: bool) -> None:
     n, k = shape_of(fmt)
-    w = qweight(fmt, n, k)
+    w = qweight(fmt, n, k, factored=factored)
     assert torch.equal(qdequant(w, torch.float32), w.dequantize())
     assert_same_16_bit(qdequant(w, torch.bfloat16), w.dequantize(dtype=torch.bfloat16))
     assert torch.equal(qdequant(w, torch.float32, slice(5, 20)), w.dequantize()[5:20])
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_factored_scales_are_exact_and_smaller(fmt: str) -> None:
+    n, k = shape_of(fmt)
+    plain = qweight(fmt, n, k)
+    w = factor(plain)
+    assert w.super_groups == 256 // w.group_size
+    assert w.scale.dtype == w.zero.dtype == torch.int8
+    assert torch.equal(w.dequantize(), plain.dequantize())  # bit for bit
+    back = unfactor(w)
+    assert torch.equal(back.scale, plain.scale) and torch.equal(back.zero, plain.zero)
+    # bits per weight, codes + sub-scales + super-scales against codes + float32 pairs
+    smaller = {"Q4_K": 4.75 / 6, "Q5_K": 8.75 / 10, "Q6_K": 9.25 / 12}[fmt]
+    assert w.nbytes / plain.nbytes == pytest.approx(smaller)
+    # Moving off the GPU form gives the C kernel's plain float32 layout; merging unfactors.
+    assert w.to("cpu").super_groups == 0
+    merged = QuantizedWeight.cat([w, qweight("Q6_K", 5, k, factored=True)])
+    assert merged.super_groups == 0 and merged.group_size == 16
+    assert torch.equal(merged.dequantize()[:n], plain.dequantize())
+
+
+def test_weights_that_do_not_factor_stay_plain() -> None:
+    w = qweight("Q4_K", 6, 256)
+    bumped = w.scale.clone()
+    bumped[2, 3] = bumped[2, 3].nextafter(torch.tensor(1.0, device=DEVICE))  # not d * int
+    odd = QuantizedWeight(w.codes, bumped, w.zero, 4, 32, 256, "Q4_K")
+    assert factor(odd) is odd
+    assert factor(qweight("Q4_0", 6, 256)).super_groups == 0
 
 
 @needs_triton

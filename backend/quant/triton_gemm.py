@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
-from sgl.backend.quant.triton_gemv import _rows
+from sgl.backend.quant.triton_gemv import _rows, load_group_scales, scale_args
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["GemmConfig", "fp8_dequant", "fp8_gemm", "gemm_config", "qdequant", "qgemm"]
@@ -55,10 +55,11 @@ def gemm_config(m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
 
 @triton.jit
 def _qgemm_kernel(
-    X, CODES, SCALE, ZERO, B, Y,
+    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y,
     M, N, G,
     stride_xm, stride_cn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -73,7 +74,6 @@ def _qgemm_kernel(
     rows64 = offs_n.to(tl.int64)
     c_ptrs = (CODES + rows64[:, None, None] * stride_cn + offs_g[None, :, None] * GBYTES
               + offs_i[None, None, :])  # [BLOCK_N, BLOCK_G, GBYTES]
-    sz_off = rows64[:, None] * G + offs_g[None, :]  # [BLOCK_N, BLOCK_G]
     # Column of K a byte's (low) code belongs to: group * GROUP + byte within the group.
     x_col = (offs_j // GBYTES) * GROUP + offs_j % GBYTES  # [BLOCK_KB]
     x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + x_col[None, :]  # [BLOCK_M, BLOCK_KB]
@@ -83,8 +83,9 @@ def _qgemm_kernel(
         mask_g = g0 + offs_g < G
         m2 = mask_n[:, None] & mask_g[None, :]
         raw = tl.load(c_ptrs + g0 * GBYTES, mask=m2[:, :, None], other=0)
-        s = tl.load(SCALE + sz_off + g0, mask=m2, other=0.0)[:, :, None]
-        z = tl.load(ZERO + sz_off + g0, mask=m2, other=0.0)[:, :, None]
+        s, z = load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, g0 + offs_g, G, m2,
+                                 True, SUPER)
+        s, z = s[:, :, None], z[:, :, None]
         mask_x = mask_m[:, None] & (g0 + offs_j // GBYTES < G)[None, :]
         xa = tl.load(x_ptrs + g0 * GROUP, mask=mask_x, other=0.0)
         if BITS == 4:
@@ -124,11 +125,12 @@ def qgemm(
             raise ValueError(f"block_k {cfg.block_k} must be a power-of-two number of "
                              f"{gs}-weight groups")
         block_g = cfg.block_k // gs
+        sup_s, sup_z, sup = scale_args(w)
         _qgemm_kernel[(cdiv(n, cfg.block_n), cdiv(m, cfg.block_m))](
-            x2, w.codes, w.scale, w.zero, bias if bias is not None else w.scale, y,
+            x2, w.codes, w.scale, w.zero, sup_s, sup_z, bias if bias is not None else sup_s, y,
             m, n, k // gs,
             x2.stride(0), w.codes.stride(0), y.stride(0),
-            BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs,
+            BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_G=block_g, UPCAST=is_interpreted(_qgemm_kernel),
             IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -194,8 +196,8 @@ DEQUANT_ROWS, DEQUANT_GROUPS = 16, 8  # tile of the dequantize kernels: rows x g
 
 @triton.jit
 def _qdequant_kernel(
-    CODES, SCALE, ZERO, OUT, N, G, stride_cn, stride_on,
-    BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr,
+    CODES, SCALE, ZERO, SUP_S, SUP_Z, OUT, N, G, stride_cn, stride_on,
+    BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,8 +208,8 @@ def _qdequant_kernel(
     m3 = m2[:, :, None]
     raw = tl.load(CODES + rows64[:, None, None] * stride_cn + offs_g[None, :, None] * GBYTES
                   + offs_i[None, None, :], mask=m3, other=0)
-    s = tl.load(SCALE + rows64[:, None] * G + offs_g[None, :], mask=m2, other=0.0)[:, :, None]
-    z = tl.load(ZERO + rows64[:, None] * G + offs_g[None, :], mask=m2, other=0.0)[:, :, None]
+    s, z = load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, offs_g, G, m2, True, SUPER)
+    s, z = s[:, :, None], z[:, :, None]
     # [BLOCK_N, BLOCK_G, GBYTES]: where a byte's (low) code goes in the output row
     o_ptrs = (OUT + rows64[:, None, None] * stride_on + offs_g[None, :, None] * GROUP
               + offs_i[None, None, :])
@@ -227,10 +229,12 @@ def qdequant(w: QuantizedWeight, dtype: torch.dtype, rows: slice = slice(None)) 
     groups = w.in_features // gs
     out = torch.empty(n, w.in_features, device=w.codes.device, dtype=dtype)
     if n:
+        sup_s, sup_z, sup = scale_args(w)
         _qdequant_kernel[(cdiv(n, DEQUANT_ROWS), cdiv(groups, DEQUANT_GROUPS))](
-            w.codes[start:stop], w.scale[start:stop], w.zero[start:stop], out, n, groups,
+            w.codes[start:stop], w.scale[start:stop], w.zero[start:stop], sup_s[start:stop],
+            sup_z[start:stop], out, n, groups,
             w.codes.stride(0), out.stride(0),
-            BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs,
+            BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
             BLOCK_N=DEQUANT_ROWS, BLOCK_G=DEQUANT_GROUPS,
         )
     return out

@@ -14,6 +14,7 @@ byte exactly once with wide loads and spend as few instructions per weight as it
   per-group partial; the group's float32 scale and zero are applied once per group:
       y[n] += scale[n,g] * sum_i code[n,g,i] * x[g,i]  +  zero[n,g] * sum_i x[g,i]
   (the second sum is shared by all rows of the tile, so the zero costs nothing per weight).
+  Factored scales (quant/factored.py, the K-quants on the GPU) are multiplied out per group.
 - FP8: per-output-channel scales factor out of the whole row: the kernel accumulates
   w_fp8 * x in fp32 and multiplies by scale[n] once at the end.
 
@@ -31,7 +32,8 @@ import torch
 from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["QGemvConfig", "fp8_gemv", "fp8_gemv_config", "qgemv", "qgemv_config"]
+__all__ = ["QGemvConfig", "fp8_gemv", "fp8_gemv_config", "load_group_scales", "qgemv",
+           "qgemv_config", "scale_args"]
 
 
 class QGemvConfig(NamedTuple):
@@ -54,12 +56,44 @@ def qgemv_config(n: int, k: int, group_size: int) -> QGemvConfig:
 
 
 @triton.jit
+def load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, gg, G, mask,
+                      MASKED: tl.constexpr, SUPER: tl.constexpr):
+    """(scale, zero) float32 [BLOCK_N, BLOCK_G] of rows `rows64` x groups `gg`. SUPER > 0:
+    factored (quant/factored.py): int8 sub-scales times the float32 of their super-block."""
+    off = rows64[:, None] * G + gg[None, :]  # [BLOCK_N, BLOCK_G]
+    if MASKED:
+        s = tl.load(SCALE + off, mask=mask, other=0).to(tl.float32)
+        z = tl.load(ZERO + off, mask=mask, other=0).to(tl.float32)
+    else:
+        s = tl.load(SCALE + off).to(tl.float32)
+        z = tl.load(ZERO + off).to(tl.float32)
+    if SUPER > 0:
+        sup = rows64[:, None] * (G // SUPER) + gg[None, :] // SUPER  # (repeats: L1 hits)
+        if MASKED:
+            s = s * tl.load(SUP_S + sup, mask=mask, other=0.0)
+            z = z * tl.load(SUP_Z + sup, mask=mask, other=0.0)
+        else:
+            s = s * tl.load(SUP_S + sup)
+            z = z * tl.load(SUP_Z + sup)
+    return s, z
+
+
+def scale_args(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(super_scale, super_zero, super_groups) kernel arguments (dummies when plain)."""
+    if w.super_groups:
+        assert w.super_scale is not None and w.super_zero is not None
+        return w.super_scale, w.super_zero, w.super_groups
+    return w.scale, w.zero, 0
+
+
+@triton.jit
 def _qgemv_kernel(
-    X, CODES, SCALE, ZERO, B, Y,
+    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y,
     N, G,
     stride_xm, stride_cn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_N: tl.constexpr, EVEN_G: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    EVEN_G: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
@@ -71,21 +105,20 @@ def _qgemv_kernel(
     # [BLOCK_N, BLOCK_G, GBYTES]: the code bytes of a tile, contiguous per group
     c_ptrs = (CODES + rows64[:, None, None] * stride_cn + offs_g[None, :, None] * GBYTES
               + offs_i[None, None, :])
-    sz_off = rows64[:, None] * G + offs_g[None, :]  # [BLOCK_N, BLOCK_G]
     x_row = X + row.to(tl.int64) * stride_xm
     x_off = offs_g[:, None] * GROUP + offs_i[None, :]  # [BLOCK_G, GBYTES]: first code of a byte
     acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
     for g0 in range(0, G, BLOCK_G):
         mask_g = g0 + offs_g < G  # (all true when EVEN_G: only the masked loads read it)
-        if EVEN_N and EVEN_G:
+        m2 = mask_n[:, None] & mask_g[None, :]
+        if EVEN:  # no tile crosses the N or the G edge: unmasked loads
             raw = tl.load(c_ptrs + g0 * GBYTES)
-            s = tl.load(SCALE + sz_off + g0)
-            z = tl.load(ZERO + sz_off + g0)
+            s, z = load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, g0 + offs_g, G, m2,
+                                     False, SUPER)
         else:
-            m2 = mask_n[:, None] & mask_g[None, :]
             raw = tl.load(c_ptrs + g0 * GBYTES, mask=m2[:, :, None], other=0)
-            s = tl.load(SCALE + sz_off + g0, mask=m2, other=0.0)
-            z = tl.load(ZERO + sz_off + g0, mask=m2, other=0.0)
+            s, z = load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, g0 + offs_g, G, m2,
+                                     True, SUPER)
         x_ptrs = x_row + g0 * GROUP + x_off
         if EVEN_G:
             xa = tl.load(x_ptrs).to(tl.float32)
@@ -127,13 +160,14 @@ def qgemv(
             raise ValueError(f"block_k {cfg.block_k} must be a power-of-two number of "
                              f"{gs}-weight groups")
         block_g, groups = cfg.block_k // gs, k // gs
+        sup_s, sup_z, sup = scale_args(w)
         _qgemv_kernel[(cdiv(n, cfg.block_n), m)](
-            x2, w.codes, w.scale, w.zero, bias if bias is not None else w.scale, y,
+            x2, w.codes, w.scale, w.zero, sup_s, sup_z, bias if bias is not None else sup_s, y,
             n, groups,
             x2.stride(0), w.codes.stride(0), y.stride(0),
-            BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs,
+            BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
-            EVEN_N=n % cfg.block_n == 0, EVEN_G=groups % block_g == 0,
+            EVEN_G=groups % block_g == 0, EVEN=n % cfg.block_n == 0 and groups % block_g == 0,
             num_warps=cfg.num_warps,
         )
     return y.reshape(*x.shape[:-1], n)
