@@ -118,6 +118,12 @@ def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
     # Several K steps with a ragged last one, and a ragged last row block.
     cfg = QGemvConfig(block_n=8, block_k=ragged_block_k(w), num_warps=1)
     assert_matches(qgemv(x, w, b, config=cfg), x, w.dequantize(), b)
+    # No tile on an edge (24 rows, K steps that divide K): the unmasked loads.
+    even = qweight(fmt, 24, k, seed=m, factored=factored)
+    groups = k // even.group_size
+    cfg = QGemvConfig(block_n=8, block_k=(groups & -groups) * even.group_size, num_warps=1)
+    b24 = None if b is None else torch.randn(24, device=DEVICE)
+    assert_matches(qgemv(x, even, b24, config=cfg), x, even.dequantize(), b24)
 
 
 @needs_triton
@@ -257,6 +263,10 @@ def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
     ref = w.dequantize()
     assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
     assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=QGemvConfig(8, 64, 1)), x, ref, b)
+    _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
+    xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
+    assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=QGemvConfig(8, 64, 1)), xe,
+                   even.dequantize(), be)
     assert_matches(fp8_gemm(x, w.weight, w.scale, b), x, ref, b)
     cfg = GemmConfig(16, 16, 64, 1, 1)
     assert_matches(fp8_gemm(x, w.weight, w.scale, b, config=cfg), x, ref, b)

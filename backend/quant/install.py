@@ -20,6 +20,7 @@ from torch import nn
 
 from sgl.backend.layers.linear import Embedding, Linear, MergedLinear
 from sgl.backend.models.llama import _FUSED as FUSED  # HF projection -> (fused module, shard)
+from sgl.backend.quant.factored import factor
 from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.gguf_weights import GGUFTensor, to_quantized
 from sgl.backend.quant.weight import QuantizedWeight
@@ -113,7 +114,8 @@ def _random_qweight(n: int, k: int, bits: int, group: int, device: torch.device,
         scale = torch.full((n, k // group), 0.02 / 18.5, device=device)
         zero = torch.zeros_like(scale)
     source = "Q4_K" if bits == 4 else "Q6_K"
-    return QuantizedWeight(codes, scale, zero, bits, group, k, f"random {source}")
+    w = QuantizedWeight(codes, scale, zero, bits, group, k, f"random {source}")
+    return factor(w) if device.type == "cuda" else w  # the GPU form of a K-quant file
 
 
 def weight_bytes(model: nn.Module) -> int:
