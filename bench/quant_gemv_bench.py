@@ -5,8 +5,9 @@ Llama-3.1-8B layer shapes: the kernel-level view of issue 14's GPU targets.
 
 Weights per projection (qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down
 4096x14336, LM head 128256x4096): bf16 (cuBLAS, and our bf16 GEMV at one row), Q4 (4-bit
-codes, float32 scale and zero per 32: Q4_K's mapping, 0.75 bytes per weight), Q8/16 (8-bit
-codes per 16: Q6_K's mapping, the usual head of a Q4_K_M file, 1.5 bytes) and FP8 (1 byte
+codes per 32 with K-quant scales in the GPU's factored form, quant/factored.py: Q4_K's
+mapping, 4.75 bits per weight), Q8/16 (8-bit codes per 16: Q6_K's, the usual head of a
+Q4_K_M file, 9.25 bits) and FP8 (1 byte
 plus a float32 scale per row). For each row count: microseconds of the shipped dispatch
 (`quant_linear`) and the weight TB/s that implies; at one row the best of a small config
 sweep of the GEMV; from 16 rows on both the tiled kernel and scratch + cuBLAS, so the switch
@@ -36,6 +37,7 @@ from gemv_bench import SHAPES, graph_us  # noqa: E402
 
 from sgl.backend.kernels import gemv  # noqa: E402
 from sgl.backend.quant import linear  # noqa: E402
+from sgl.backend.quant.factored import factor  # noqa: E402
 from sgl.backend.quant.fp8 import Fp8Weight  # noqa: E402
 from sgl.backend.quant.triton_gemm import fp8_gemm, qgemm  # noqa: E402
 from sgl.backend.quant.triton_gemv import QGemvConfig, fp8_gemv, qgemv  # noqa: E402
@@ -51,12 +53,25 @@ def make_weight(kind: str, n: int, k: int, seed: int) -> Any:
         return torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) * 0.02
     if kind == "fp8":
         return Fp8Weight.quantize(torch.randn(n, k, device=DEV, generator=gen) * 0.02)
+    # K-quant structure (Q4_K: d * sc and -dmin * m, 6-bit sc and m per 32; Q6_K: d * sc,
+    # signed 8-bit sc per 16), so the weight takes the GPU's factored form as a file's would.
     bits, group = (4, 32) if kind == "q4" else (8, 16)
-    width = k // 2 if bits == 4 else k
+    width, groups, per = (k // 2 if bits == 4 else k), k // group, 256 // group
     codes = torch.randint(0, 256, (n, width), device=DEV, generator=gen, dtype=torch.int32)
     codes = codes.to(torch.uint8) if bits == 4 else (codes - 128).to(torch.int8)
-    scale = torch.rand(n, k // group, device=DEV, generator=gen) * 0.01
-    return QuantizedWeight(codes, scale, -8 * scale, bits, group, k, kind)
+
+    def per_block() -> torch.Tensor:  # [N, G] an fp16 value per 256 weights
+        d = (torch.rand(n, groups // per, device=DEV, generator=gen) * 1e-3).half().float()
+        return d.repeat_interleave(per, dim=1)
+
+    low = 0 if bits == 4 else -128
+    scale = per_block() * torch.randint(low, 64 if bits == 4 else 128, (n, groups), device=DEV,
+                                        generator=gen).float()
+    zero = (-per_block() * torch.randint(0, 64, (n, groups), device=DEV, generator=gen).float()
+            if bits == 4 else torch.zeros_like(scale))
+    w = factor(QuantizedWeight(codes, scale, zero, bits, group, k, kind))
+    assert w.super_groups, "K-quant scales factor"
+    return w
 
 
 def weight_nbytes(w: Any) -> int:
@@ -85,16 +100,18 @@ def scratch(w: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: linear.dense_via_scratch(x, w.shape[0], w.shape[1], None, deq)
 
 
-def gemv_sweep(w: Any, x: torch.Tensor) -> tuple[float, list[int]] | None:
+def gemv_sweep(ws: list[Any], x: torch.Tensor) -> tuple[float, list[int]] | None:
+    """Best one-row config over a small grid, cycling the weight copies (no L2 reuse)."""
     best = None
-    for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8)):
+    for bn, bk, warps in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8)):
         cfg = QGemvConfig(bn, bk, warps)
-        if isinstance(w, Fp8Weight):
-            fn: Callable[[], Any] = lambda c=cfg: fp8_gemv(x, w.weight, w.scale, config=c)  # noqa: E731
+        if isinstance(ws[0], Fp8Weight):
+            fns: list[Callable[[], Any]] = [
+                lambda w=w, c=cfg: fp8_gemv(x, w.weight, w.scale, config=c) for w in ws]
         else:
-            fn = lambda c=cfg: qgemv(x, w, config=c)  # noqa: E731
+            fns = [lambda w=w, c=cfg: qgemv(x, w, config=c) for w in ws]
         try:
-            us = graph_us([fn], reps=5)
+            us = graph_us(fns, reps=5)
         except Exception as exc:  # a config that does not compile or fit: skip it
             print(f"    sweep {cfg}: {type(exc).__name__}", flush=True)
             continue
@@ -118,7 +135,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> dict
             us = graph_us([lambda f=shipped(w): f(x) for w in ws])
             row: dict[str, Any] = dict(us=us, TB_s=tb(us), weight_MB=nbytes / 2**20)
             if kind != "bf16" and m == 1 and sweep:
-                best = gemv_sweep(w0, x)
+                best = gemv_sweep(ws, x)
                 if best:
                     row.update(best_us=best[0], best_TB_s=tb(best[0]), best_config=best[1])
             if kind != "bf16" and m >= 16:

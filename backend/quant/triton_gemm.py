@@ -63,8 +63,8 @@ def _qgemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(0)  # fastest: the row blocks sharing a weight tile run together
+    pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_g = tl.arange(0, BLOCK_G)
@@ -126,7 +126,7 @@ def qgemm(
                              f"{gs}-weight groups")
         block_g = cfg.block_k // gs
         sup_s, sup_z, sup = scale_args(w)
-        _qgemm_kernel[(cdiv(n, cfg.block_n), cdiv(m, cfg.block_m))](
+        _qgemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
             x2, w.codes, w.scale, w.zero, sup_s, sup_z, bias if bias is not None else sup_s, y,
             m, n, k // gs,
             x2.stride(0), w.codes.stride(0), y.stride(0),
@@ -146,8 +146,8 @@ def _fp8_gemm_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(0)  # fastest: the row blocks sharing a weight tile run together
+    pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -178,7 +178,7 @@ def fp8_gemm(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m and n:
         cfg = config or gemm_config(m, n, k)
-        _fp8_gemm_kernel[(cdiv(n, cfg.block_n), cdiv(m, cfg.block_m))](
+        _fp8_gemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
             x2, weight, scale, bias if bias is not None else scale, y,
             m, n, k,
             x2.stride(0), weight.stride(0), y.stride(0),
