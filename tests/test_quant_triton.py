@@ -261,12 +261,14 @@ def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
     _, w = fp8_weight(n, k, seed=m)
     x, b = inputs(m, k, n, torch.float32, bias, seed=m)
     ref = w.dequantize()
-    assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
-    assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=QGemvConfig(8, 64, 1)), x, ref, b)
-    _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
-    xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
-    assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=QGemvConfig(8, 64, 1)), xe,
-                   even.dequantize(), be)
+    if m <= 3:  # (the GEMV serves one row; more run as a grid axis, slowly when interpreted)
+        assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
+        assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=QGemvConfig(8, 64, 1)), x, ref,
+                       b)
+        _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
+        xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
+        assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=QGemvConfig(8, 64, 1)),
+                       xe, even.dequantize(), be)
     assert_matches(fp8_gemm(x, w.weight, w.scale, b), x, ref, b)
     cfg = GemmConfig(16, 16, 64, 1, 1)
     assert_matches(fp8_gemm(x, w.weight, w.scale, b, config=cfg), x, ref, b)
