@@ -223,7 +223,8 @@ def load_model(
             from sgl.backend.quant.install import install_random_quantized
 
             install_random_quantized(module, seed)
-        return _quantize_floats(module, quantization), config
+            _release_cached(device)
+        return _quantize_floats(module, quantization, device), config
 
     path = resolve_model_path(model, cache)
     is_gguf = path.suffix == ".gguf"
@@ -243,16 +244,24 @@ def load_model(
         raise
     except Exception as exc:  # a corrupt or incompatible checkpoint
         raise ModelLoadError(f"could not load weights from {path}: {exc}") from exc
-    return _quantize_floats(module, quantization), config
+    return _quantize_floats(module, quantization, device), config
 
 
-def _quantize_floats(module: nn.Module, quantization: str) -> nn.Module:
+def _quantize_floats(module: nn.Module, quantization: str, device: torch.device) -> nn.Module:
     """A loaded float model under quantization="fp8": its Linears converted (quant/fp8.py)."""
     if quantization == "fp8":
         from sgl.backend.quant.install import install_fp8
 
         install_fp8(module)
+        _release_cached(device)
     return module
+
+
+def _release_cached(device: torch.device) -> None:
+    """Hand the replaced float weights' memory back to the device: the runtime sizes the KV
+    pool from the device's free memory, which does not count torch's cached blocks."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _build(hf_config: Any, device: torch.device, dtype: torch.dtype,
