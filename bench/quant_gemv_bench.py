@@ -1,7 +1,7 @@
 """Quantized linears (backend/quant: Triton GEMV / tiled / scratch + cuBLAS) vs bf16 at the
 Llama-3.1-8B layer shapes: the kernel-level view of issue 14's GPU targets.
 
-    python bench/quant_gemv_bench.py [--no-sweep] [--rows 1,4,16,64,256,1024]
+    python bench/quant_gemv_bench.py [--no-sweep] [--sweep-tiled] [--rows 1,4,16,64,256,1024]
 
 Weights per projection (qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down
 4096x14336, LM head 128256x4096): bf16 (cuBLAS, and our bf16 GEMV at one row), Q4 (4-bit
@@ -120,7 +120,32 @@ def gemv_sweep(ws: list[Any], x: torch.Tensor) -> tuple[float, list[int]] | None
     return best
 
 
-def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> dict[str, Any]:
+def tiled_sweep(ws: list[Any], x: torch.Tensor) -> tuple[float, list[int]] | None:
+    """Best tiled-kernel config at x's row count over a small grid (BLOCK_M by the rule)."""
+    from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config
+
+    block_m = gemm_config(x.shape[0], 1, 1).block_m
+    best = None
+    for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8),
+                                                   (2, 3, 4)):
+        cfg = GemmConfig(block_m, bn, bk, warps, stages)
+        if isinstance(ws[0], Fp8Weight):
+            fns: list[Callable[[], Any]] = [
+                lambda w=w, c=cfg: fp8_gemm(x, w.weight, w.scale, config=c) for w in ws]
+        else:
+            fns = [lambda w=w, c=cfg: qgemm(x, w, config=c) for w in ws]
+        try:
+            us = graph_us(fns, reps=5)
+        except Exception as exc:  # too much shared memory, a config that does not compile
+            print(f"    tiled sweep {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        if best is None or us < best[0]:
+            best = (us, list(cfg))
+    return best
+
+
+def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool,
+                sweep_tiled: bool) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     for kind in KINDS:
         if kind == "q8g16" and name != "lm_head":
@@ -141,13 +166,18 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool) -> dict
             if kind != "bf16" and m >= 16:
                 row["tiled_us"] = graph_us([lambda f=tiled(w): f(x) for w in ws], reps=5)
                 row["scratch_us"] = graph_us([lambda f=scratch(w): f(x) for w in ws], reps=5)
+                if sweep_tiled and m in (16, 256):
+                    best = tiled_sweep(ws, x)
+                    if best:
+                        row.update(tiled_best_us=best[0], tiled_best_config=best[1])
             if kind == "bf16":
                 row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws], reps=5)
             figures[f"{name}_{kind}_m{m}"] = row
             extra = "  ".join(f"{key} {val:.1f}" for key, val in row.items()
                               if key.endswith("_us") and key != "us")
             print(f"{name:8} {kind:6} M={m:<5} {us:8.1f} us {tb(us):5.2f} TB/s  {extra}"
-                  f"{'  best ' + str(row['best_config']) if 'best_config' in row else ''}",
+                  f"{'  best ' + str(row['best_config']) if 'best_config' in row else ''}"
+                  f"{'  tiled best ' + str(row['tiled_best_config']) if 'tiled_best_config' in row else ''}",
                   flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -158,13 +188,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-sweep", action="store_true", help="no GEMV config sweep at one row")
     ap.add_argument("--rows", default="1,4,16,64,256,1024")
+    ap.add_argument("--sweep-tiled", action="store_true",
+                    help="also sweep the tiled kernel's configs at 16 and 256 rows (slow)")
     args = ap.parse_args()
     import triton
 
     rows = [int(r) for r in args.rows.split(",")]
     figures: dict[str, Any] = {}
     for name, (n, k) in SHAPES.items():
-        figures.update(bench_shape(name, n, k, rows, not args.no_sweep))
+        figures.update(bench_shape(name, n, k, rows, not args.no_sweep, args.sweep_tiled))
     print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
     from common import record
 

@@ -225,6 +225,24 @@ def test_the_bound_catches_a_swapped_nibble_order_and_a_wrong_group() -> None:
         assert_matches(qgemm(x, shifted), x, w.dequantize(), None)
 
 
+def test_configs_are_shape_only_and_valid() -> None:
+    from sgl.backend.quant.triton_gemm import gemm_config
+    from sgl.backend.quant.triton_gemv import fp8_gemv_config, qgemv_config
+
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    for n, k in ((6144, 4096), (4096, 14336), (128256, 4096), (37, 160), (21, 768)):
+        for gs in (16, 32):
+            c = qgemv_config(n, k, gs)
+            assert c == qgemv_config(n, k, gs) and pow2(c.block_n) and pow2(c.block_k // gs)
+            assert c.block_k % gs == 0
+            for m in (2, 16, 17, 64, 65, 256):
+                t = gemm_config(m, n, k, gs)
+                assert t.block_k % gs == 0 and pow2(t.block_k // gs)
+                assert min(t.block_m, t.block_n) >= 16 and t.block_m >= min(m, 128) // 2
+        f = fp8_gemv_config(n, k)
+        assert pow2(f.block_n) and pow2(f.block_k)
+
+
 # -- FP8 --------------------------------------------------------------------------------------
 
 

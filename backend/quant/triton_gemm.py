@@ -44,13 +44,20 @@ class GemmConfig(NamedTuple):
 
 def gemm_config(m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
     """Tiles from the shape only (graph-safe). BLOCK_M covers the rows in one tile up to 64
-    (each weight tile is read and dequantized once); past that, 128-row tiles. Starting
-    points, to be swept on the device (bench/quant_gemv_bench.py)."""
+    (each weight tile is read and dequantized once); past that, 128-row tiles. Up to 64 rows
+    the product is still weight streaming, so output tiles stay narrow where N is small, to
+    give the 132 SMs a few programs each (N=4096: 256 programs at 16 columns); past that,
+    wide compute tiles. Starting points, to be swept on the device
+    (bench/quant_gemv_bench.py --sweep-tiled)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 64 if m <= 64 else 128
-    block_k = max(128, group_size)  # 4-bit: two dots of K=64 per step (the nibble halves)
+    if m <= 16:
+        block_n, block_k = (16 if n <= 8192 else 32), 256
+    elif m <= 64:
+        block_n, block_k = (32 if n <= 8192 else 64), 128
+    else:
+        block_n, block_k = 128, 128  # 4-bit: two dots of K=64 per step (the nibble halves)
     warps = 4 if block_m * block_n <= 64 * 64 else 8
-    return GemmConfig(block_m, block_n, block_k, warps, 3)
+    return GemmConfig(block_m, block_n, max(block_k, group_size), warps, 3)
 
 
 @triton.jit
