@@ -20,6 +20,7 @@ import sgl
 from sgl.backend.layers.linear import Embedding, Linear
 from sgl.backend.model_loader import load_model
 from sgl.backend.quant import QuantizedWeight, linear
+from sgl.backend.quant.factored import factor
 from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.install import weight_bytes
 
@@ -69,16 +70,31 @@ def test_dummy_model_with_gguf_gets_random_quantized_weights() -> None:
 LAYER_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # 8B qkv, o, gate_up, down
 
 
-def random_qweight(n: int, k: int, bits: int, group: int, seed: int = 0) -> QuantizedWeight:
-    """Random codes and random (not constant) scales and zeros per group, on the GPU."""
+def random_qweight(n: int, k: int, bits: int, group: int, seed: int = 0,
+                   factored: bool = False) -> QuantizedWeight:
+    """Random codes and random (not constant) scales and zeros per group, on the GPU;
+    `factored`: K-quant-structured scales (fp16 per 256 weights x small integers) in the
+    factored form."""
     gen = torch.Generator(device=CUDA).manual_seed(seed)
     if bits == 4:
         codes = torch.randint(0, 256, (n, k // 2), generator=gen, device=CUDA).to(torch.uint8)
     else:
         codes = torch.randint(-128, 128, (n, k), generator=gen, device=CUDA).to(torch.int8)
-    scale = torch.rand(n, k // group, generator=gen, device=CUDA) * 0.01
-    zero = torch.randn(n, k // group, generator=gen, device=CUDA) * 0.02
-    return QuantizedWeight(codes, scale, zero, bits, group, k, "random")
+    groups = k // group
+    if not factored:
+        scale = torch.rand(n, groups, generator=gen, device=CUDA) * 0.01
+        zero = torch.randn(n, groups, generator=gen, device=CUDA) * 0.02
+        return QuantizedWeight(codes, scale, zero, bits, group, k, "random")
+    per = 256 // group
+    d = (torch.rand(n, groups // per, generator=gen, device=CUDA) * 1e-3).half().float()
+    dmin = (torch.rand(n, groups // per, generator=gen, device=CUDA) * 1e-3).half().float()
+    sc = torch.randint(-128, 128, (n, groups), generator=gen, device=CUDA).float()
+    m = torch.randint(0, 64, (n, groups), generator=gen, device=CUDA).float()
+    scale = d.repeat_interleave(per, dim=1) * sc
+    zero = -dmin.repeat_interleave(per, dim=1) * m
+    w = factor(QuantizedWeight(codes, scale, zero, bits, group, k, "random"))
+    assert w.super_groups == per
+    return w
 
 
 def assert_bf16_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -90,10 +106,12 @@ def assert_bf16_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", LAYER_SHAPES)
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize("bits,group,factored", [(4, 32, False), (8, 32, False), (8, 16, False),
+                                                 (4, 32, True), (8, 16, True)])
 @pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
-def test_gpu_quant_linear_8b_shapes(n: int, k: int, bits: int, group: int, m: int) -> None:
-    w = random_qweight(n, k, bits, group, seed=m)
+def test_gpu_quant_linear_8b_shapes(n: int, k: int, bits: int, group: int, factored: bool,
+                                    m: int) -> None:
+    w = random_qweight(n, k, bits, group, seed=m, factored=factored)
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
     assert_bf16_close(linear.quant_linear(x, w), x, w.dequantize())
 
@@ -108,9 +126,25 @@ def test_gpu_fp8_linear_8b_shapes(n: int, k: int, m: int) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_move_factors_k_quant_scales_exactly() -> None:
+    from test_quant_formats import random_blocks
+
+    from sgl.backend.quant import decode
+
+    for fmt, factored in (("Q4_K", True), ("Q6_K", True), ("Q4_1", False)):
+        raw = torch.from_numpy(random_blocks(fmt, 40, 512, seed=1))
+        host = QuantizedWeight.from_decoded(decode(fmt, raw, 512), fmt)
+        dev = host.to(CUDA)
+        assert bool(dev.super_groups) == factored and dev.codes.is_cuda
+        assert torch.equal(dev.dequantize().cpu(), host.dequantize())
+        assert torch.equal(dev.to("cpu").scale, host.scale)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_gpu_quantized_linears_replay_in_cuda_graphs(m: int) -> None:
     weights = [random_qweight(6144, 4096, 4, 32), random_qweight(4096, 4096, 8, 16),
+               random_qweight(6144, 4096, 4, 32, factored=True),
                Fp8Weight.quantize(torch.randn(4096, 4096, device=CUDA) * 0.02)]
     static_x = torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16)
     for w in weights:
