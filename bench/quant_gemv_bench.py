@@ -94,9 +94,11 @@ def scratch(w: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     from sgl.backend.quant.triton_gemm import fp8_dequant, qdequant
 
     if isinstance(w, Fp8Weight):
-        deq: Callable[[slice], torch.Tensor] = lambda sl: fp8_dequant(w.weight, w.scale, torch.bfloat16, sl)  # noqa: E731
+        def deq(sl: slice) -> torch.Tensor:
+            return fp8_dequant(w.weight, w.scale, torch.bfloat16, sl)
     else:
-        deq = lambda sl: qdequant(w, torch.bfloat16, sl)  # noqa: E731
+        def deq(sl: slice) -> torch.Tensor:
+            return qdequant(w, torch.bfloat16, sl)
     return lambda x: linear.dense_via_scratch(x, w.shape[0], w.shape[1], None, deq)
 
 
@@ -175,9 +177,10 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep: bool,
             figures[f"{name}_{kind}_m{m}"] = row
             extra = "  ".join(f"{key} {val:.1f}" for key, val in row.items()
                               if key.endswith("_us") and key != "us")
-            print(f"{name:8} {kind:6} M={m:<5} {us:8.1f} us {tb(us):5.2f} TB/s  {extra}"
-                  f"{'  best ' + str(row['best_config']) if 'best_config' in row else ''}"
-                  f"{'  tiled best ' + str(row['tiled_best_config']) if 'tiled_best_config' in row else ''}",
+            for key in ("best_config", "tiled_best_config"):
+                if key in row:
+                    extra += f"  {key} {row[key]}"
+            print(f"{name:8} {kind:6} M={m:<5} {us:8.1f} us {tb(us):5.2f} TB/s  {extra}",
                   flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -197,10 +200,12 @@ def main() -> int:
     figures: dict[str, Any] = {}
     for name, (n, k) in SHAPES.items():
         figures.update(bench_shape(name, n, k, rows, not args.no_sweep, args.sweep_tiled))
-    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
     from common import record
 
-    row = record("quant_gemv_bench", "llama3-8b", "quantized linears vs bf16 (graph-timed)", figures)
+    row = record("quant_gemv_bench", "llama3-8b", "quantized linears vs bf16 (graph-timed)",
+                 figures)
     if os.environ.get("OUT"):
         with open(Path(os.environ["OUT"]) / "quant_gemv_bench.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -67,7 +67,8 @@ def test_dummy_model_with_gguf_gets_random_quantized_weights() -> None:
 
 # -- CUDA -------------------------------------------------------------------------------------
 
-LAYER_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # 8B qkv, o, gate_up, down
+# 8B qkv, o_proj, gate_up, down
+LAYER_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
 def random_qweight(n: int, k: int, bits: int, group: int, seed: int = 0,

@@ -47,7 +47,8 @@ def factor_values(values: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.T
         q = torch.round(blocks / cand[..., None])
         ok = ((q >= -128) & (q <= 127) & (cand[..., None] * q == blocks)).all(dim=-1) & ~found
         sup = torch.where(ok, cand, sup)
-        sub = torch.where(ok[..., None], q.clamp(-128, 127).to(torch.int8), sub)  # (clamp: NaN-free cast of the rejected)
+        # (the clamp keeps the cast defined for the rejected candidates)
+        sub = torch.where(ok[..., None], q.clamp(-128, 127).to(torch.int8), sub)
         found |= ok
     if not bool(found.all()):
         return None

@@ -28,7 +28,13 @@ from typing import NamedTuple
 import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
-from sgl.backend.quant.triton_gemv import _rows, load_group_scales, scale_args
+from sgl.backend.quant.triton_gemv import (
+    _rows,
+    int8_f32,
+    load_group_scales,
+    nibbles_f32,
+    scale_args,
+)
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["GemmConfig", "fp8_dequant", "fp8_gemm", "gemm_config", "qdequant", "qgemm"]
@@ -96,14 +102,14 @@ def _qgemm_kernel(
         mask_x = mask_m[:, None] & (g0 + offs_j // GBYTES < G)[None, :]
         xa = tl.load(x_ptrs + g0 * GROUP, mask=mask_x, other=0.0)
         if BITS == 4:
-            b = raw.to(tl.int32)
-            w_lo = tl.reshape(((b & 15).to(tl.float32) * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
-            w_hi = tl.reshape(((b >> 4).to(tl.float32) * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
+            lo, hi = nibbles_f32(raw.to(tl.int32))
+            w_lo = tl.reshape((lo * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
+            w_hi = tl.reshape((hi * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
             xb = tl.load(x_ptrs + g0 * GROUP + GBYTES, mask=mask_x, other=0.0)
             acc += mma(xa, tl.trans(w_lo), UPCAST, IEEE)
             acc += mma(xb, tl.trans(w_hi), UPCAST, IEEE)
         else:
-            w = tl.reshape((raw.to(tl.float32) * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
+            w = tl.reshape((int8_f32(raw.to(tl.int32)) * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
             acc += mma(xa, tl.trans(w), UPCAST, IEEE)
     _store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
@@ -222,11 +228,11 @@ def _qdequant_kernel(
               + offs_i[None, None, :])
     dt = OUT.dtype.element_ty
     if BITS == 4:
-        b = raw.to(tl.int32)
-        tl.store(o_ptrs, ((b & 15).to(tl.float32) * s + z).to(dt), mask=m3)
-        tl.store(o_ptrs + GBYTES, ((b >> 4).to(tl.float32) * s + z).to(dt), mask=m3)
+        lo, hi = nibbles_f32(raw.to(tl.int32))
+        tl.store(o_ptrs, (lo * s + z).to(dt), mask=m3)
+        tl.store(o_ptrs + GBYTES, (hi * s + z).to(dt), mask=m3)
     else:
-        tl.store(o_ptrs, (raw.to(tl.float32) * s + z).to(dt), mask=m3)
+        tl.store(o_ptrs, (int8_f32(raw.to(tl.int32)) * s + z).to(dt), mask=m3)
 
 
 def qdequant(w: QuantizedWeight, dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:

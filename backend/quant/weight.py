@@ -92,9 +92,10 @@ class QuantizedWeight:
         device = torch.device(device)
         w = self if device.type == "cuda" else unfactor(self)
         parts = (w.codes, w.scale, w.zero, w.super_scale, w.super_zero)
-        moved = [None if t is None else t.to(device) for t in parts]
-        w = QuantizedWeight(*moved[:3], w.bits, w.group_size, w.in_features,  # type: ignore[arg-type]
-                            w.source_format, w.super_groups, moved[3], moved[4])
+        codes, scale, zero, sup_s, sup_z = (None if t is None else t.to(device) for t in parts)
+        assert codes is not None and scale is not None and zero is not None
+        w = QuantizedWeight(codes, scale, zero, w.bits, w.group_size, w.in_features,
+                            w.source_format, w.super_groups, sup_s, sup_z)
         return factor(w) if device.type == "cuda" else w
 
     def group_scales(self, rows: torch.Tensor | slice = slice(None)
