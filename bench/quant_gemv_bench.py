@@ -10,7 +10,8 @@ mapping, 4.75 bits per weight), Q8/16 (8-bit codes per 16: Q6_K's, the usual hea
 Q4_K_M file, 9.25 bits) and FP8 (1 byte
 plus a float32 scale per row). For each row count: microseconds of the shipped dispatch
 (`quant_linear`) and the weight TB/s that implies; at one row the best of a small config
-sweep of the GEMV; from 16 rows on both the tiled kernel and scratch + cuBLAS, so the switch
+sweep of the GEMV (FP8: e4m3 decoded with integer ops or by the hardware conversion);
+from 16 rows on both the tiled kernel and scratch + cuBLAS, so the switch
 point (`GEMM_MAX_ROWS`) can be checked. Timing as in bench/gemv_bench.py: calls replayed from
 one CUDA graph, cycling through enough weight copies that the L2 cannot serve a repeat.
 Prints a table; one JSON line to bench/results/quant_gemv_bench.jsonl (and $OUT).
@@ -105,8 +106,9 @@ def scratch(w: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 def gemv_sweep(ws: list[Any], x: torch.Tensor) -> tuple[float, list[int]] | None:
     """Best one-row config over a small grid, cycling the weight copies (no L2 reuse)."""
     best = None
-    for bn, bk, warps in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8)):
-        cfg = QGemvConfig(bn, bk, warps)
+    bits = (True, False) if isinstance(ws[0], Fp8Weight) else (True,)
+    for bn, bk, warps, fp8_bits in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), bits):
+        cfg = QGemvConfig(bn, bk, warps, fp8_bits)
         if isinstance(ws[0], Fp8Weight):
             fns: list[Callable[[], Any]] = [
                 lambda w=w, c=cfg: fp8_gemv(x, w.weight, w.scale, config=c) for w in ws]

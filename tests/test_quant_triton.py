@@ -33,7 +33,8 @@ from sgl.backend.quant.triton_gemm import (
     qdequant,
     qgemm,
 )
-from sgl.backend.quant.triton_gemv import QGemvConfig, fp8_gemv, qgemv
+from sgl.backend.kernels.triton_compat import tl, triton
+from sgl.backend.quant.triton_gemv import QGemvConfig, e4m3_f32, fp8_gemv, qgemv
 
 TRITON_HERE = triton_runs_here(qgemv.__globals__["_qgemv_kernel"])
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
@@ -253,6 +254,24 @@ def fp8_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, Fp8Weight]:
     return dense, Fp8Weight.quantize(dense)
 
 
+@triton.jit
+def decode_all(B, OUT):
+    offs = tl.arange(0, 256)
+    tl.store(OUT + offs, e4m3_f32(tl.load(B + offs).to(tl.int32)))
+
+
+@needs_triton
+def test_e4m3_integer_decode_is_exact_for_every_byte() -> None:
+    """All 256 bytes but the two NaNs, subnormals included: e4m3_f32 * 2^120 == the value."""
+    raw = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(256, device=DEVICE)
+    decode_all[(1,)](raw, out)
+    values = raw.view(torch.float8_e4m3fn).float()
+    finite = ~values.isnan()
+    assert finite.sum() == 254
+    assert torch.equal((out.double() * 2.0**120)[finite], values.double()[finite])
+
+
 def test_fp8_quantize_scales_and_rounding() -> None:
     dense, w = fp8_weight(13, 70)
     amax = dense.abs().amax(dim=1)
@@ -281,12 +300,13 @@ def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
     ref = w.dequantize()
     if m <= 3:  # (the GEMV serves one row; more run as a grid axis, slowly when interpreted)
         assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
-        assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=QGemvConfig(8, 64, 1)), x, ref,
-                       b)
         _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
         xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
-        assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=QGemvConfig(8, 64, 1)),
-                       xe, even.dequantize(), be)
+        for bits in (True, False):  # e4m3 decoded with integer ops / the hardware conversion
+            cfg = QGemvConfig(8, 64, 1, fp8_bits=bits)
+            assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=cfg), x, ref, b)
+            assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=cfg), xe,
+                           even.dequantize(), be)
     assert_matches(fp8_gemm(x, w.weight, w.scale, b), x, ref, b)
     cfg = GemmConfig(16, 16, 64, 1, 1)
     assert_matches(fp8_gemm(x, w.weight, w.scale, b, config=cfg), x, ref, b)
