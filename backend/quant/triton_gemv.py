@@ -33,8 +33,9 @@ import torch
 from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["QGemvConfig", "fp8_gemv", "fp8_gemv_config", "int8_f32", "load_group_scales",
-           "nibbles_f32", "qgemv", "qgemv_config", "scale_args"]
+__all__ = ["QGemvConfig", "e4m3_f32", "fp8_gemv", "fp8_gemv_config", "int8_f32",
+           "load_group_scales", "nibbles_f32", "nibbles_f32_hi16", "qgemv", "qgemv_config",
+           "scale_args"]
 
 
 class QGemvConfig(NamedTuple):
@@ -89,6 +90,15 @@ def nibbles_f32(b):
     lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     return lo, hi
+
+
+@triton.jit
+def nibbles_f32_hi16(b):
+    """As nibbles_f32 with the high nibble as 16 * code (masked in place, not shifted: one
+    integer op per code); the caller divides its activations by 16 (exact) once per tile."""
+    lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    hi16 = ((b & 240) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return lo, hi16
 
 
 @triton.jit
@@ -149,8 +159,10 @@ def _qgemv_kernel(
                 xb = tl.load(x_ptrs + GBYTES).to(tl.float32)
             else:
                 xb = tl.load(x_ptrs + GBYTES, mask=mask_g[:, None], other=0.0).to(tl.float32)
-            lo, hi = nibbles_f32(b)
-            part = tl.sum(lo * xa[None, :, :] + hi * xb[None, :, :], axis=2)  # [BLOCK_N, BLOCK_G]
+            lo, hi16 = nibbles_f32_hi16(b)
+            xb16 = xb * 0.0625  # (hi16 is 16 * code)
+            # [BLOCK_N, BLOCK_G]: each group's sum of code * x
+            part = tl.sum(lo * xa[None, :, :] + hi16 * xb16[None, :, :], axis=2)
             xsum = tl.sum(xa + xb, axis=1)  # [BLOCK_G]
         else:
             part = tl.sum(int8_f32(raw.to(tl.int32)) * xa[None, :, :], axis=2)
