@@ -219,12 +219,10 @@ def load_model(
             raise ModelLoadError(f"cannot build a dummy model from model={model!r}, "
                                  f"model_config={model_config!r}: {exc}") from exc
         _init_dummy(module, device, seed)
-        if quantization == "gguf":
-            from sgl.backend.quant.install import install_random_quantized
+        from sgl.backend.quant.install import quantize_after_load
 
-            install_random_quantized(module, seed)
-            _release_cached(device)
-        return _quantize_floats(module, quantization, device), config
+        quantize_after_load(module, quantization, device, dummy_seed=seed)
+        return module, config
 
     path = resolve_model_path(model, cache)
     is_gguf = path.suffix == ".gguf"
@@ -244,24 +242,10 @@ def load_model(
         raise
     except Exception as exc:  # a corrupt or incompatible checkpoint
         raise ModelLoadError(f"could not load weights from {path}: {exc}") from exc
-    return _quantize_floats(module, quantization, device), config
+    from sgl.backend.quant.install import quantize_after_load
 
-
-def _quantize_floats(module: nn.Module, quantization: str, device: torch.device) -> nn.Module:
-    """A loaded float model under quantization="fp8": its Linears converted (quant/fp8.py)."""
-    if quantization == "fp8":
-        from sgl.backend.quant.install import install_fp8
-
-        install_fp8(module)
-        _release_cached(device)
-    return module
-
-
-def _release_cached(device: torch.device) -> None:
-    """Hand the replaced float weights' memory back to the device: the runtime sizes the KV
-    pool from the device's free memory, which does not count torch's cached blocks."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    quantize_after_load(module, quantization, device)  # fp8: the Linears converted
+    return module, config
 
 
 def _build(hf_config: Any, device: torch.device, dtype: torch.dtype,

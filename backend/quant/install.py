@@ -3,6 +3,7 @@
     floats = install_quantized(model, tensors, device)   # then model.load_weights(floats)
     install_fp8(model)                  # every Linear's float weight -> Fp8Weight (in place)
     install_random_quantized(model, seed)   # dummy models: random 4-bit weights (benchmarks)
+    quantize_after_load(model, quantization, device)   # the loader's entry to the two above
 
 Each Linear (or fused q|k|v, gate|up MergedLinear) whose every shard is quantized gets one
 `QuantizedWeight` (`layer.qweight`; its float `weight` parameter is dropped before any memory
@@ -25,7 +26,8 @@ from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.gguf_weights import GGUFTensor, to_quantized
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["install_fp8", "install_quantized", "install_random_quantized", "weight_bytes"]
+__all__ = ["install_fp8", "install_quantized", "install_random_quantized", "quantize_after_load",
+           "weight_bytes"]
 
 
 def _target(name: str) -> tuple[str, str]:
@@ -70,6 +72,22 @@ def install_quantized(model: nn.Module, tensors: dict[str, GGUFTensor],
 
 def _as_float(t: GGUFTensor) -> torch.Tensor:
     return to_quantized(t).dequantize() if t.quantized else t.raw
+
+
+def quantize_after_load(model: nn.Module, quantization: str, device: torch.device, *,
+                        dummy_seed: int | None = None) -> None:
+    """A loaded float model's weights as `quantization` asks: "fp8" converts its Linears;
+    "gguf" on a dummy model (`dummy_seed` given) installs random quantized weights (a real
+    GGUF loads quantized from the file instead). On CUDA the replaced floats' cached blocks go
+    back to the device: the runtime sizes the KV pool from free device memory."""
+    if quantization == "fp8":
+        install_fp8(model)
+    elif quantization == "gguf" and dummy_seed is not None:
+        install_random_quantized(model, dummy_seed)
+    else:
+        return
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()
