@@ -56,11 +56,8 @@ def _resolve_quantization(config: EngineConfig, device: str) -> str:
     Triton kernels are an opt-in (`quantization="gguf"` or "fp8") until the device figures
     show them no slower than bf16 at batch (docs/architecture.md), and for dummy models,
     whose random weights are float unless quantization is asked for."""
-    from sgl.backend.model_loader import PRESETS
-
     quantization = config.quantization
-    dummy = config.load_format == "dummy" or (config.load_format == "auto" and (
-        config.model in PRESETS or (config.model is None and bool(config.model_config))))
+    dummy = _is_dummy(config)
     if quantization == "auto":
         return "gguf" if device == "cpu" and config.dtype == "auto" and not dummy else "none"
     if quantization == "fp8" and not device.startswith("cuda"):
@@ -74,6 +71,29 @@ def _resolve_quantization(config: EngineConfig, device: str) -> str:
             "'safetensors' loads float weights: use a .gguf model, or quantization='fp8' "
             "(GPU) or 'none'")
     return quantization
+
+
+def _is_dummy(config: EngineConfig) -> bool:
+    """Random weights: the load_format, or a preset name / a bare model_config under "auto"."""
+    from sgl.backend.model_loader import PRESETS
+
+    return config.load_format == "dummy" or (config.load_format == "auto" and (
+        config.model in PRESETS or (config.model is None and bool(config.model_config))))
+
+
+def _require_gguf_model(config: EngineConfig) -> None:
+    """An explicit quantization="gguf" needs a GGUF file (or a dummy model): a model folder
+    holds float weights, and loading it as float would silently ignore the request."""
+    from sgl.backend.model_loader import resolve_model_path
+
+    if _is_dummy(config):
+        return
+    path = resolve_model_path(config.model, config.cache_dir)
+    if path.suffix != ".gguf":
+        raise InvalidConfigError(
+            f"quantization='gguf' keeps a GGUF file's quantized tensors, but model "
+            f"{config.model!r} is a model folder (float weights): use a .gguf file, or "
+            "quantization='fp8' (GPU) or 'none'")
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -131,6 +151,7 @@ class Runtime:
 
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.monotonic()
+        asked_gguf = config.quantization == "gguf"  # ("auto" may resolve to it: no error)
         config = resolve_device(config)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
@@ -139,7 +160,10 @@ class Runtime:
             torch.set_num_threads(config.num_threads)
         # Hub ids -> local paths for loading only: the config (and the server's model_path) keep
         # the name the user gave (backend/model_source.py).
-        model = self._load_model(resolve_model_source(config))
+        source = resolve_model_source(config)
+        if asked_gguf:
+            _require_gguf_model(source)
+        model = self._load_model(source)
         if config.context_length and config.context_length > self.model_config.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",
                            config.context_length, self.model_config.context_length)

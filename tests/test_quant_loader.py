@@ -170,6 +170,14 @@ def test_quantization_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         EngineConfig(device="cpu", quantization="fp8")
 
 
+def test_explicit_gguf_with_a_model_folder_is_refused_before_loading(tmp_path: Path) -> None:
+    import sgl
+
+    (tmp_path / "config.json").write_text("{}")  # a folder: never read, refused first
+    with pytest.raises(InvalidConfigError, match="is a model folder"):
+        sgl.Engine(model=str(tmp_path), device="cpu", quantization="gguf")
+
+
 def test_bad_quantization_value_names_the_choices() -> None:
     with pytest.raises(InvalidConfigError, match="quantization"):
         EngineConfig(quantization="int4")  # type: ignore[arg-type]
