@@ -19,6 +19,7 @@ import torch
 
 from sgl._spec import RequestSpec
 from sgl.backend.model_source import resolve_model_source
+from sgl.backend.quant.policy import require_gguf_model, resolve_quantization
 from sgl.backend.req import Req
 from sgl.backend.speculative import NgramDrafter, SpecConfig
 from sgl.config import EngineConfig
@@ -47,53 +48,7 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     if no_overlap is None:
         no_overlap = not device.startswith("cuda")
     return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
-                          quantization=_resolve_quantization(config, device))
-
-
-def _resolve_quantization(config: EngineConfig, device: str) -> str:
-    """"auto": a GGUF stays quantized on the CPU when no dtype was asked for (the C kernels
-    beat float32 there, docs/benchmarks.md); float weights on the GPU, where the quantized
-    Triton kernels are an opt-in (`quantization="gguf"` or "fp8") until the device figures
-    show them no slower than bf16 at batch (docs/architecture.md), and for dummy models,
-    whose random weights are float unless quantization is asked for."""
-    quantization = config.quantization
-    dummy = _is_dummy(config)
-    if quantization == "auto":
-        return "gguf" if device == "cpu" and config.dtype == "auto" and not dummy else "none"
-    if quantization == "fp8" and not device.startswith("cuda"):
-        raise InvalidConfigError(
-            f"quantization='fp8' needs a CUDA device (device={device!r}): sgl has no FP8 "
-            "kernel for the CPU; use quantization='gguf' with a GGUF file for quantized "
-            "weights there, or 'none' for float weights")
-    if quantization == "gguf" and config.load_format == "safetensors":
-        raise InvalidConfigError(
-            "quantization='gguf' keeps a GGUF file's quantized tensors, but load_format="
-            "'safetensors' loads float weights: use a .gguf model, or quantization='fp8' "
-            "(GPU) or 'none'")
-    return quantization
-
-
-def _is_dummy(config: EngineConfig) -> bool:
-    """Random weights: the load_format, or a preset name / a bare model_config under "auto"."""
-    from sgl.backend.model_loader import PRESETS
-
-    return config.load_format == "dummy" or (config.load_format == "auto" and (
-        config.model in PRESETS or (config.model is None and bool(config.model_config))))
-
-
-def _require_gguf_model(config: EngineConfig) -> None:
-    """An explicit quantization="gguf" needs a GGUF file (or a dummy model): a model folder
-    holds float weights, and loading it as float would silently ignore the request."""
-    from sgl.backend.model_loader import resolve_model_path
-
-    if _is_dummy(config):
-        return
-    path = resolve_model_path(config.model, config.cache_dir)
-    if path.suffix != ".gguf":
-        raise InvalidConfigError(
-            f"quantization='gguf' keeps a GGUF file's quantized tensors, but model "
-            f"{config.model!r} is a model folder (float weights): use a .gguf file, or "
-            "quantization='fp8' (GPU) or 'none'")
+                          quantization=resolve_quantization(config, device))
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -162,7 +117,7 @@ class Runtime:
         # the name the user gave (backend/model_source.py).
         source = resolve_model_source(config)
         if asked_gguf:
-            _require_gguf_model(source)
+            require_gguf_model(source)
         model = self._load_model(source)
         if config.context_length and config.context_length > self.model_config.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",
