@@ -140,7 +140,8 @@ def qgemm(
         block_g = cfg.block_k // gs
         sup_s, sup_z, sup = scale_args(w)
         _qgemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
-            x2, w.codes, w.scale, w.zero, sup_s, sup_z, bias if bias is not None else sup_s, y,
+            x2, w.codes.view(torch.uint8), w.scale, w.zero, sup_s, sup_z,
+            bias if bias is not None else sup_s, y,
             m, n, k // gs,
             x2.stride(0), w.codes.stride(0), y.stride(0),
             BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
@@ -244,8 +245,8 @@ def qdequant(w: QuantizedWeight, dtype: torch.dtype, rows: slice = slice(None)) 
     if n:
         sup_s, sup_z, sup = scale_args(w)
         _qdequant_kernel[(cdiv(n, DEQUANT_ROWS), cdiv(groups, DEQUANT_GROUPS))](
-            w.codes[start:stop], w.scale[start:stop], w.zero[start:stop], sup_s[start:stop],
-            sup_z[start:stop], out, n, groups,
+            w.codes[start:stop].view(torch.uint8), w.scale[start:stop], w.zero[start:stop],
+            sup_s[start:stop], sup_z[start:stop], out, n, groups,
             w.codes.stride(0), out.stride(0),
             BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
             BLOCK_N=DEQUANT_ROWS, BLOCK_G=DEQUANT_GROUPS,

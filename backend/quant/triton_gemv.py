@@ -102,9 +102,10 @@ def nibbles_f32_hi16(b):
 
 
 @triton.jit
-def int8_f32(c):
-    """int8 codes (as int32, sign-extended) -> float32 exactly, the same way (+128 first)."""
-    return ((c + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+def int8_f32(b):
+    """int8 codes read as bytes (uint8 -> int32, 0..255) -> float32 exactly, the same way:
+    b ^ 0x80 is the code + 128 (one integer op with the OR), 2^23 + 128 is subtracted."""
+    return ((b ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
 
 
 def scale_args(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -131,7 +132,8 @@ def _qgemv_kernel(
     offs_i = tl.arange(0, GBYTES)  # [GBYTES] code bytes of one group
     mask_n = offs_n < N
     rows64 = offs_n.to(tl.int64)
-    # [BLOCK_N, BLOCK_G, GBYTES]: the code bytes of a tile, contiguous per group
+    # [BLOCK_N, BLOCK_G, GBYTES]: the code bytes of a tile, contiguous per group (CODES is
+    # always passed as uint8: 8-bit codes are decoded from their bytes by int8_f32)
     c_ptrs = (CODES + rows64[:, None, None] * stride_cn + offs_g[None, :, None] * GBYTES
               + offs_i[None, None, :])
     x_row = X + row.to(tl.int64) * stride_xm
@@ -192,7 +194,8 @@ def qgemv(
         block_g, groups = cfg.block_k // gs, k // gs
         sup_s, sup_z, sup = scale_args(w)
         _qgemv_kernel[(cdiv(n, cfg.block_n), m)](
-            x2, w.codes, w.scale, w.zero, sup_s, sup_z, bias if bias is not None else sup_s, y,
+            x2, w.codes.view(torch.uint8), w.scale, w.zero, sup_s, sup_z,
+            bias if bias is not None else sup_s, y,
             n, groups,
             x2.stride(0), w.codes.stride(0), y.stride(0),
             BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
