@@ -2,16 +2,22 @@
 
 Sources (`load_format`):
 
-- ``gguf``: a `.gguf` file. With `quantization="gguf"` (the CPU default, see runtime.py) its
-  quantized tensors stay quantized: the file is memory-mapped and each Linear gets a
-  `QuantizedWeight` (backend/quant/), no float copy and no weights cache; only the config is
-  cached. Otherwise (the float path: an explicit `dtype=`, `quantization="none"`, the GPU) it
+- ``gguf``: a `.gguf` file. With `quantization="gguf"` (the CPU default, see runtime.py; on
+  the GPU when asked) its quantized tensors stay quantized: the file is memory-mapped and
+  each Linear gets a `QuantizedWeight` (backend/quant/; on the GPU moved there layer by
+  layer), no float copy and no weights cache; only the config is cached. Otherwise (the
+  float path: an explicit `dtype=`, `quantization="none"` or "fp8", the GPU default) it
   is dequantized to float by transformers' GGUF reader. That takes ~10-15 s, so the first such
   load writes the dequantized tensors (float32, exact) and the config to a cache folder keyed
   by the file's path, size and mtime; later loads read that instead.
 - ``safetensors``: an HF folder (config.json + *.safetensors), streamed file by file.
 - ``dummy``: random weights (seeded) from a config: a preset name, a `model_config` dict of
-  HF config fields (overriding the preset's), or the config of a real model path.
+  HF config fields (overriding the preset's), or the config of a real model path. With
+  `quantization="gguf"` its weights are random quantized ones in a Q4_K_M layout (4-bit
+  Linears, 8-bit table and head: quant/install.py), for benchmarks at a real shape.
+
+`quantization="fp8"` converts every Linear of a float load (safetensors, dummy, a GGUF's
+float path) to FP8 with per-channel scales after loading (quant/fp8.py); table and head stay.
 - ``auto``: a preset name means dummy, a `.gguf` file gguf, a folder safetensors.
 
 `model=None` is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI wheel
@@ -199,8 +205,10 @@ def load_model(
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model on `device` in `dtype`, eval mode, no autograd; see the module doc.
 
-    `quantization`: "gguf" keeps a GGUF file's quantized tensors quantized (CPU only);
-    "none" dequantizes them (the float path)."""
+    `quantization`: "gguf" keeps a GGUF file's quantized tensors quantized (a dummy model
+    gets random 4-bit weights in a Q4_K_M layout instead); "fp8" converts the float weights
+    of the Linears to FP8 with per-channel scales after loading; "none" keeps float weights
+    (a GGUF is dequantized)."""
     device = torch.device(device)
     if load_format == "auto" and (model in PRESETS or (model is None and model_config)):
         load_format = "dummy"
@@ -212,6 +220,9 @@ def load_model(
             raise ModelLoadError(f"cannot build a dummy model from model={model!r}, "
                                  f"model_config={model_config!r}: {exc}") from exc
         _init_dummy(module, device, seed)
+        from sgl.backend.quant.install import quantize_after_load
+
+        quantize_after_load(module, quantization, device, dummy_seed=seed)
         return module, config
 
     path = resolve_model_path(model, cache)
@@ -220,17 +231,21 @@ def load_model(
         raise ModelLoadError(f"load_format={load_format!r} does not fit {path} "
                              f"(a {'GGUF file' if is_gguf else 'model folder'})")
     try:
-        if is_gguf and quantization == "gguf" and device.type == "cpu":
-            return _load_gguf_quantized(path, dtype, cache)
+        if is_gguf and quantization == "gguf":
+            return _load_gguf_quantized(path, device, dtype, cache)
         if is_gguf:  # (the GGUF's tokenizer eos is already the config's eos)
-            return _load_gguf(path, device, dtype, cache)
-        hf_config, extra_eos = _folder_config(path)
-        module, config = _build(hf_config, device, dtype, extra_eos)
-        module.load_weights(_folder_weights(path))
+            module, config = _load_gguf(path, device, dtype, cache)
+        else:
+            hf_config, extra_eos = _folder_config(path)
+            module, config = _build(hf_config, device, dtype, extra_eos)
+            module.load_weights(_folder_weights(path))
     except ModelLoadError:
         raise
     except Exception as exc:  # a corrupt or incompatible checkpoint
         raise ModelLoadError(f"could not load weights from {path}: {exc}") from exc
+    from sgl.backend.quant.install import quantize_after_load
+
+    quantize_after_load(module, quantization, device)  # fp8: the Linears converted
     return module, config
 
 
@@ -355,23 +370,27 @@ def _gguf_config(path: Path, cache: str | None) -> Any:
     return hf_config
 
 
-def _load_gguf_quantized(path: Path, dtype: torch.dtype,
+def _load_gguf_quantized(path: Path, device: torch.device, dtype: torch.dtype,
                          cache: str | None) -> tuple[nn.Module, ModelConfig]:
     """Quantized tensors into QuantizedWeights, the rest (norms) as float (module doc)."""
     from sgl.backend.quant import cpu_kernel
     from sgl.backend.quant.gguf_weights import read_gguf
     from sgl.backend.quant.install import install_quantized
 
-    cpu_kernel.start_build()  # (compiles beside the load from a cold cache; first use waits)
+    if device.type == "cpu":
+        cpu_kernel.start_build()  # (compiles beside the load from a cold cache; first use waits)
     # Built on the CPU with uninitialized parameters: the linear weights are dropped
-    # before anything is written into them, so their memory is never touched.
+    # before anything is written into them, so their memory is never touched (on the GPU
+    # path too: the float model is never allocated there, only what remains is moved).
     module, config = _build(_gguf_config(path, cache), torch.device("cpu"), dtype, [])
     tensors = read_gguf(path, config.num_heads, config.num_kv_heads)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    floats = install_quantized(module, tensors)
+    floats = install_quantized(module, tensors, device if device.type != "cpu" else None)
     module.load_weights((name, t.to(dtype)) for name, t in floats.items())
     del tensors, floats  # (unmaps the file)
+    if device.type != "cpu":
+        module.to(device)  # norms, float layers, buffers (the QuantizedWeights are there)
     _return_freed_memory()
     return module, config
 

@@ -19,6 +19,7 @@ import torch
 
 from sgl._spec import RequestSpec
 from sgl.backend.model_source import resolve_model_source
+from sgl.backend.quant.policy import require_gguf_model, resolve_quantization
 from sgl.backend.req import Req
 from sgl.backend.speculative import NgramDrafter, SpecConfig
 from sgl.config import EngineConfig
@@ -46,14 +47,8 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     no_overlap = config.disable_overlap_schedule
     if no_overlap is None:
         no_overlap = not device.startswith("cuda")
-    quantization = config.quantization
-    if quantization == "auto":
-        quantization = "gguf" if device == "cpu" and config.dtype == "auto" else "none"
-    elif quantization == "gguf" and device != "cpu":
-        raise InvalidConfigError(f"quantization='gguf' runs on the CPU only (device={device!r}): "
-                                 f"use device='cpu', or quantization='none' for float weights")
     return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
-                          quantization=quantization)
+                          quantization=resolve_quantization(config, device))
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -111,6 +106,7 @@ class Runtime:
 
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.monotonic()
+        asked_gguf = config.quantization == "gguf"  # ("auto" may resolve to it: no error)
         config = resolve_device(config)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
@@ -119,7 +115,10 @@ class Runtime:
             torch.set_num_threads(config.num_threads)
         # Hub ids -> local paths for loading only: the config (and the server's model_path) keep
         # the name the user gave (backend/model_source.py).
-        model = self._load_model(resolve_model_source(config))
+        source = resolve_model_source(config)
+        if asked_gguf:
+            require_gguf_model(source)
+        model = self._load_model(source)
         if config.context_length and config.context_length > self.model_config.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",
                            config.context_length, self.model_config.context_length)

@@ -8,7 +8,9 @@ vs transformers), rates (measured bf16 matmul FLOP/s and copy bandwidth), main (
 shape: KV capacity, single, fixed, mixed, shared-prefix, apps with every feature on), peer
 (transformers generate_batch on reduced fixed/mixed sets, and ours on the same sets),
 radix_off, ablation (apps: lpm->fcfs, chunked prefill off, overlap off, all off), small
-(SmolLM2-135M shape: GPU idle fraction in decode, overlap on vs off on `mixed`).
+(SmolLM2-135M shape: GPU idle fraction in decode, overlap on vs off on `mixed`), quant
+(issue 14: 8B shape single stream and `fixed` with bf16, random 4-bit and FP8 weights;
+`--only rates,quant` runs it alone).
 
 Models have random weights of the real shapes (BENCH.md); requests are token ids with EOS
 ignored, greedy. Request counts are scaled down from BENCH.md where the device budget demands
@@ -623,7 +625,49 @@ def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
 
 # -- main -----------------------------------------------------------------------------------
 
-SECTIONS = ["correct", "rates", "main", "peer", "radix_off", "ablation", "small", "diag"]
+QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quantization="fp8")}
+QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380"}
+
+
+def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any]) -> None:
+    """Issue 14 on the GPU: the 8B shape with bf16, random 4-bit (quantization="gguf" on a
+    dummy model: Q4_K-layout Linears, Q6_K-layout table and head, quant/install.py) and FP8
+    weights (bf16 head), single stream and `fixed` throughput, each against bf16's run here.
+    The single-stream floor counts the bytes the engine really holds (`weights_bytes`)."""
+    ensure_8b_state(args, state)
+    shape, res = state["shape"], {}
+    fixed = w_fixed(max(8, int(512 * args.scale)), shape.vocab)
+    for name, opts in QUANT_ENGINES.items():
+        if left() < 90:
+            note(f"quant: {name} skipped: out of time")
+            continue
+        e = make_engine("llama3-8b", **opts)
+        try:
+            held = e.stats().weights_bytes
+            warmup(e, shape.vocab)
+            floor = held / rates.copy_bw  # one decode step streams every weight once
+            single = run(e, w_single(shape.vocab))
+            res[name] = {"single": report("llama3-8b", f"single ({name})", single,
+                                          weights_gib=held / 2**30,
+                                          single_floor_tok_s=1 / floor,
+                                          target=QUANT_TARGETS.get(name, ""))}
+            if left() > 60:
+                res[name]["fixed"] = report("llama3-8b", f"fixed ({name})", run(e, fixed),
+                                            weights_gib=held / 2**30)
+        finally:
+            close_engine(e)
+    base = res.get("bf16", {})
+    for name in ("q4", "fp8"):
+        for wl in ("single", "fixed"):
+            if wl in res.get(name, {}) and wl in base:
+                ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]
+                note(f"quant {name} {wl}: {res[name][wl]['output_tok_s']:.1f} tok/s, "
+                     f"{ratio:.2f}x bf16 ({base[wl]['output_tok_s']:.1f})"
+                     + (" (issue: no worse than bf16)" if wl == "fixed" else
+                        f" (issue: {QUANT_TARGETS[name]})"))
+
+
+SECTIONS = ["correct", "rates", "main", "peer", "radix_off", "ablation", "small", "diag", "quant"]
 
 
 def main() -> int:
@@ -676,6 +720,8 @@ def main() -> int:
                 section_diag(args, rates)
             elif name == "small":
                 section_small(args, rates)
+            elif name == "quant":
+                section_quant(args, rates, state)
         except Exception:
             status = 1
             traceback.print_exc()

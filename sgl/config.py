@@ -56,10 +56,12 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     random_seed: int = 0
     cache_dir: str | None = None  # dequantized GGUF weights and the default model; None: ~/.cache/sgl
-    # GGUF weights: "gguf" keeps the file's quantized tensors quantized (CPU only: kernels in
-    # sgl/backend/quant), "none" dequantizes them to `dtype` (the float path). "auto": "gguf"
-    # on the CPU when `dtype` is "auto", else "none" (an explicit dtype asks for float weights).
-    quantization: Literal["auto", "none", "gguf"] = "auto"
+    # Weight precision (kernels in sgl/backend/quant). "gguf": a GGUF file's quantized tensors
+    # stay quantized (CPU: C kernels; CUDA: Triton); "fp8" (CUDA only): float weights converted
+    # at load to float8 e4m3 with per-channel scales, activations unquantized; "none": float
+    # weights in `dtype` (a GGUF is dequantized). "auto": "gguf" on the CPU when `dtype` is
+    # "auto", else "none" (an explicit dtype asks for float weights; the GPU opts in).
+    quantization: Literal["auto", "none", "gguf", "fp8"] = "auto"
 
     # -- memory ---------------------------------------------------------------------------
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
@@ -174,6 +176,9 @@ class EngineConfig:
 
         if not self.device.startswith(_DEVICES_PREFIX):
             fail("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.quantization == "fp8" and self.device == "cpu":
+            fail("quantization", "'fp8' needs a CUDA device (no FP8 kernel on the CPU): use "
+                 "'gguf' with a GGUF file, or 'none'")
         if self.page_size < 1:
             fail("page_size", "must be >= 1")
         for name in ("max_total_tokens", "max_running_requests", "context_length",

@@ -153,10 +153,29 @@ def test_quantization_option_resolves(device: str, dtype: str, option: str,
     assert config.quantization == expected
 
 
-def test_quantization_gguf_on_a_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantization_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GGUF stays quantized on CUDA when asked (Triton kernels); "auto" keeps float weights
+    there; fp8 is CUDA-only; a dummy model is float unless asked."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(InvalidConfigError, match="quantization='gguf'"):
-        resolve_device(EngineConfig(device="cuda", quantization="gguf"))
+    for option, expected in (("gguf", "gguf"), ("fp8", "fp8"), ("auto", "none")):
+        assert resolve_device(EngineConfig(device="cuda", quantization=option)).quantization \
+            == expected
+    assert resolve_device(EngineConfig(device="cpu", model="smollm2-135m")).quantization == "none"
+    with pytest.raises(InvalidConfigError, match="load_format='safetensors'"):
+        resolve_device(EngineConfig(device="cuda", quantization="gguf", load_format="safetensors"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "auto" means the CPU
+    with pytest.raises(InvalidConfigError, match="quantization='fp8' needs a CUDA device"):
+        resolve_device(EngineConfig(device="auto", quantization="fp8"))
+    with pytest.raises(InvalidConfigError, match="quantization"):
+        EngineConfig(device="cpu", quantization="fp8")
+
+
+def test_explicit_gguf_with_a_model_folder_is_refused_before_loading(tmp_path: Path) -> None:
+    import sgl
+
+    (tmp_path / "config.json").write_text("{}")  # a folder: never read, refused first
+    with pytest.raises(InvalidConfigError, match="is a model folder"):
+        sgl.Engine(model=str(tmp_path), device="cpu", quantization="gguf")
 
 
 def test_bad_quantization_value_names_the_choices() -> None:

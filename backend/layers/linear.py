@@ -21,6 +21,7 @@ from torch import nn
 
 from sgl.backend.kernels import onednn_linear
 from sgl.backend.kernels.dispatch import KernelSet
+from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.linear import quant_linear
 from sgl.backend.quant.weight import QuantizedWeight
 
@@ -47,7 +48,7 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = empty_param(out_features, in_features, device=device,
                                                        dtype=dtype)
         self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
-        self.qweight: QuantizedWeight | None = None
+        self.qweight: QuantizedWeight | Fp8Weight | None = None  # (quant/install.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:

@@ -1,12 +1,17 @@
-"""Put a GGUF file's quantized tensors into a built model, as a transform after construction.
+"""Quantized weights put into a built model, as transforms after construction.
 
-    floats = install_quantized(model, tensors)    # then model.load_weights(floats.items())
+    floats = install_quantized(model, tensors, device)   # then model.load_weights(floats)
+    install_fp8(model)                  # every Linear's float weight -> Fp8Weight (in place)
+    install_random_quantized(model, seed)   # dummy models: random 4-bit weights (benchmarks)
+    quantize_after_load(model, quantization, device)   # the loader's entry to the two above
 
 Each Linear (or fused q|k|v, gate|up MergedLinear) whose every shard is quantized gets one
 `QuantizedWeight` (`layer.qweight`; its float `weight` parameter is dropped before any memory
 was written into it). The token embedding is quantized in place too, and when the head is
 tied it is the same object, so the table exists once. Everything else (norms, biases, layers
-with a float shard) is returned as float tensors under HF names for `load_weights`.
+with a float shard) is returned as float tensors under HF names for `load_weights`. With a
+`device` (the GPU path) each QuantizedWeight moves there as soon as it is built, so host
+memory holds one layer's codes at a time.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from torch import nn
 
 from sgl.backend.layers.linear import Embedding, Linear, MergedLinear
 from sgl.backend.models.llama import _FUSED as FUSED  # HF projection -> (fused module, shard)
+from sgl.backend.quant.factored import factor
+from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.gguf_weights import GGUFTensor, to_quantized
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["install_quantized", "weight_bytes"]
+__all__ = ["install_fp8", "install_quantized", "install_random_quantized", "quantize_after_load",
+           "weight_bytes"]
 
 
 def _target(name: str) -> tuple[str, str]:
@@ -32,7 +40,8 @@ def _target(name: str) -> tuple[str, str]:
     return prefix, ""
 
 
-def install_quantized(model: nn.Module, tensors: dict[str, GGUFTensor]) -> dict[str, torch.Tensor]:
+def install_quantized(model: nn.Module, tensors: dict[str, GGUFTensor],
+                      device: torch.device | None = None) -> dict[str, torch.Tensor]:
     modules = dict(model.named_modules())
     groups: dict[str, dict[str, GGUFTensor]] = {}
     floats: dict[str, torch.Tensor] = {}
@@ -50,6 +59,8 @@ def install_quantized(model: nn.Module, tensors: dict[str, GGUFTensor]) -> dict[
             floats.update((t.name, _as_float(t)) for t in parts.values())
             continue
         qweight = QuantizedWeight.cat([to_quantized(parts[s]) for s in order])
+        if device is not None:
+            qweight = qweight.to(device)
         expected = tuple(module.weight.shape) if module.weight is not None else None
         if expected is not None and qweight.shape != expected:
             raise ValueError(f"{path}: GGUF weight of shape {qweight.shape}, model expects "
@@ -63,6 +74,68 @@ def _as_float(t: GGUFTensor) -> torch.Tensor:
     return to_quantized(t).dequantize() if t.quantized else t.raw
 
 
+def quantize_after_load(model: nn.Module, quantization: str, device: torch.device, *,
+                        dummy_seed: int | None = None) -> None:
+    """A loaded float model's weights as `quantization` asks: "fp8" converts its Linears;
+    "gguf" on a dummy model (`dummy_seed` given) installs random quantized weights (a real
+    GGUF loads quantized from the file instead). On CUDA the replaced floats' cached blocks go
+    back to the device: the runtime sizes the KV pool from free device memory."""
+    if quantization == "fp8":
+        install_fp8(model)
+    elif quantization == "gguf" and dummy_seed is not None:
+        install_random_quantized(model, dummy_seed)
+    else:
+        return
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def install_fp8(model: nn.Module) -> None:
+    """Every Linear's float weight (the fused ones included) becomes an `Fp8Weight`, one layer
+    at a time (peak: the float model plus one layer's temporaries). The embedding and the LM
+    head stay in the model's dtype, as in SGLang's fp8: the head is one projection of the
+    step, and its rounding would reach every logit directly."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None and module.qweight is None:
+            module.qweight = Fp8Weight.quantize(module.weight)
+            module.weight = None
+
+
+@torch.no_grad()
+def install_random_quantized(model: nn.Module, seed: int) -> None:
+    """Random quantized weights in the layout of a Q4_K_M file (dummy models: benchmarks of
+    the quantized kernels at a real shape, no file needed): 4-bit groups of 32 for every
+    Linear (Q4_K's mapping), 8-bit groups of 16 for the embedding and the head (Q6_K's).
+    Scales give weights of std ~0.02, like the float dummy init."""
+    modules = [m for m in model.modules() if isinstance(m, (Linear, Embedding))
+               and m.weight is not None]
+    for i, module in enumerate(modules):
+        assert module.weight is not None
+        n, k = module.weight.shape
+        bits, group = (4, 32) if isinstance(module, Linear) else (8, 16)
+        module.qweight = _random_qweight(n, k, bits, group, module.weight.device, seed + i)
+        module.weight = None
+
+
+def _random_qweight(n: int, k: int, bits: int, group: int, device: torch.device,
+                    seed: int) -> QuantizedWeight:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if bits == 4:  # codes 0..15 around 8: std of the codes ~4.6
+        codes = torch.randint(0, 256, (n, k // 2), generator=gen, device=device,
+                              dtype=torch.int32).to(torch.uint8)
+        scale = torch.full((n, k // group), 0.02 / 4.6, device=device)
+        zero = -8.0 * scale
+    else:  # Q6_K's range -32..31: std ~18.5
+        codes = torch.randint(-32, 32, (n, k), generator=gen, device=device,
+                              dtype=torch.int32).to(torch.int8)
+        scale = torch.full((n, k // group), 0.02 / 18.5, device=device)
+        zero = torch.zeros_like(scale)
+    source = "Q4_K" if bits == 4 else "Q6_K"
+    w = QuantizedWeight(codes, scale, zero, bits, group, k, f"random {source}")
+    return factor(w) if device.type == "cuda" else w  # the GPU form of a K-quant file
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as held: float parameters plus quantized tables (a tied
     table counted once)."""
@@ -72,7 +145,7 @@ def weight_bytes(model: nn.Module) -> int:
         total += p.numel() * p.element_size()
     for module in model.modules():
         qweight = getattr(module, "qweight", None)
-        if isinstance(qweight, QuantizedWeight) and id(qweight) not in seen:
+        if isinstance(qweight, (QuantizedWeight, Fp8Weight)) and id(qweight) not in seen:
             seen.add(id(qweight))
             total += qweight.nbytes
         packed = getattr(module, "packed_projection", None)

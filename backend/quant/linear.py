@@ -1,48 +1,79 @@
-"""The linear op on a QuantizedWeight: one dispatcher, a reference, the CPU kernel.
+"""The linear op on a quantized weight: one dispatcher, a reference, the kernels per device.
 
     quant_linear(x [..., K], w, bias [N] | None) -> [..., N]      (x's dtype)
     quant_linear_reference(...)                                  same signature
 
-Decode and small batches (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the codes:
-each weight byte is read once per pass of 8 rows. Larger batches (prefill chunks, decode
+`w` is a `QuantizedWeight` (GGUF formats) or an `Fp8Weight` (quant/fp8.py, which has its own
+`fp8_linear` with the same row rule).
+
+CPU: decode and small batches (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the
+codes: each weight byte is read once per pass of 8 rows. Larger batches (prefill chunks, decode
 steps of many requests) dequantize the weight into float32 and multiply it with BLAS: there
 the multiply-adds, not the weight bytes, decide the time, and BLAS does them far better. A
 weight over `TILE_BYTES` as float32 is done a tile of output features at a time, so the
 scratch stays bounded (SmolLM2's tied 49k-row head is 113 MB as float32, which a 32-request
-decode step would otherwise allocate and fill every step). A GPU kernel for the same class
-would be one more branch here.
+decode step would otherwise allocate and fill every step).
+
+CUDA (Triton), by the number of rows, which is static inside a CUDA graph (the choice is
+fixed at capture, no host sync):
+    1 row                       triton_gemv: dequantize in registers, every code byte read once
+    2 .. GEMM_MAX_ROWS rows     triton_gemm: tiled, dequantize a weight tile, tensor-core dots
+    more (prefill)              dequantize slices of the weight to x's dtype, then cuBLAS
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
+from sgl.backend.kernels.triton_compat import HAS_TRITON
 from sgl.backend.quant import cpu_kernel
+from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["GEMV_MAX_ROWS", "TILE_BYTES", "quant_linear", "quant_linear_reference"]
+__all__ = ["GEMM_MAX_ROWS", "GEMV_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES", "dense_via_scratch",
+           "quant_linear", "quant_linear_reference", "use_triton"]
 
-# Above this many rows the dequantize-then-BLAS path wins (the C kernel re-reads the weight
-# once per 8 rows).
+# CPU: above this many rows the dequantize-then-BLAS path wins (the C kernel re-reads the
+# weight once per 8 rows).
 GEMV_MAX_ROWS = 16
 # Float32 bytes of one dequantized tile of the weight on that path: a weight up to this size
 # is dequantized whole (every layer of a small model), a larger one (an LM head) in tiles of
 # this size. Few tiles per call: each costs two parallel regions, which stall when another
 # process holds a core.
 TILE_BYTES = 16 << 20
+# CUDA: up to this many rows the tiled Triton kernel (the weight read at 4-8 bits, the
+# dequantization paid once per 64-128 rows); above it the scratch + cuBLAS path, whose extra
+# cost (writing and re-reading a 16-bit copy of the weight, ~4.5 bytes per weight instead of
+# 0.75) is small against the matmul from a few hundred rows on. A starting point, chosen by
+# reasoning; bench/quant_gemv_bench.py measures both sides of it.
+GEMM_MAX_ROWS = 256
+# Largest dequantized scratch, in weight elements (128 MB in bf16): bigger weights (the 8B
+# LM head is 525M) are dequantized and multiplied in row slices.
+SCRATCH_ELEMENTS = 64 << 20
 
 
-def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight,
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve this product (CUDA tensors, triton installed)."""
+    return x.device.type == "cuda" and HAS_TRITON
+
+
+def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w.dequantize(dtype=x.dtype), bias)
 
 
-def quant_linear(x: torch.Tensor, w: QuantizedWeight,
+def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     if (x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS
             and not x.is_cuda and x.is_contiguous() and bias is None and cpu_kernel.available()):
         return cpu_kernel.qlinear(x, w, None)  # a decode step's case, with nothing to convert
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w, bias)
+    if use_triton(x):
+        return _quant_linear_triton(x, w, bias)
     if x.device.type != "cpu" or not cpu_kernel.available():
         return quant_linear_reference(x, w, bias)
     lead = x.shape[:-1]
@@ -69,3 +100,29 @@ def _tiled_linear(x: torch.Tensor, w: QuantizedWeight,
     if bias is not None:
         y += bias
     return y
+
+
+def _quant_linear_triton(x: torch.Tensor, w: QuantizedWeight,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    from sgl.backend.quant.triton_gemm import qdequant, qgemm
+    from sgl.backend.quant.triton_gemv import qgemv
+
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 1:
+        return qgemv(x, w, bias)
+    if rows <= GEMM_MAX_ROWS:
+        return qgemm(x, w, bias)
+    return dense_via_scratch(x, w.out_features, w.in_features, bias,
+                             lambda rows_: qdequant(w, x.dtype, rows_))
+
+
+def dense_via_scratch(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+                      dequantize: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """F.linear(x, W, bias) with W [n, k] produced slice by slice by `dequantize(rows)` (at
+    most SCRATCH_ELEMENTS weights alive at once)."""
+    step = max(1, SCRATCH_ELEMENTS // max(1, k))
+    if step >= n:
+        return F.linear(x, dequantize(slice(0, n)), bias)
+    parts = [F.linear(x, dequantize(slice(s, s + step)),
+                      None if bias is None else bias[s:s + step]) for s in range(0, n, step)]
+    return torch.cat(parts, dim=-1)  # [..., N]

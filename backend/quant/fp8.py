@@ -1,0 +1,101 @@
+"""FP8 weights (`quantization="fp8"`, SGLang's name): float8_e4m3fn with one float32 scale
+per output channel, converted at load from a float checkpoint; weight-only (activations stay
+in the model's dtype, so no calibration and no activation rounding).
+
+    w = Fp8Weight.quantize(float_weight [N, K])      # scale[n] = amax(|W[n, :]|) / 448
+    fp8_linear(x [..., K], w, bias) -> [..., N]      (x's dtype)
+    fp8_linear_reference(x, w, bias)                 same signature: dequantize, then F.linear
+
+On CUDA (quant/linear.py's row rule): one row -> the FP8 GEMV (triton_gemv.py), a few hundred
+rows -> the tiled kernel (triton_gemm.py), more -> dequantize to a scratch in x's dtype and
+cuBLAS. `torch._scaled_mm` is not used: it multiplies fp8 by fp8, i.e. it would quantize the
+activations too, a different accuracy contract than "the weights are rounded, nothing else".
+On the CPU there is no FP8 kernel: the runtime refuses `fp8` there (runtime.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FP8_MAX", "Fp8Weight", "fp8_linear", "fp8_linear_reference"]
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    weight: torch.Tensor  # [N, K] float8_e4m3fn, rows contiguous
+    scale: torch.Tensor  # [N] float32
+
+    def __post_init__(self) -> None:
+        n = self.weight.shape[0]
+        if (self.weight.dtype != torch.float8_e4m3fn or self.weight.dim() != 2
+                or self.scale.shape != (n,) or self.scale.dtype != torch.float32
+                or not self.weight.is_contiguous() or self.scale.device != self.weight.device):
+            raise ValueError(f"inconsistent Fp8Weight: weight {tuple(self.weight.shape)} "
+                             f"{self.weight.dtype}, scale {tuple(self.scale.shape)} "
+                             f"{self.scale.dtype}")
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scale.numel() * 4
+
+    @classmethod
+    @torch.no_grad()
+    def quantize(cls, w: torch.Tensor) -> Fp8Weight:
+        """Per-output-channel scales amax/448 (a zero row gets scale 1), values rounded to
+        nearest e4m3. Computed in float32 on w's device, one row block at a time so an 8B
+        layer's temporaries stay small."""
+        n, k = w.shape
+        out = torch.empty(n, k, device=w.device, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(n, device=w.device, dtype=torch.float32)
+        step = max(1, (64 << 20) // max(1, 4 * k))  # rows per block: ~64 MB of float32
+        for start in range(0, n, step):
+            rows = w[start:start + step].float()  # [r, K]
+            amax = rows.abs().amax(dim=1)  # [r]
+            s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            out[start:start + step] = (rows / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(out.dtype)
+            scale[start:start + step] = s
+        return cls(out, scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] = weight * scale[:, None] (the reference every FP8 kernel is tested against)."""
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from sgl.backend.quant.linear import use_triton
+
+    if not use_triton(x):
+        return fp8_linear_reference(x, w, bias)
+    from sgl.backend.quant.linear import GEMM_MAX_ROWS, dense_via_scratch
+    from sgl.backend.quant.triton_gemm import fp8_dequant, fp8_gemm
+    from sgl.backend.quant.triton_gemv import fp8_gemv
+
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 1:
+        return fp8_gemv(x, w.weight, w.scale, bias)
+    if rows <= GEMM_MAX_ROWS:
+        return fp8_gemm(x, w.weight, w.scale, bias)
+    return dense_via_scratch(x, w.out_features, w.in_features, bias,
+                             lambda sl: fp8_dequant(w.weight, w.scale, x.dtype, sl))

@@ -1,0 +1,396 @@
+"""The Triton kernels on quantized weights (backend/quant/triton_gemv.py, triton_gemm.py, and
+FP8 in quant/fp8.py) against dequantize-then-matmul, on random blocks of every GGUF format.
+
+Without CUDA they run under Triton's interpreter (tests/triton_interp.py), in process when
+this module is the first to import triton, else through `test_quant_triton_in_subprocess`.
+Shapes are small and odd on purpose: N not a multiple of any tile, K several groups with a
+ragged last step (explicit small configs), 1, 3 and 17 rows. Float32 activations are held to
+float32 summation error, so a wrong nibble order or a wrong group's scale fails (the
+`..._catches_...` tests prove the bound is tight enough for that).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imported
+    DEVICE,
+    NO_TRITON,
+    rerun_interpreted,
+    skip_unless_rerun_needed,
+    triton_runs_here,
+)
+from test_quant_formats import random_blocks
+
+from sgl.backend.quant import FORMATS, QuantizedWeight, decode, linear
+from sgl.backend.quant.factored import factor, unfactor
+from sgl.backend.quant.fp8 import FP8_MAX, Fp8Weight, fp8_linear, fp8_linear_reference
+from sgl.backend.quant.triton_gemm import (
+    GemmConfig,
+    fp8_dequant,
+    fp8_gemm,
+    qdequant,
+    qgemm,
+)
+from sgl.backend.kernels.triton_compat import tl, triton
+from sgl.backend.quant.triton_gemv import QGemvConfig, e4m3_f32, fp8_gemv, qgemv
+
+TRITON_HERE = triton_runs_here(qgemv.__globals__["_qgemv_kernel"])
+needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
+FMTS = sorted(FORMATS)
+
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def qweight(fmt: str, n: int, k: int, seed: int = 0, factored: bool = False) -> QuantizedWeight:
+    """A random `fmt` weight on DEVICE; `factored`: its scales in the factored form (the
+    K-quants always factor; the others have no such form and stay plain)."""
+    raw = torch.from_numpy(random_blocks(fmt, n, k, seed))
+    w = QuantizedWeight.from_decoded(decode(fmt, raw, k), fmt)
+    w = QuantizedWeight(w.codes.to(DEVICE), w.scale.to(DEVICE), w.zero.to(DEVICE), w.bits,
+                        w.group_size, k, fmt)
+    if factored:
+        w = factor(w)
+        assert bool(w.super_groups) == (fmt in K_QUANTS)
+    return w
+
+
+def shape_of(fmt: str) -> tuple[int, int]:
+    """(N, K): N odd; K several groups (K-quants: two 256-blocks = 16 groups)."""
+    return (37, 160) if FORMATS[fmt][0] == 32 else (21, 768)
+
+
+def ragged_block_k(w: QuantizedWeight) -> int:
+    """A K step (power-of-two groups) that does not divide K: several steps, a ragged last."""
+    groups = w.in_features // w.group_size
+    block_g = 1 << (groups.bit_length() - 1)
+    while groups % block_g == 0:
+        block_g //= 2
+    return block_g * w.group_size
+
+
+def inputs(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    return x, b
+
+
+def assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                   b: torch.Tensor | None) -> None:
+    """got == x @ w^T + b within summation-order error in got's dtype: the bound scales
+    with |x| @ |w|^T (a result may cancel to ~0), eps 1e-5 in float32 and 1e-2 in 16 bits."""
+    eps = 1e-5 if got.dtype == torch.float32 else 1e-2
+    x, w = x.float(), w.float()
+    bf = None if b is None else b.float()
+    expected = F.linear(x, w, bf)
+    bound = eps * (F.linear(x.abs(), w.abs()) + (0 if bf is None else bf.abs())) + 1e-5
+    excess = (got.float() - expected).abs() - bound
+    assert excess.max().item() <= 0, f"off by {excess.max().item():.3g} beyond the bound"
+
+
+def assert_same_16_bit(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal on the GPU (both round to nearest); within one bf16 ulp under the interpreter,
+    whose float32 -> bf16 cast truncates (seen in triton 3.9)."""
+    if DEVICE.type == "cuda":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2.0**-7, atol=0)
+
+
+# -- QuantizedWeight: GEMV (one row), tiled GEMM (more), dequantize ---------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("factored", [False, True])
+def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
+                                              factored: bool) -> None:
+    if factored and fmt not in K_QUANTS:
+        pytest.skip("no factored form")
+    n, k = shape_of(fmt)
+    w = qweight(fmt, n, k, seed=m, factored=factored)
+    x, b = inputs(m, k, n, torch.float32, bias, seed=m)
+    assert_matches(qgemv(x, w, b), x, w.dequantize(), b)
+    # Several K steps with a ragged last one, and a ragged last row block.
+    cfg = QGemvConfig(block_n=8, block_k=ragged_block_k(w), num_warps=1)
+    assert_matches(qgemv(x, w, b, config=cfg), x, w.dequantize(), b)
+    # No tile on an edge (24 rows, K steps that divide K): the unmasked loads.
+    even = qweight(fmt, 24, k, seed=m, factored=factored)
+    groups = k // even.group_size
+    cfg = QGemvConfig(block_n=8, block_k=(groups & -groups) * even.group_size, num_warps=1)
+    b24 = None if b is None else torch.randn(24, device=DEVICE)
+    assert_matches(qgemv(x, even, b24, config=cfg), x, even.dequantize(), b24)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [3, 17])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("factored", [False, True])
+def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
+                                              factored: bool) -> None:
+    if factored and fmt not in K_QUANTS:
+        pytest.skip("no factored form")
+    n, k = shape_of(fmt)
+    w = qweight(fmt, n, k, seed=m, factored=factored)
+    x, b = inputs(m, k, n, torch.float32, bias, seed=m)
+    assert_matches(qgemm(x, w, b), x, w.dequantize(), b)
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=ragged_block_k(w), num_warps=1,
+                     num_stages=1)
+    assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_activations_give_their_dtype(dtype: torch.dtype) -> None:
+    for fmt in ("Q4_K", "Q6_K"):
+        n, k = shape_of(fmt)
+        w = qweight(fmt, n, k)
+        for m, fn in ((1, qgemv), (17, qgemm)):
+            x, b = inputs(m, k, n, dtype, bias=True)
+            y = fn(x, w, b)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert_matches(y, x, w.dequantize(), b)
+
+
+@needs_triton
+def test_leading_dims_and_strided_rows() -> None:
+    w = qweight("Q4_1", 24, 96)
+    x = torch.randn(2, 3, 200, device=DEVICE)[..., :96]  # rows strided, K contiguous
+    for fn in (qgemv, qgemm):
+        y = fn(x, w)
+        assert y.shape == (2, 3, 24)
+        assert_matches(y.view(6, 24), x.reshape(6, 96), w.dequantize(), None)
+    with pytest.raises(ValueError, match="features"):
+        qgemv(torch.randn(1, 64, device=DEVICE), w)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("factored", [False, True])
+def test_qdequant_equals_the_reference(fmt: str, factored: bool) -> None:
+    n, k = shape_of(fmt)
+    w = qweight(fmt, n, k, factored=factored)
+    assert torch.equal(qdequant(w, torch.float32), w.dequantize())
+    assert_same_16_bit(qdequant(w, torch.bfloat16), w.dequantize(dtype=torch.bfloat16))
+    assert torch.equal(qdequant(w, torch.float32, slice(5, 20)), w.dequantize()[5:20])
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_factored_scales_are_exact_and_smaller(fmt: str) -> None:
+    n, k = shape_of(fmt)
+    plain = qweight(fmt, n, k)
+    w = factor(plain)
+    assert w.super_groups == 256 // w.group_size
+    assert w.scale.dtype == w.zero.dtype == torch.int8
+    assert torch.equal(w.dequantize(), plain.dequantize())  # bit for bit
+    back = unfactor(w)
+    assert torch.equal(back.scale, plain.scale) and torch.equal(back.zero, plain.zero)
+    # bits per weight, codes + sub-scales + super-scales against codes + float32 pairs
+    smaller = {"Q4_K": 4.75 / 6, "Q5_K": 8.75 / 10, "Q6_K": 9.25 / 12}[fmt]
+    assert w.nbytes / plain.nbytes == pytest.approx(smaller)
+    # Moving off the GPU form gives the C kernel's plain float32 layout; merging unfactors.
+    assert w.to("cpu").super_groups == 0
+    merged = QuantizedWeight.cat([w, qweight("Q6_K", 5, k, factored=True)])
+    assert merged.super_groups == 0 and merged.group_size == 16
+    assert torch.equal(merged.dequantize()[:n], plain.dequantize())
+
+
+def test_weights_that_do_not_factor_stay_plain() -> None:
+    w = qweight("Q4_K", 6, 256)
+    bumped = w.scale.clone()
+    bumped[2, 3] = bumped[2, 3].nextafter(torch.tensor(1.0, device=DEVICE))  # not d * int
+    odd = QuantizedWeight(w.codes, bumped, w.zero, 4, 32, 256, "Q4_K")
+    assert factor(odd) is odd
+    assert factor(qweight("Q4_0", 6, 256)).super_groups == 0
+
+
+@needs_triton
+def test_the_bound_catches_a_swapped_nibble_order_and_a_wrong_group() -> None:
+    """The tolerance above is tight enough to see the two classic layout bugs."""
+    w = qweight("Q4_K", 21, 512)
+    x, _ = inputs(3, 512, 21, torch.float32, bias=False)
+    assert_matches(qgemv(x, w), x, w.dequantize(), None)
+    swapped = QuantizedWeight(((w.codes << 4) | (w.codes >> 4)).contiguous(), w.scale, w.zero,
+                              4, 32, 512, "Q4_K")
+    with pytest.raises(AssertionError, match="beyond the bound"):
+        assert_matches(qgemv(x, swapped), x, w.dequantize(), None)
+    shifted = QuantizedWeight(w.codes, w.scale.roll(1, dims=1).contiguous(), w.zero, 4, 32, 512,
+                              "Q4_K")
+    with pytest.raises(AssertionError, match="beyond the bound"):
+        assert_matches(qgemm(x, shifted), x, w.dequantize(), None)
+
+
+def test_configs_are_shape_only_and_valid() -> None:
+    from sgl.backend.quant.triton_gemm import gemm_config
+    from sgl.backend.quant.triton_gemv import fp8_gemv_config, qgemv_config
+
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    for n, k in ((6144, 4096), (4096, 14336), (128256, 4096), (37, 160), (21, 768)):
+        for gs in (16, 32):
+            c = qgemv_config(n, k, gs)
+            assert c == qgemv_config(n, k, gs) and pow2(c.block_n) and pow2(c.block_k // gs)
+            assert c.block_k % gs == 0
+            for m in (2, 16, 17, 64, 65, 256):
+                t = gemm_config(m, n, k, gs)
+                assert t.block_k % gs == 0 and pow2(t.block_k // gs)
+                assert min(t.block_m, t.block_n) >= 16 and t.block_m >= min(m, 128) // 2
+        f = fp8_gemv_config(n, k)
+        assert pow2(f.block_n) and pow2(f.block_k)
+
+
+# -- FP8 --------------------------------------------------------------------------------------
+
+
+def fp8_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, Fp8Weight]:
+    g = torch.Generator().manual_seed(seed)
+    dense = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3).to(DEVICE)
+    dense[n // 2] = 0.0  # a zero row: scale 1, not a division by zero
+    return dense, Fp8Weight.quantize(dense)
+
+
+@triton.jit
+def decode_all(B, OUT):
+    offs = tl.arange(0, 256)
+    tl.store(OUT + offs, e4m3_f32(tl.load(B + offs).to(tl.int32)))
+
+
+@needs_triton
+def test_e4m3_integer_decode_is_exact_for_every_byte() -> None:
+    """All 256 bytes but the two NaNs, subnormals included: e4m3_f32 * 2^120 == the value."""
+    raw = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(256, device=DEVICE)
+    decode_all[(1,)](raw, out)
+    values = raw.view(torch.float8_e4m3fn).float()
+    finite = ~values.isnan()
+    assert finite.sum() == 254
+    assert torch.equal((out.double() * 2.0**120)[finite], values.double()[finite])
+
+
+def test_fp8_quantize_scales_and_rounding() -> None:
+    dense, w = fp8_weight(13, 70)
+    amax = dense.abs().amax(dim=1)
+    expected = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    assert torch.equal(w.scale, expected)
+    assert torch.equal(w.weight[6].float(), torch.zeros(70, device=DEVICE))
+    # e4m3 keeps 3 mantissa bits: round to nearest is within 2^-4 relative (normal range)
+    # and every row's largest value is exact (it maps onto 448).
+    err = (w.dequantize() - dense).abs()
+    assert (err <= dense.abs() * 2.0**-4 + w.scale[:, None] * 2.0**-9).all()
+    top = dense.abs().argmax(dim=1)
+    rows = torch.arange(13, device=DEVICE)
+    torch.testing.assert_close(w.dequantize()[rows, top], dense[rows, top], rtol=1e-6, atol=0)
+    assert w.nbytes == 13 * 70 + 13 * 4
+    with pytest.raises(ValueError, match="inconsistent"):
+        Fp8Weight(w.weight, w.scale[:5])
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
+    n, k = 37, 200
+    _, w = fp8_weight(n, k, seed=m)
+    x, b = inputs(m, k, n, torch.float32, bias, seed=m)
+    ref = w.dequantize()
+    if m <= 3:  # (the GEMV serves one row; more run as a grid axis, slowly when interpreted)
+        assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
+        _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
+        xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
+        for bits in (True, False):  # e4m3 decoded with integer ops / the hardware conversion
+            cfg = QGemvConfig(8, 64, 1, fp8_bits=bits)
+            assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=cfg), x, ref, b)
+            assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=cfg), xe,
+                           even.dequantize(), be)
+    assert_matches(fp8_gemm(x, w.weight, w.scale, b), x, ref, b)
+    cfg = GemmConfig(16, 16, 64, 1, 1)
+    assert_matches(fp8_gemm(x, w.weight, w.scale, b, config=cfg), x, ref, b)
+    xb = x.bfloat16()
+    yb = fp8_gemm(xb, w.weight, w.scale, None if b is None else b.bfloat16())
+    assert yb.dtype == torch.bfloat16
+    assert_matches(yb, xb, ref, b)
+    assert torch.equal(fp8_dequant(w.weight, w.scale, torch.float32), ref)
+    assert_same_16_bit(fp8_dequant(w.weight, w.scale, torch.bfloat16, slice(3, 9)),
+                       w.dequantize(torch.bfloat16)[3:9])
+
+
+# -- the dispatcher's row rule (CUDA's, run here under the interpreter) -----------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_dispatch_by_rows(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 row -> GEMV, up to GEMM_MAX_ROWS -> tiled, more -> dequantized slices + matmul (the
+    slices small here, so the N-sliced path runs); equal results on every path."""
+    from sgl.backend.quant import fp8 as fp8_module
+    from sgl.backend.quant import triton_gemm, triton_gemv
+
+    monkeypatch.setattr(linear, "use_triton", lambda x: True)
+    monkeypatch.setattr(linear, "GEMM_MAX_ROWS", 4)
+    monkeypatch.setattr(linear, "SCRATCH_ELEMENTS", 10 * 160)  # 10 weight rows per slice
+    calls: list[str] = []
+    for mod, name in ((triton_gemv, "qgemv"), (triton_gemm, "qgemm"), (triton_gemm, "qdequant"),
+                      (triton_gemv, "fp8_gemv"), (triton_gemm, "fp8_gemm"),
+                      (triton_gemm, "fp8_dequant")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw:
+                            calls.append(_n) or _r(*a, **kw))
+    w = qweight("Q4_0", 37, 160)
+    x, b = inputs(rows, 160, 37, torch.float32, bias=True)
+    assert_matches(linear.quant_linear(x, w, b), x, w.dequantize(), b)
+    _, w8 = fp8_weight(37, 160)
+    assert_matches(fp8_linear(x, w8, b), x, w8.dequantize(), b)
+    assert fp8_module.fp8_linear is fp8_linear
+    kind = {1: ("qgemv", "fp8_gemv"), 4: ("qgemm", "fp8_gemm"), 9: ("qdequant", "fp8_dequant")}
+    assert set(calls) == set(kind[rows])
+    if rows == 9:
+        assert calls.count("qdequant") == 4  # 37 rows in slices of 10
+
+
+@needs_triton
+def test_a_quantized_model_forward_through_the_triton_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole (small, random Q4_K_M-layout) model, prefill of 5 tokens then one decode
+    token: the CUDA path's kernels (tiled, then GEMV, through the layers, the 8-bit/16 tied
+    head, odd N and K of 5 and 11 groups) give the CPU path's logits."""
+    from test_attention_torch import FakePool, Step, make_forward_batch
+
+    from sgl.backend.attention.torch_backend import TorchAttentionBackend
+    from sgl.backend.forward_batch import ForwardMode
+    from sgl.backend.model_loader import load_model
+
+    small = {"num_hidden_layers": 2, "vocab_size": 1000, "hidden_size": 160,
+             "intermediate_size": 352, "num_attention_heads": 5, "num_key_value_heads": 1}
+    model, cfg = load_model("smollm2-135m", device="cpu", dtype=torch.float32,
+                            model_config=small, quantization="gguf")
+    runs = []
+    for triton_path in (False, True):
+        monkeypatch.setattr(linear, "use_triton", lambda x, _t=triton_path: _t)
+        pool = FakePool(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, max_context=32)
+        backend = TorchAttentionBackend()
+        prefill = make_forward_batch(pool, backend, [Step(0, 0, [3, 9, 4, 17, 5])],
+                                     ForwardMode.EXTEND)
+        first = model.compute_logits(model(prefill)[-1:])
+        decode = make_forward_batch(pool, backend, [Step(0, 5, [11])], ForwardMode.DECODE)
+        runs.append(torch.cat([first, model.compute_logits(model(decode))]))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_reference_paths_on_the_cpu() -> None:
+    """CPU tensors (no Triton path there): FP8 runs its reference, exactly."""
+    _, w8 = fp8_weight(9, 32)
+    w8 = Fp8Weight(w8.weight.cpu(), w8.scale.cpu())
+    x = torch.randn(2, 32)
+    assert torch.equal(fp8_linear(x, w8), fp8_linear_reference(x, w8))
+    assert torch.equal(linear.quant_linear(x, w8), fp8_linear_reference(x, w8))
+
+
+@skip_unless_rerun_needed(TRITON_HERE)
+def test_quant_triton_in_subprocess() -> None:
+    """Triton was imported before this module could ask for its interpreter: rerun here."""
+    rerun_interpreted(__file__)
