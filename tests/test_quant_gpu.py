@@ -12,6 +12,8 @@ float weights (token for token, with the tie rule of test_engine_real).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,11 +161,16 @@ def test_gpu_quantized_linears_replay_in_cuda_graphs(m: int) -> None:
         assert torch.equal(out, linear.quant_linear(static_x, w))
 
 
+def _model() -> str | None:
+    return os.environ.get("SGL_TEST_MODEL") or None
+
+
 async def _greedy(options: dict[str, object], prompts: int = 6,
                   new_tokens: int = 48) -> tuple[list[list[int]], list[list[int]], int]:
     from test_engine_real import build_prompts
 
-    async with sgl.Engine(device="cuda", max_total_tokens=8192, **options) as engine:
+    # (the default model, or SGL_TEST_MODEL: a device without network has the file there)
+    async with sgl.Engine(_model(), device="cuda", max_total_tokens=8192, **options) as engine:
         batch = build_prompts(engine)[:prompts]
         outs = [await engine.generate(p, max_new_tokens=new_tokens, temperature=0)
                 for p in batch]
@@ -184,7 +191,7 @@ async def test_gpu_gguf_engine_matches_the_float_path() -> None:
     if quant != floats:
         from sgl.backend.reference import load_reference_model
 
-        model = load_reference_model()
+        model = load_reference_model(_model())
         for prompt, expected, got in zip(prompts, floats, quant):
             assert_same_or_tie(model, prompt, expected, got)
 

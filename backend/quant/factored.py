@@ -43,7 +43,8 @@ def factor_values(values: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.T
     for c in (sign * i for i in range(1, 129) for sign in (1, -1)):  # (int8: -128 .. 127)
         if bool(found.all()):
             break
-        cand = amax / c  # [N, B]
+        # (a tensor divisor: CUDA divides by a Python scalar through its reciprocal, inexactly)
+        cand = amax / torch.full_like(amax, float(c))  # [N, B]
         q = torch.round(blocks / cand[..., None])
         ok = ((q >= -128) & (q <= 127) & (cand[..., None] * q == blocks)).all(dim=-1) & ~found
         sup = torch.where(ok, cand, sup)
