@@ -158,7 +158,12 @@ class ModelRunner:
         inputs, plan = flatten_batch(batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         rows = plan.num_tokens
-        graph_bs = self.graphs.padded_size(rows) if self.graphs is not None else None
+        graph_bs = None
+        # Prompts are prefilled eagerly (the extend kernel; the same numerics with and without
+        # graphs); steps past the prompts (decode, jumped tokens, drafts) replay a graph.
+        if self.graphs is not None and (batch.is_decode or all(
+                it.prefix_len >= len(it.req.prompt_ids) for it in batch.items)):
+            graph_bs = self.graphs.padded_size(rows)
         if graph_bs is not None:
             if mode is ForwardMode.EXTEND:  # several tokens of a request: one graph row each
                 one_row_per_token(inputs)

@@ -44,12 +44,12 @@ GEMV_MAX_ROWS = 16
 # this size. Few tiles per call: each costs two parallel regions, which stall when another
 # process holds a core.
 TILE_BYTES = 16 << 20
-# CUDA: up to this many rows the tiled Triton kernel (the weight read at 4-8 bits, the
-# dequantization paid once per 64-128 rows); above it the scratch + cuBLAS path, whose extra
-# cost (writing and re-reading a 16-bit copy of the weight, ~4.5 bytes per weight instead of
-# 0.75) is small against the matmul from a few hundred rows on. A starting point, chosen by
-# reasoning; bench/quant_gemv_bench.py measures both sides of it.
-GEMM_MAX_ROWS = 256
+# CUDA: up to this many rows the tiled Triton kernel, above it the scratch + cuBLAS path. 1:
+# the tiled kernel is off. On the H200 (bench/quant_gemv_bench.py) it was 2-4x slower than
+# scratch + cuBLAS at 256 rows, and an eager 37-row prefill through it gave wrong tokens on the
+# real model (38 and 40 rows did not; its interpreter tests pass): until that is found, every
+# multi-row product dequantizes to a scratch and runs cuBLAS.
+GEMM_MAX_ROWS = 1
 # Largest dequantized scratch, in weight elements (128 MB in bf16): bigger weights (the 8B
 # LM head is 525M) are dequantized and multiplied in row slices.
 SCRATCH_ELEMENTS = 64 << 20
@@ -67,11 +67,11 @@ def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w, bias)
     if (x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS
             and not x.is_cuda and x.is_contiguous() and bias is None and cpu_kernel.available()):
         return cpu_kernel.qlinear(x, w, None)  # a decode step's case, with nothing to convert
-    if isinstance(w, Fp8Weight):
-        return fp8_linear(x, w, bias)
     if use_triton(x):
         return _quant_linear_triton(x, w, bias)
     if x.device.type != "cpu" or not cpu_kernel.available():
