@@ -85,6 +85,7 @@ class ModelRunner:
             else None
         )
         self.graphs = None  # a cuda_graph.DecodeGraphs once captured (capture_cuda_graphs)
+        self._unstarted: list[DeferredMaskFill] = []  # the CPU worker's deferred masks (see close)
         # Debug mode: after applying a step's table writes, compare the device rows the step
         # reads with the host mirror (a device sync per step).
         self.verify_table = False
@@ -99,6 +100,10 @@ class ModelRunner:
 
     def close(self) -> None:
         if self._worker is not None:
+            # A deferred step whose masks the loop never started (it stopped on a bug) would
+            # keep the device worker waiting, and this shutdown with it: start them.
+            for masks in self._unstarted:
+                masks.start()
             self._worker.shutdown(wait=True)
             self._worker = None
 
@@ -147,6 +152,8 @@ class ModelRunner:
             ahead.resume()
         deferred = step.vocab_mask if isinstance(step.vocab_mask, DeferredMaskFill) else None
         if self._worker is not None:
+            if deferred is not None:
+                self._unstarted = [m for m in self._unstarted if not m.started] + [deferred]
             fut = self._worker.submit(lambda: self._execute(step).wait())
             return StepHandle(fut.result, masks=deferred)
         if deferred is None:

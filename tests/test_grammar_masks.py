@@ -79,3 +79,32 @@ async def test_the_runner_waits_for_slow_masks_before_sampling(monkeypatch: pyte
     assert any(name.startswith("sgl-grammar-fill") for name in threads)  # the async path ran
     for out in outs:
         assert out.finish_reason == "stop" and re.fullmatch("[0-9]{2}-[a-z]{2}", out.text), out
+
+
+def test_closing_starts_masks_the_loop_never_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The overlap loop on the CPU: a deferred step's device worker waits for its masks. If the
+    loop never starts them (a bug stops it), closing the runner starts them, so the worker and
+    the shutdown that waits for it finish instead of hanging."""
+    from sgl.backend.step_io import StepHandle
+
+    engine = tokenized_tiny_engine(disable_overlap_schedule=False)
+    rt = engine._rt
+    monkeypatch.setattr(StepHandle, "start_masks", lambda self: None)  # the loop "forgets"
+    fut = asyncio.run_coroutine_threadsafe(
+        engine.generate("n", max_new_tokens=8, regex="[0-9]{6}"), _loop_in_thread())
+    deadline = time.monotonic() + 30
+    while len(rt.runner._unstarted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rt.runner._unstarted, "no deferred step was launched"
+    closer = threading.Thread(target=lambda: rt.core.shutdown(timeout=1.0), daemon=True)
+    closer.start()
+    closer.join(20)
+    assert not closer.is_alive(), "closing hung on a deferred step's masks"
+    fut.cancel()
+    engine.close()
+
+
+def _loop_in_thread() -> asyncio.AbstractEventLoop:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return loop
