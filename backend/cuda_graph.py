@@ -143,7 +143,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         self.pool, self.capture_seconds = capture_graphs(self._forward, self.sizes, self.device,
                                                          self.graphs, self.outputs)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+        logger.info("captured %d decode CUDA graphs (row counts %s) in %.1f s",
                     len(self.sizes), self.sizes, self.capture_seconds)
 
     def replay(self, packed: torch.Tensor, bs: int, rows: int) -> torch.Tensor:

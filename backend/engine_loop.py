@@ -28,9 +28,10 @@ step k is launched *deferred* (its forward goes to the device, its masks and sam
 so the mask fill of step k runs beside the scheduling of step k+1 and the device's forward of
 step k, and the device samples step k while step k+1 is prepared. The period of a step is then
 about update + schedule + prepare on the host (all Python on one thread) when that is longer
-than the forward. If `update(k-1)` jumps forward a request that step k is already sampling, that sample
-is dropped (Scheduler._jump_forward): the jump owns what follows. Steps with speculative drafts
-still run synchronously: a draft follows the previous token, which must be known.
+than the forward. If `update(k-1)` jumps forward a request that step k is already sampling,
+that sample is dropped (Scheduler._jump_forward): the jump owns what follows. Steps with
+speculative drafts still run synchronously: a draft follows the previous token, which must be
+known.
 """
 
 from __future__ import annotations
@@ -154,10 +155,9 @@ class EngineCore:
             # With a step in flight, this one's masks wait for that step's update. The step in
             # flight, if deferred, gets its sampling enqueued now: its masks were filled beside
             # this schedule, and the device runs the sampling while this step is prepared.
-            ahead = prev[1] if prev is not None else None
-            if ahead is not None:
-                ahead.resume()
-            handle = self._launch(batch, ahead) if batch is not None else None
+            if prev is not None:
+                prev[1].resume()
+            handle = self._launch(batch, defer_masks=prev is not None) if batch is not None else None
             if prev is not None:
                 self._update(*prev)
             if handle is not None:
@@ -168,10 +168,10 @@ class EngineCore:
         if prev is not None:
             self._update(*prev)
 
-    def _launch(self, batch: ScheduleBatch, ahead: StepHandle | None = None) -> StepHandle:
+    def _launch(self, batch: ScheduleBatch, defer_masks: bool = False) -> StepHandle:
         self.num_steps += 1
         try:
-            return self.runner.launch(batch, ahead)
+            return self.runner.launch(batch, defer_masks)
         except Exception as exc:  # preparing the step failed: fail only this batch
             # Its req_to_token writes never ran; some belong to requests outside this batch.
             self.scheduler.kv.requeue_table_writes(batch.table_writes)

@@ -335,20 +335,13 @@ def _prefill_rows(states: Sequence[ConstraintState | None], bitmask: torch.Tenso
     return rows, any(s is not None for s in states)
 
 
-def fill_bitmasks(
-    states: Sequence[ConstraintState | None],
-    bitmask: torch.Tensor,
-    batch_matcher: xgr.BatchGrammarMatcher | None = None,
-) -> bool:
-    """Fill one row per request (see `_prefill_rows`), the matchers' rows on `batch_matcher`'s
-    thread pool when there are enough. Returns whether any row is constrained."""
+def fill_bitmasks(states: Sequence[ConstraintState | None], bitmask: torch.Tensor) -> bool:
+    """Fill one row per request (see `_prefill_rows`) on this thread, row by row (a backend's
+    `fill_bitmasks` uses its thread pool for large batches). Returns whether any row is
+    constrained."""
     rows, constrained = _prefill_rows(states, bitmask)
-    if batch_matcher is not None and len(rows) >= _BATCH_THRESHOLD:
-        matchers = [states[i].matcher for i in rows]  # type: ignore[union-attr]
-        batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-    else:
-        for i in rows:
-            states[i].fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+    for i in rows:
+        states[i].fill_bitmask(bitmask, i)  # type: ignore[union-attr]
     return constrained
 
 

@@ -139,17 +139,15 @@ class ModelRunner:
         """One step, waited for (tests and the plain loop's callers that need no overlap)."""
         return self.launch(batch).result()
 
-    def launch(self, batch: ScheduleBatch, ahead: StepHandle | None = None) -> StepHandle:
+    def launch(self, batch: ScheduleBatch, defer_masks: bool = False) -> StepHandle:
         """Prepare on this thread, start the device work, return a handle to its result.
         Raises only when preparing fails (nothing was started then).
 
-        `ahead`: the step still in flight before this one (the overlap loop), whose tokens the
-        scheduler has not applied yet. This step's grammar masks are then filled only when the
-        handle's `start_masks()` is called, and on CUDA its sampling is enqueued by `resume()`.
-        A deferred `ahead` is resumed (if the caller has not yet) before this step launches."""
-        step = self._prepare(batch, defer_masks=ahead is not None)
-        if ahead is not None:
-            ahead.resume()
+        `defer_masks`: a step is still in flight before this one (the overlap loop), whose
+        tokens the scheduler has not applied yet. This step's grammar masks are then filled
+        only when the handle's `start_masks()` is called, and on CUDA its sampling is enqueued
+        by `resume()` (the caller resumes the step ahead before launching this one)."""
+        step = self._prepare(batch, defer_masks)
         deferred = step.vocab_mask if isinstance(step.vocab_mask, DeferredMaskFill) else None
         if self._worker is not None:
             if deferred is not None:

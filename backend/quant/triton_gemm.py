@@ -30,6 +30,7 @@ import torch
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
 from sgl.backend.quant.triton_gemv import (
     _rows,
+    groups_per_block,
     int8_f32,
     load_group_scales,
     nibbles_f32,
@@ -134,10 +135,7 @@ def qgemm(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
         cfg = config or gemm_config(m, n, k, gs)
-        if cfg.block_k % gs or (cfg.block_k // gs) & (cfg.block_k // gs - 1):
-            raise ValueError(f"block_k {cfg.block_k} must be a power-of-two number of "
-                             f"{gs}-weight groups")
-        block_g = cfg.block_k // gs
+        block_g = groups_per_block(cfg.block_k, gs)
         sup_s, sup_z, sup = scale_args(w)
         _qgemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
             x2, w.codes.view(torch.uint8), w.scale, w.zero, sup_s, sup_z,

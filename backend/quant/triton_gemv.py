@@ -188,10 +188,7 @@ def qgemv(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
         cfg = config or qgemv_config(n, k, gs)
-        if cfg.block_k % gs or (cfg.block_k // gs) & (cfg.block_k // gs - 1):
-            raise ValueError(f"block_k {cfg.block_k} must be a power-of-two number of "
-                             f"{gs}-weight groups")
-        block_g, groups = cfg.block_k // gs, k // gs
+        block_g, groups = groups_per_block(cfg.block_k, gs), k // gs
         sup_s, sup_z, sup = scale_args(w)
         _qgemv_kernel[(cdiv(n, cfg.block_n), m)](
             x2, w.codes.view(torch.uint8), w.scale, w.zero, sup_s, sup_z,
@@ -286,6 +283,16 @@ def fp8_gemv(
             num_warps=cfg.num_warps,
         )
     return y.reshape(*x.shape[:-1], n)
+
+
+def groups_per_block(block_k: int, group_size: int) -> int:
+    """The weight groups one K step of a kernel covers: a power of two (the kernels' group
+    axis is a tl.arange), else ValueError."""
+    g = block_k // group_size
+    if block_k % group_size or g & (g - 1):
+        raise ValueError(f"block_k {block_k} must be a power-of-two number of "
+                         f"{group_size}-weight groups")
+    return g
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
