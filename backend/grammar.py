@@ -157,10 +157,17 @@ class GrammarBackend:
         return ConstraintState(compiled, self.tokenizer, self.stop_token_ids, self.mask_vocab_size,
                                max_jump_tokens=self.max_jump_forward_tokens)
 
-    def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
+    def allocate_bitmask(self, batch_size: int, pin: bool = False) -> torch.Tensor:
         """[batch_size, ceil(mask_vocab_size / 32)] int32, uninitialized: `fill_bitmasks` and
-        `fill_bitmasks_async` write every row (a step's mask is allocated anew each step)."""
-        return torch.empty(batch_size, -(-self.mask_vocab_size // 32), dtype=torch.int32)
+        `fill_bitmasks_async` write every row (a step's mask is allocated anew each step).
+
+        `pin` (CUDA): page-locked, from torch's caching host allocator, so the mask's
+        non-blocking copy to the device is a real asynchronous DMA. From pageable memory the
+        driver stages the copy and may wait for the stream, i.e. for the step's forward: the
+        host would block there instead of preparing the next step. (The allocator does not
+        hand the block out again before the copy recorded on it has run.)"""
+        return torch.empty(batch_size, -(-self.mask_vocab_size // 32), dtype=torch.int32,
+                           pin_memory=pin)
 
     def fill_bitmasks(
         self, states: Sequence[ConstraintState | None], bitmask: torch.Tensor
@@ -323,16 +330,18 @@ def _prefill_rows(states: Sequence[ConstraintState | None], bitmask: torch.Tenso
     """Rows of unconstrained requests (None) become all ones and terminated matchers allow only
     their stop tokens; returns (the rows whose matcher must fill, whether any row is
     constrained, i.e. whether `apply_bitmask` is needed at all)."""
-    bitmask[: len(states)].fill_(-1)
-    rows = []
+    rows, free = [], []
     for i, state in enumerate(states):
         if state is None:
+            free.append(i)
             continue
         if state.is_terminated():
             state.fill_bitmask(bitmask, i)
         else:
             rows.append(i)
-    return rows, any(s is not None for s in states)
+    if free:  # (xgrammar writes whole rows: only these need the ones)
+        bitmask.index_fill_(0, torch.tensor(free), -1)
+    return rows, len(free) < len(states)
 
 
 def fill_bitmasks(states: Sequence[ConstraintState | None], bitmask: torch.Tensor) -> bool:

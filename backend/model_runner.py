@@ -195,7 +195,7 @@ class ModelRunner:
                     states.extend(draft_states(c, it.draft_ids) if c is not None else [None] * len(it.draft_ids))
         grammar = self.grammar
         assert grammar is not None, "a constrained request builds the grammar backend"
-        mask = grammar.allocate_bitmask(len(states))  # [S, ceil(tokenizer vocab / 32)] int32
+        mask = grammar.allocate_bitmask(len(states), pin=self.is_cuda)  # [S, ceil(vocab / 32)] int32
         if defer:
             return DeferredMaskFill(lambda: grammar.fill_bitmasks_async(states, mask))
         return grammar.fill_bitmasks_async(states, mask)

@@ -119,10 +119,14 @@ CPU_PARTS: dict[str, float] = {}
 
 def install_cpu_probe() -> None:
     """Wrap the engine-thread functions a constrained step spends CPU in (class level)."""
-    from sgl.backend import grammar, model_runner, scheduler
+    from sgl.backend import grammar, grammar_masks, model_runner, scheduler, step_io
 
+    # (_fill_rows runs on the fill thread: its time is the fill itself; MaskFill.result and
+    # StepHandle.resume are where the scheduler thread waits for a fill / enqueues sampling)
     targets = [(grammar.ConstraintState, "accept_token"), (grammar.ConstraintState, "jump_forward"),
-               (grammar.GrammarBackend, "fill_bitmasks"), (scheduler.Scheduler, "schedule"),
+               (grammar.GrammarBackend, "fill_bitmasks"), (grammar.GrammarBackend, "_fill_rows"),
+               (grammar_masks.MaskFill, "result"), (step_io.StepHandle, "resume"),
+               (scheduler.Scheduler, "schedule"),
                (scheduler.Scheduler, "update"), (model_runner.ModelRunner, "_prepare"),
                (model_runner.ModelRunner, "_grammar_masks")]
     for cls, name in targets:
@@ -189,7 +193,14 @@ def _valid(o: Any) -> bool:
         return False
 
 
-def batch_table(e_plain: sgl.Engine, e_spec: sgl.Engine | None, batches: list[int], new: int) -> list[dict]:
+def set_fill_threads(e: sgl.Engine, threads: int | None) -> None:
+    """The grammar backend's mask-fill threads (xgrammar's batched matcher; None: "auto")."""
+    backend = e._rt.grammar
+    backend.fill_threads, backend._batch_matcher = threads, None
+
+
+def batch_table(e_plain: sgl.Engine, e_spec: sgl.Engine | None, batches: list[int], new: int,
+                fill_threads: list[int | None] = ()) -> list[dict]:
     rows = []
     for bs in batches:
         texts = prompts(bs, seed=bs)
@@ -197,10 +208,15 @@ def batch_table(e_plain: sgl.Engine, e_spec: sgl.Engine | None, batches: list[in
         modes = [("plain", e_plain, dict(ignore_eos=True)),
                  ("json, jump off", e_plain, dict(schema=Profile, jump_forward=False)),
                  ("json, jump on", e_plain, dict(schema=Profile, jump_forward=True))]
+        for threads in fill_threads:  # the fill-thread sweep: one more jump-on row each
+            modes.append((f"json, jump on, fill threads {threads or 'auto'}", e_plain,
+                          dict(schema=Profile, jump_forward=True, _fill_threads=threads)))
         if e_spec is not None:
             modes.append(("json, jump on, ngram", e_spec, dict(schema=Profile, jump_forward=True)))
         base = None
         for name, e, kw in modes:
+            if "_fill_threads" in kw:
+                set_fill_threads(e, kw.pop("_fill_threads"))
             res = run(e, texts, **common, **kw)
             base = base or res["wall_ms_per_step"]
             res["step_vs_plain"] = round(res["wall_ms_per_step"] / base, 2)
@@ -236,12 +252,20 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="time the CPU parts of each step")
     ap.add_argument("--only-verify", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="host side only: tiny model, 128k vocab, on the CPU")
+    ap.add_argument("--pageable-masks", action="store_true",
+                    help="A/B: grammar masks in pageable host memory (the default pins them on CUDA)")
+    ap.add_argument("--fill-threads", default="", help="e.g. 1,4,auto: extra jump-on rows per mask-fill thread count")
     args = ap.parse_args()
     if args.cpu:
         global ON_CPU, MODEL
         ON_CPU, MODEL = True, "tiny-128k-vocab (cpu)"
     if args.probe:
         install_cpu_probe()
+    if args.pageable_masks:
+        from sgl.backend.grammar import GrammarBackend
+
+        pinned = GrammarBackend.allocate_bitmask
+        GrammarBackend.allocate_bitmask = lambda self, n, pin=False: pinned(self, n, pin=False)
     if args.tokenizer is None:
         from sgl.backend.model_loader import resolve_model_path
 
@@ -254,7 +278,8 @@ def main() -> None:
         if not args.no_spec:
             e_spec = make_engine(args.tokenizer, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
             run(e_spec, prompts(4), max_new_tokens=16, temperature=0.7, schema=Profile)
-        rows = [] if args.only_verify else batch_table(e_plain, e_spec, batches, args.new_tokens)
+        sweep = [None if t == "auto" else int(t) for t in args.fill_threads.split(",") if t]
+        rows = [] if args.only_verify else batch_table(e_plain, e_spec, batches, args.new_tokens, sweep)
         print(table(rows, ["batch", "mode", "output_tok_s", "steps", "wall_ms_per_step", "step_vs_plain",
                            "gpu_ms", "jump_tokens", "drafts", "accepted", "invalid", "failed", "padded_ids"]))
         if e_spec is not None:
