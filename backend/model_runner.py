@@ -140,14 +140,21 @@ class ModelRunner:
         return self.launch(batch).result()
 
     def launch(self, batch: ScheduleBatch, defer_masks: bool = False) -> StepHandle:
-        """Prepare on this thread, start the device work, return a handle to its result.
-        Raises only when preparing fails (nothing was started then).
+        """`start(prepare(batch, defer_masks))`. Raises only when preparing fails (nothing
+        was started then)."""
+        return self.start(self.prepare(batch, defer_masks))
+
+    def prepare(self, batch: ScheduleBatch, defer_masks: bool = False) -> PreparedStep:
+        """The step's host work (inputs, sampling settings, grammar masks), nothing enqueued.
 
         `defer_masks`: a step is still in flight before this one (the overlap loop), whose
         tokens the scheduler has not applied yet. This step's grammar masks are then filled
         only when the handle's `start_masks()` is called, and on CUDA its sampling is enqueued
-        by `resume()` (the caller resumes the step ahead before launching this one)."""
-        step = self._prepare(batch, defer_masks)
+        by `resume()` (the caller resumes the step ahead before starting this one)."""
+        return self._prepare(batch, defer_masks)
+
+    def start(self, step: PreparedStep) -> StepHandle:
+        """Start a prepared step's device work; a handle to its result."""
         deferred = step.vocab_mask if isinstance(step.vocab_mask, DeferredMaskFill) else None
         if self._worker is not None:
             if deferred is not None:
