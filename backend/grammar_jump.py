@@ -228,12 +228,27 @@ def _retokenize_boundary(
         tail = tail[1:]
     boundary_text = _decode(tokenizer, tail) if tail else ""
     text = boundary_text + forced
-    retokenized = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    retokenized = _encode(tokenizer, text)
     if _decode(tokenizer, retokenized) != text:
         return None  # the tokenizer normalises this text: we cannot reason about boundaries
     return tail, boundary_text, retokenized, common_prefix_len(tail, retokenized)
 
 
+# A fast tokenizer's own `tokenizers.Tokenizer` gives the same ids and text as the
+# transformers wrapper for these calls (no special tokens added or skipped, no clean-up) at a
+# third to a quarter of the cost; jumps are planned on the engine thread, inside the step.
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.encode(text, add_special_tokens=False).ids
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
     # No clean-up: it rewrites spaces before punctuation, which would break the text algebra.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode(list(ids), skip_special_tokens=False)
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -371,3 +371,22 @@ def test_jump_respects_the_token_budget(backend: GrammarBackend, tokenizer: Any)
 def test_short_forced_strings_do_not_jump(backend: GrammarBackend) -> None:
     state = backend.new_state(backend.compile("regex", r"ab[0-9]+"))
     assert state.jump_forward([]) is None  # "ab": under min_chars
+
+
+def test_jump_planner_codec_equals_the_tokenizers(default_tokenizer) -> None:
+    """The planner encodes and decodes through the fast tokenizer's backend (cheaper, on the
+    engine thread): same ids and text as the transformers calls it stands for, including
+    special tokens, byte pieces of split UTF-8 characters, and whitespace runs."""
+    from sgl.backend.grammar_jump import _decode, _encode
+
+    tok = default_tokenizer
+    assert getattr(tok, "backend_tokenizer", None) is not None  # else the test checks nothing
+    texts = ['{"name": "Maria Lopez", "age": 34}', '\n  "street": "Main', "héllo wörld ✓ 日本 😀",
+             "<|im_end|> x <|im_start|>", '  \n\t  "tags": [', "it's  two  spaces .", "a" * 80]
+    for text in texts:
+        assert _encode(tok, text) == tok.encode(text, add_special_tokens=False)
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 8))]
+        want = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert _decode(tok, ids) == want
