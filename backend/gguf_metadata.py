@@ -17,7 +17,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-__all__ = ["config_from_gguf", "gguf_config_dict", "tokenizer_from_gguf"]
+__all__ = ["config_from_gguf", "gguf_config_dict", "light_config_from_gguf", "tokenizer_from_gguf"]
 
 # Architectures whose config the slow path builds from the key table alone (no special case
 # in `load_gguf_checkpoint`: those exist for mistral-named llama files, t5, stablelm, gemma,
@@ -68,6 +68,26 @@ def config_from_gguf(path: Path) -> Any:
 
     config = CONFIG_MAPPING[fields["model_type"]].from_dict(fields)
     config.name_or_path = str(path.parent)  # (as from_pretrained records the folder)
+    return config
+
+
+def light_config_from_gguf(path: Path) -> Any | None:
+    """The GGUF's config fields on a plain `PretrainedConfig`, for the engine's own model
+    build (None where `gguf_config_dict` does not apply).
+
+    Why not the model type's config class: transformers' llama/qwen config modules import its
+    type validators, which pull in `torch.distributed.tensor` and sympy: 1-2 s and ~55 MB
+    on a small CPU, for a config the engine reads a dozen plain fields of. Fields the file
+    lacks read as the engine's defaults, which are the config classes' (no attention or MLP
+    bias, head_dim = hidden / heads, rope_theta as stored): tests/test_gguf_metadata.py
+    checks that what the engine derives from both is the same."""
+    fields = gguf_config_dict(path)
+    if fields is None:
+        return None
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig(**fields)  # (model_type is kept as an attribute)
+    config.name_or_path = str(path.parent)
     return config
 
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sgl.backend.gguf_metadata import config_from_gguf
+from sgl.backend.gguf_metadata import config_from_gguf, light_config_from_gguf
 from sgl.backend.models.registry import get_model_class, resolve_architecture
 from sgl.errors import ModelLoadError
 
@@ -355,10 +355,15 @@ def _gguf_source(path: Path) -> Any:
 
 
 def _gguf_config(path: Path, cache: str | None) -> Any:
-    """The HF config of a GGUF file, cached as config.json beside the float cache (parsing
-    the file's metadata costs seconds, the cached JSON milliseconds)."""
+    """The HF config of a GGUF file: from the fast metadata reader where it applies (a plain
+    config, `light_config_from_gguf`: milliseconds, and no config class import), else
+    transformers' config, cached as config.json beside the float cache (parsing the file's
+    metadata that way costs seconds, the cached JSON milliseconds)."""
     from transformers import AutoConfig
 
+    light = light_config_from_gguf(path)
+    if light is not None:
+        return light
     folder = gguf_cache_folder(path, cache)
     if (folder / "config.json").is_file():
         return AutoConfig.from_pretrained(folder)
