@@ -184,20 +184,20 @@ AVX2 static void single_row4(const float* xp, int64_t K, const void* codes, cons
 }
 
 // x [M, K], y [M, N] float32 row-major; codes/scale/zero as in weight.py; bias may be NULL.
-AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
-                      const float* scale, const float* zero, int64_t N, const float* bias,
-                      float* y, int threads) {
+// Scratch from the caller: xsum [M * K / gs], and for bits 4 xp [M * K] (NULL for bits 8).
+// (The one-call decode step of cpu_layer.c passes preallocated ones; sgl_qlinear mallocs.)
+AVX2 void sgl_qlinear_into(int bits, int gs, const float* x, int64_t M, int64_t K,
+                           const void* codes, const float* scale, const float* zero, int64_t N,
+                           const float* bias, float* y, int threads, float* xsum, float* xp) {
   int64_t G = K / gs;
-  float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * G > 0 ? M * G : 1));
-  float* xp = bits == 4 ? (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1)) : NULL;
-  if (xp != NULL) permute4(x, M * K, xp);
+  if (bits == 4) permute4(x, M * K, xp);
   for (int64_t i = 0; i < M * G; i++) {
     float t = 0.0f;
     for (int j = 0; j < gs; j++) t += x[i * gs + j];
     xsum[i] = t;
   }
   int64_t blocks = (N + N_BLOCK - 1) / N_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t blk = 0; blk < blocks; blk++) {
     int64_t end = (blk + 1) * N_BLOCK < N ? (blk + 1) * N_BLOCK : N;
     if (bits == 4 && M == 1) {
@@ -207,6 +207,15 @@ AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, co
     for (int64_t n = blk * N_BLOCK; n < end; n++)
       feature(bits, gs, x, xp, M, K, codes, scale, zero, n, N, bias, xsum, G, y);
   }
+}
+
+AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
+                      const float* scale, const float* zero, int64_t N, const float* bias,
+                      float* y, int threads) {
+  int64_t G = K / gs;
+  float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * G > 0 ? M * G : 1));
+  float* xp = bits == 4 ? (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1)) : NULL;
+  sgl_qlinear_into(bits, gs, x, M, K, codes, scale, zero, N, bias, y, threads, xsum, xp);
   free(xsum);
   free(xp);
 }
