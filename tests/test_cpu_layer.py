@@ -18,6 +18,7 @@ from sgl.backend.forward_batch import ForwardMode
 from sgl.backend.kernels.dispatch import resolve_kernels
 from sgl.backend.models.registry import get_model_class, resolve_architecture
 from sgl.backend.quant import cpu_kernel, cpu_layer
+from sgl.backend.quant.cpu_threads import ThreadChoice
 from sgl.backend.quant.install import _random_qweight, install_random_quantized
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
@@ -98,10 +99,20 @@ def _pool(model: torch.nn.Module) -> FakePool:
     return FakePool(len(model.model.layers), 2048, attn.num_kv_heads, attn.head_dim)
 
 
+@pytest.fixture(params=[1, 3])
+def threads(request: pytest.FixtureRequest) -> Any:
+    """Steps alone (1) and shared with helper threads (3: more than this machine may have)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("name", ["llama-tied", "llama-8bit", "qwen2-bias"])
-def test_one_call_step_equals_the_op_path_bitwise(name: str) -> None:
+def test_one_call_step_equals_the_op_path_bitwise(name: str, threads: int) -> None:
     model = tiny_quantized(name)
     assert isinstance(model.model.cpu_decode, cpu_layer.CpuDecodeStep)
+    model.model.cpu_decode.thread_choice.threads = lambda cap: cap  # (no timing trial)
     pool = _pool(model)
     lengths = [5, 37, 12]
     gen = torch.Generator().manual_seed(1)
@@ -149,12 +160,13 @@ def test_the_op_path_attention_backend_is_declined() -> None:
 
 
 @pytest.mark.slow
-def test_real_model_one_call_step_equals_the_op_path() -> None:
+def test_real_model_one_call_step_equals_the_op_path(threads: int) -> None:
     from sgl.backend.model_loader import load_model
 
     model, _ = load_model(None, device=CPU, dtype=torch.float32, quantization="gguf")
     model.use_kernels(resolve_kernels("auto", CPU, torch.float32))
     assert model.model.cpu_decode is not None
+    model.model.cpu_decode.thread_choice.threads = lambda cap: cap  # (no timing trial)
     pool = _pool(model)
     gen = torch.Generator().manual_seed(2)
     lengths = [40, 9]
@@ -163,3 +175,36 @@ def test_real_model_one_call_step_equals_the_op_path() -> None:
     for step in range(3):
         _decode_both_ways(model, pool, [Step(i, lengths[i] + step, [100 + step * 7 + i])
                                         for i in range(2)])
+
+
+def _trial(choice: ThreadChoice, cap: int, seconds: dict[int, float]) -> list[int]:
+    """One trial's worth of steps with these per-count timings; the counts it ran."""
+    ran = []
+    for _ in range(ThreadChoice.TRIAL_STEPS):
+        n = choice.threads(cap)
+        choice.record(n, seconds[n])
+        ran.append(n)
+    return ran
+
+
+@pytest.mark.parametrize("faster", [1, 4])
+def test_thread_choice_keeps_the_faster_count_then_tries_again(faster: int) -> None:
+    choice = ThreadChoice()
+    slower = 4 if faster == 1 else 1
+    ran = _trial(choice, 4, {faster: 0.01, slower: 0.02})
+    assert sorted(set(ran)) == [1, 4] and ran.count(1) == ran.count(4)  # both, alternating
+    assert choice.choice == faster
+    assert {choice.threads(4) for _ in range(ThreadChoice.EXPLOIT_STEPS)} == {faster}
+    # Then a new trial: the machine got busy, and the other count wins it.
+    _trial(choice, 4, {faster: 0.05, 1 if faster == 4 else 4: 0.01})
+    assert choice.choice != faster
+
+
+def test_thread_choice_with_one_thread_or_a_new_budget() -> None:
+    choice = ThreadChoice()
+    assert {choice.threads(1) for _ in range(20)} == {1}  # nothing to try
+    _trial(choice, 2, {1: 0.03, 2: 0.01})
+    assert choice.choice == 2 and choice.threads(2) == 2
+    assert choice.threads(3) in (1, 3)  # a new budget starts a new trial at once
+    _trial(choice, 3, {1: 0.01, 3: 0.02})
+    assert choice.choice == 1

@@ -26,6 +26,7 @@ One step at a time per model: the engine's forward passes are serialized.
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from sgl.backend.attention.torch_backend import TorchAttentionBackend
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.quant import cpu_kernel
+from sgl.backend.quant.cpu_threads import ThreadChoice
 from sgl.backend.quant.linear import GEMV_MAX_ROWS
 from sgl.backend.quant.weight import QuantizedWeight
 
@@ -103,6 +105,7 @@ class CpuDecodeStep:
         # (cpu_kernel.start_build), and the engine's load should not wait for it.
         self._lib: ctypes.CDLL | None = None
         self._scratch = self._residual = torch.empty(0)
+        self.thread_choice = ThreadChoice()  # one thread or torch's count, by timing both
 
     def _bind_library(self) -> bool:
         if self._lib is None:
@@ -178,11 +181,14 @@ class CpuDecodeStep:
             return None
         out = torch.empty(tokens, self._desc.hidden, dtype=torch.float32)
         assert self._lib is not None
+        threads = self.thread_choice.threads(torch.get_num_threads())
+        start = time.perf_counter()
         failed = self._lib.sgl_decode_step(
             self._desc_ref, tokens, x.data_ptr(), self._residual.data_ptr(), out.data_ptr(),
             positions.data_ptr(), loc.data_ptr(), fb.req_to_token.data_ptr(),
             fb.req_to_token.stride(0), table_rows.data_ptr(), lens.data_ptr(),
-            self._scratch.data_ptr(), torch.get_num_threads())
+            self._scratch.data_ptr(), threads)
+        self.thread_choice.record(threads, time.perf_counter() - start)
         if failed:
             raise MemoryError("decode step: attention could not allocate its work buffer")
         return out
