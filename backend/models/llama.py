@@ -174,8 +174,10 @@ class LlamaForCausalLM(nn.Module):
                                      kernels=kernels, device=device, dtype=dtype)
 
     def use_kernels(self, kernels: KernelSet) -> None:
-        """Run every layer on `kernels`, and pack the linear weights for oneDNN when the set
-        says so (one-way: call once, after the weights are loaded)."""
+        """Run every layer on `kernels`, pack the linear weights for oneDNN when the set says
+        so, and on the CPU's "auto" set describe a quantized model for the one-call decode
+        step (quant/cpu_layer.py; it points at the weights as loaded, so: one-way, call once,
+        after the weights are loaded)."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, _KERNEL_LAYERS):
