@@ -93,8 +93,11 @@ def _f32(*tensors: torch.Tensor) -> bool:
 class CpuDecodeStep:
     """Every layer of one model as C structs, plus the step's scratch (module docstring)."""
 
-    def __init__(self, model: Any, layers: list[_Layer], desc: _Model) -> None:
-        self._model = model  # keeps every pointed-to weight alive
+    def __init__(self, model: Any, layers: list[_Layer], desc: _Model,
+                 pointees: list[Any]) -> None:
+        # Every tensor the structs point into, held here: a weight replaced in the model later
+        # (which the step would not see: build once, after loading) is never freed under it.
+        self._pointees = pointees
         self._layers = (_Layer * len(layers))(*layers)
         desc.layers = ctypes.cast(self._layers, ctypes.POINTER(_Layer))
         self._desc = desc
@@ -134,19 +137,21 @@ class CpuDecodeStep:
                 or not _f32(cache, *(n.weight for n in norms))):
             return None
         structs = []
+        pointees: list[Any] = [cache, *(n.weight for n in norms)]
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            weights = [_qweight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                              mlp.down_proj)]
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            weights = [_qweight(m) for m in projections]
             if any(w is None for w in weights):
                 return None
+            pointees += [(m.qweight, m.bias) for m in projections]
             structs.append(_Layer(*weights, layer.input_layernorm.weight.data_ptr(),
                                   layer.post_attention_layernorm.weight.data_ptr(), None, None))
         inter = layers[0].mlp.gate_up_proj.out_features // 2
         desc = _Model(len(layers), norms[0].weight.shape[0], first.num_heads, first.num_kv_heads,
                       first.head_dim, inter, cache.shape[-1] // 2, norms[0].eps, first.scale,
                       cache.data_ptr(), model.norm.weight.data_ptr(), None)
-        return cls(model, structs, desc)
+        return cls(model, structs, desc, pointees)
 
     def _bind_pool(self, pool: Any) -> bool:
         """Point the layer structs at `pool`'s buffers (once per pool); False when the pool is
