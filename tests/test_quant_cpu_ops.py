@@ -108,3 +108,37 @@ def test_uncovered_inputs_fall_back_to_the_reference() -> None:
     ref_q, ref_k = rotary_embedding_reference(pos, q, k, cache, False)
     assert out_q.data_ptr() != q.data_ptr()
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 128, 16, 20])
+def test_decode_attention_matches_a_float64_reference(head_dim: int) -> None:
+    """Head sizes of every path of the kernel: 64 (registers, constant trip count), 72 and
+    128 (64-wide chunks plus a remainder), 16 (one chunk), 20 (not a multiple of 8: the
+    plain loop); lengths that are and are not multiples of the 4-key blocks; 3 query heads
+    per KV head, keys at scattered slots, one request's query row chosen by q_rows."""
+    gen = _gen(head_dim)
+    heads, kv_heads, lens = 6, 2, [1, 3, 4, 37]
+    slots = sum(lens) + 8
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(slots - 1, generator=gen) + 1
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lens):
+        table[b, :n] = order[start:start + n].int()
+        start += n
+    q = torch.randn(len(lens) + 1, heads, head_dim, generator=gen) * 2
+    rows = torch.tensor([1, 0, 4, 2])  # request b's query row (row 3 is nobody's)
+    out = torch.full_like(q, 7.0)
+    scale = head_dim ** -0.5
+    cpu_ops.decode_attention(q, k_buf, v_buf, table, torch.arange(len(lens)),
+                             torch.tensor(lens), scale, rows, out)
+    for b, n in enumerate(lens):
+        keys = table[b, :n].long()
+        for h in range(heads):
+            kvh = h // (heads // kv_heads)
+            scores = k_buf[keys, kvh].double() @ q[rows[b], h].double() * scale  # [n]
+            expected = torch.softmax(scores, 0) @ v_buf[keys, kvh].double()  # [head_dim]
+            torch.testing.assert_close(out[rows[b], h].double(), expected, rtol=1e-5,
+                                       atol=1e-5)
+    assert torch.equal(out[3], torch.full_like(out[3], 7.0))  # other rows left alone

@@ -98,6 +98,16 @@ class TorchAttentionBackend(AttentionBackend):
                 and like.is_contiguous() and fb.req_to_token.dtype == torch.int32
                 and fb.req_to_token.is_contiguous() and cpu_ops.available())
 
+    def fused_decode_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(table_rows, lens) [B] int64 when `prepare` put this step, every row a single-token
+        query in order, on the fused CPU path; None otherwise. The one-call CPU decode step
+        (quant/cpu_layer.py) attends these itself, the way `_forward_fused` would."""
+        meta = fb.attn_metadata
+        if (isinstance(meta, TorchAttentionMetadata) and isinstance(meta.decode, _FusedDecodeRows)
+                and meta.decode.rows is None and not meta.extends):
+            return meta.decode.table_rows, meta.decode.lens
+        return None
+
     def release_memory(self) -> None:
         if self.stage is not None:
             self.stage.release()

@@ -24,6 +24,7 @@ from sgl.backend.layers.activation import SiluAndMul
 from sgl.backend.layers.linear import Embedding, Linear, MergedLinear, pack_for_cpu
 from sgl.backend.layers.norm import RMSNorm
 from sgl.backend.layers.rotary import RotaryEmbedding, rope_parameters
+from sgl.backend.quant.cpu_layer import CpuDecodeStep
 
 # HF projection name -> (our fused module, shard name)
 _FUSED = {
@@ -133,9 +134,16 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        # The CPU decode step in one C call (quant/cpu_layer.py), set by `use_kernels` when
+        # the model qualifies; the steps it declines run the layers below.
+        self.cpu_decode: CpuDecodeStep | None = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)  # [T, hidden]
+        if self.cpu_decode is not None:
+            hidden = self.cpu_decode.run(x, fb)
+            if hidden is not None:
+                return hidden  # [T, hidden], final-normed
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, fb)
@@ -166,14 +174,19 @@ class LlamaForCausalLM(nn.Module):
                                      kernels=kernels, device=device, dtype=dtype)
 
     def use_kernels(self, kernels: KernelSet) -> None:
-        """Run every layer on `kernels`, and pack the linear weights for oneDNN when the set
-        says so (one-way: call once, after the weights are loaded)."""
+        """Run every layer on `kernels`, pack the linear weights for oneDNN when the set says
+        so, and on the CPU's "auto" set describe a quantized model for the one-call decode
+        step (quant/cpu_layer.py; it points at the weights as loaded, so: one-way, call once,
+        after the weights are loaded)."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, _KERNEL_LAYERS):
                 module.kernels = kernels
         if kernels.pack_linears:
             pack_for_cpu(self, self.lm_head, tied=self.tie_word_embeddings)
+        self.model.cpu_decode = None
+        if kernels.mode == "auto" and kernels.device.type == "cpu":
+            self.model.cpu_decode = CpuDecodeStep.build(self.model)
 
     @staticmethod
     def _variant(cfg: Any) -> dict[str, bool]:

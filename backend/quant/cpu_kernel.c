@@ -183,30 +183,57 @@ AVX2 static void single_row4(const float* xp, int64_t K, const void* codes, cons
   }
 }
 
+// The serial part of a product: x's per-group sums xsum [M * K / gs], and for bits 4 x
+// permuted to the codes' widening order, xp [M * K].
+AVX2 void sgl_qlinear_prepare(int bits, int gs, const float* x, int64_t M, int64_t K,
+                              float* xsum, float* xp) {
+  int64_t G = K / gs;
+  if (bits == 4) permute4(x, M * K, xp);
+  for (int64_t i = 0; i < M * G; i++) {
+    float t = 0.0f;
+    for (int j = 0; j < gs; j++) t += x[i * gs + j];
+    xsum[i] = t;
+  }
+}
+
+int64_t sgl_qlinear_blocks(int64_t N) { return (N + N_BLOCK - 1) / N_BLOCK; }
+
+// Output features [blk * N_BLOCK, ...) of every row: the unit threads share out. How a block
+// groups its features (fours, then one by one) depends only on the block, so any split of the
+// blocks over threads gives the same bits.
+AVX2 void sgl_qlinear_block(int bits, int gs, const float* x, const float* xp, int64_t M,
+                            int64_t K, const void* codes, const float* scale, const float* zero,
+                            int64_t N, const float* bias, const float* xsum, float* y,
+                            int64_t blk) {
+  int64_t G = K / gs;
+  int64_t end = (blk + 1) * N_BLOCK < N ? (blk + 1) * N_BLOCK : N;
+  if (bits == 4 && M == 1) {
+    single_row4(xp, K, codes, scale, zero, blk * N_BLOCK, end, bias, xsum, G, y);
+    return;
+  }
+  for (int64_t n = blk * N_BLOCK; n < end; n++)
+    feature(bits, gs, x, xp, M, K, codes, scale, zero, n, N, bias, xsum, G, y);
+}
+
 // x [M, K], y [M, N] float32 row-major; codes/scale/zero as in weight.py; bias may be NULL.
+// Scratch from the caller: xsum [M * K / gs], and for bits 4 xp [M * K] (NULL for bits 8).
+AVX2 void sgl_qlinear_into(int bits, int gs, const float* x, int64_t M, int64_t K,
+                           const void* codes, const float* scale, const float* zero, int64_t N,
+                           const float* bias, float* y, int threads, float* xsum, float* xp) {
+  sgl_qlinear_prepare(bits, gs, x, M, K, xsum, xp);
+  int64_t blocks = sgl_qlinear_blocks(N);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t blk = 0; blk < blocks; blk++)
+    sgl_qlinear_block(bits, gs, x, xp, M, K, codes, scale, zero, N, bias, xsum, y, blk);
+}
+
 AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
                       const float* scale, const float* zero, int64_t N, const float* bias,
                       float* y, int threads) {
   int64_t G = K / gs;
   float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * G > 0 ? M * G : 1));
   float* xp = bits == 4 ? (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1)) : NULL;
-  if (xp != NULL) permute4(x, M * K, xp);
-  for (int64_t i = 0; i < M * G; i++) {
-    float t = 0.0f;
-    for (int j = 0; j < gs; j++) t += x[i * gs + j];
-    xsum[i] = t;
-  }
-  int64_t blocks = (N + N_BLOCK - 1) / N_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t blk = 0; blk < blocks; blk++) {
-    int64_t end = (blk + 1) * N_BLOCK < N ? (blk + 1) * N_BLOCK : N;
-    if (bits == 4 && M == 1) {
-      single_row4(xp, K, codes, scale, zero, blk * N_BLOCK, end, bias, xsum, G, y);
-      continue;
-    }
-    for (int64_t n = blk * N_BLOCK; n < end; n++)
-      feature(bits, gs, x, xp, M, K, codes, scale, zero, n, N, bias, xsum, G, y);
-  }
+  sgl_qlinear_into(bits, gs, x, M, K, codes, scale, zero, N, bias, y, threads, xsum, xp);
   free(xsum);
   free(xp);
 }

@@ -35,8 +35,10 @@ from sgl.backend.quant.weight import QuantizedWeight
 
 logger = logging.getLogger("sgl.engine")
 
-# The quantized linear and the fused decode ops (cpu_ops.c, wrapped by cpu_ops.py): one library.
-_SOURCES = (Path(__file__).with_name("cpu_kernel.c"), Path(__file__).with_name("cpu_ops.c"))
+# The quantized linear, the fused decode ops (cpu_ops.c, wrapped by cpu_ops.py) and the
+# one-call decode step (cpu_layer.c, cpu_layer.py): one library.
+_SOURCES = tuple(Path(__file__).with_name(name)
+                 for name in ("cpu_kernel.c", "cpu_ops.c", "cpu_layer.c"))
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -118,9 +120,10 @@ def _load() -> ctypes.CDLL | None:
     lib.sgl_qlinear.restype = None
     lib.sgl_qdequant.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
     lib.sgl_qdequant.restype = None
-    from sgl.backend.quant import cpu_ops
+    from sgl.backend.quant import cpu_layer, cpu_ops
 
     cpu_ops.declare(lib)
+    cpu_layer.declare(lib)
     return lib
 
 

@@ -1,0 +1,255 @@
+// sgl's CPU decode step in one call: every decoder layer of a quantized Llama-family model
+// (Llama, Qwen2's q/k/v bias) plus the final norm, for T single-token rows (a decode batch),
+// compiled into the library of cpu_kernel.c and cpu_ops.c (cpu_layer.py wraps it).
+//
+// Per layer, the ops of the model's op-by-op CPU path, called in the same order on the same
+// values, so the hidden states (and the KV written to the pool) are bitwise equal to it:
+//
+//   h = rmsnorm(x + residual)                 sgl_rmsnorm (layer 0: rmsnorm(x), residual = x)
+//   qkv = h @ Wqkv^T (+ b)                     sgl_qlinear_into
+//   rotate q|k of qkv in place                 sgl_rope
+//   k, v -> pool slots out_loc                 sgl_kv_store
+//   attn = decode attention over the pool      sgl_decode_attn
+//   x = attn @ Wo^T (+ b)                      sgl_qlinear_into
+//   h = rmsnorm(x + residual)                  sgl_rmsnorm
+//   x = silu(h @ Wgu^T) * ... @ Wdown^T        sgl_qlinear_into, sgl_silu_mul, sgl_qlinear_into
+//
+// What it saves is the Python between them: ~12 module calls, views and ctypes calls per
+// layer (about a third of a one-row step on SmolLM2-135M). Nothing here allocates: the
+// scratch comes from the caller, sized for `rows` by sgl_decode_scratch_floats.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+// A QuantizedWeight (weight.py) as raw pointers; bias may be NULL.
+typedef struct {
+  int64_t bits, group_size, in_features, out_features;
+  const void* codes;
+  const float* scale;
+  const float* zero;
+  const float* bias;
+} sgl_qweight;
+
+typedef struct {
+  sgl_qweight qkv, o, gate_up, down;
+  const float* input_norm;
+  const float* post_norm;
+  float* k_cache;  // this layer's pool buffers [slots, kv_heads, head_dim]
+  float* v_cache;
+} sgl_layer;
+
+typedef struct {
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
+  int64_t rope_half;       // rotate the first 2 * rope_half features of each head
+  float eps, attn_scale;
+  const float* rope_cache;  // [positions, 2 * rope_half]: cos | sin
+  const float* final_norm;
+  const sgl_layer* layers;
+} sgl_model;
+
+// (cpu_kernel.c, cpu_ops.c)
+void sgl_qlinear_prepare(int bits, int gs, const float* x, int64_t M, int64_t K, float* xsum,
+                         float* xp);
+int64_t sgl_qlinear_blocks(int64_t N);
+void sgl_qlinear_block(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
+                       const void* codes, const float* scale, const float* zero, int64_t N,
+                       const float* bias, const float* xsum, float* y, int64_t blk);
+void sgl_rmsnorm(const float* x, const float* r, const float* w, float eps, int64_t T,
+                 int64_t H, float* out, float* sum);
+void sgl_silu_mul(const float* x, int64_t T, int64_t I, float* out);
+void sgl_rope(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t D,
+              const int64_t* positions, const float* cache, int64_t half);
+void sgl_kv_store(float* kbuf, float* vbuf, const float* k, int64_t k_stride, const float* v,
+                  int64_t v_stride, const int64_t* loc, int64_t T, int64_t W);
+int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows, int64_t B,
+                    int64_t heads, int64_t kvh, int64_t D, const float* kbuf, const float* vbuf,
+                    const int32_t* table, int64_t table_stride, const int64_t* table_rows,
+                    const int64_t* lens, float scale, float* out, int threads);
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) {
+  int64_t m = a > b ? a : b;
+  return m > c ? m : c;
+}
+
+// The scratch layout of one step of `rows` rows, in floats (see sgl_decode_step).
+typedef struct {
+  int64_t x, h, qkv, attn, gate_up, act, xsum, xp, total;
+} scratch_plan;
+
+static scratch_plan plan_scratch(const sgl_model* m, int64_t rows) {
+  int64_t q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
+  int64_t k_max = max3(m->hidden, q, m->inter);
+  scratch_plan p;
+  p.x = 0;
+  p.h = p.x + rows * m->hidden;
+  p.qkv = p.h + rows * m->hidden;
+  p.attn = p.qkv + rows * (q + 2 * kv);
+  p.gate_up = p.attn + rows * q;
+  p.act = p.gate_up + rows * 2 * m->inter;
+  p.xsum = p.act + rows * m->inter;
+  p.xp = p.xsum + rows * k_max;  // (group sizes >= 1: K / gs <= K sums per row)
+  p.total = p.xp + rows * k_max;
+  return p;
+}
+
+int64_t sgl_decode_scratch_floats(const sgl_model* m, int64_t rows) {
+  return plan_scratch(m, rows).total;
+}
+
+// Threads of one step. A step is ~150 dependent pieces of work (per layer four projections
+// and the small ops between them); an OpenMP region or barrier per projection makes every
+// thread wait for the slowest at each of them, which costs a scheduler timeslice whenever
+// another process holds a core (measured 2-20x slower with two threads than one on a shared
+// 2-core VM). Here the step is one parallel region: thread 0 runs the step and publishes each
+// projection's blocks; helpers spin, claim blocks with a CAS and mark them done. Thread 0
+// claims blocks too and waits only for blocks someone else has *claimed*: a helper that is
+// not running claims nothing and delays nothing (its cost is one wait at the region's end).
+//
+//   job = (stage << 40) | (blocks << 20) | next_block      one atomic word: a claim is a CAS
+//                                                          on it, so it cannot hit a newer job
+typedef struct {
+  _Atomic uint64_t job;
+  _Atomic int64_t done;  // blocks of the current job finished
+  _Atomic int quit;
+  // The current projection (written by thread 0 before it publishes `job`; read by a helper
+  // only after it claimed a block, and not changed until every claimed block is done).
+  const sgl_qweight* w;
+  const float *x, *xp, *xsum;
+  float* y;
+  int64_t rows;
+  uint64_t stage;
+} team_t;
+
+#define JOB_BITS 20
+#define JOB_MASK ((1ull << JOB_BITS) - 1)
+
+static void run_block(team_t* t, int64_t blk) {
+  const sgl_qweight* w = t->w;
+  sgl_qlinear_block((int)w->bits, (int)w->group_size, t->x, t->xp, t->rows, w->in_features,
+                    w->codes, w->scale, w->zero, w->out_features, w->bias, t->xsum, t->y, blk);
+}
+
+// Claims and runs blocks of the current job until none is left; returns how many it ran.
+static int64_t claim_blocks(team_t* t, uint64_t stage) {
+  int64_t ran = 0;
+  for (;;) {
+    uint64_t job = atomic_load_explicit(&t->job, memory_order_acquire);
+    uint64_t next = job & JOB_MASK, blocks = (job >> JOB_BITS) & JOB_MASK;
+    if ((job >> (2 * JOB_BITS)) != stage || next >= blocks) return ran;
+    if (!atomic_compare_exchange_weak_explicit(&t->job, &job, job + 1, memory_order_acq_rel,
+                                               memory_order_relaxed))
+      continue;
+    run_block(t, (int64_t)next);
+    atomic_fetch_add_explicit(&t->done, 1, memory_order_release);
+    ran++;
+  }
+}
+
+static void helper_loop(team_t* t) {
+  while (!atomic_load_explicit(&t->quit, memory_order_acquire)) {
+    uint64_t job = atomic_load_explicit(&t->job, memory_order_acquire);
+    if ((job & JOB_MASK) < ((job >> JOB_BITS) & JOB_MASK))
+      claim_blocks(t, job >> (2 * JOB_BITS));
+    else
+      _mm_pause();
+  }
+}
+
+// y [T, N] = x [T, K] @ W^T (+ b), shared with the helpers; the same blocks, so the same bits,
+// as sgl_qlinear_into. `t` NULL: alone.
+static void project(team_t* t, const sgl_qweight* w, const float* x, int64_t T, float* y,
+                    float* xsum, float* xp) {
+  int bits = (int)w->bits, gs = (int)w->group_size;
+  if (bits != 4) xp = NULL;
+  sgl_qlinear_prepare(bits, gs, x, T, w->in_features, xsum, xp);
+  int64_t blocks = sgl_qlinear_blocks(w->out_features);
+  if (t == NULL) {
+    for (int64_t b = 0; b < blocks; b++)
+      sgl_qlinear_block(bits, gs, x, xp, T, w->in_features, w->codes, w->scale, w->zero,
+                        w->out_features, w->bias, xsum, y, b);
+    return;
+  }
+  t->w = w, t->x = x, t->xp = xp, t->xsum = xsum, t->y = y, t->rows = T;
+  t->stage++;
+  atomic_store_explicit(&t->done, 0, memory_order_relaxed);  // (no helper touches it now)
+  atomic_store_explicit(&t->job, (t->stage << (2 * JOB_BITS)) | ((uint64_t)blocks << JOB_BITS),
+                        memory_order_release);
+  claim_blocks(t, t->stage);
+  while (atomic_load_explicit(&t->done, memory_order_acquire) < blocks) _mm_pause();
+}
+
+// One decoder layer on T rows. In: x (the previous layer's output; layer 0: the embeddings),
+// residual (layer 0: none). Out: x = the MLP's output, residual = the stream before it.
+static int layer_step(team_t* team, const sgl_model* m, const sgl_layer* L, int first, int64_t T,
+                      const float* x_in, float* residual, float* s, const scratch_plan* p,
+                      const int64_t* positions, const int64_t* out_loc, const int32_t* table,
+                      int64_t table_stride, const int64_t* table_rows, const int64_t* lens) {
+  int64_t H = m->hidden, D = m->head_dim, q = m->heads * D, kv = m->kv_heads * D;
+  int64_t qkv_w = q + 2 * kv;
+  float *x = s + p->x, *h = s + p->h, *qkv = s + p->qkv, *attn = s + p->attn;
+  float *gu = s + p->gate_up, *act = s + p->act, *xsum = s + p->xsum, *xp = s + p->xp;
+  if (first) {  // the op path's `residual = x; h = rmsnorm(x)`
+    memcpy(residual, x_in, sizeof(float) * (size_t)(T * H));
+    sgl_rmsnorm(residual, NULL, L->input_norm, m->eps, T, H, h, NULL);
+  } else {
+    sgl_rmsnorm(x_in, residual, L->input_norm, m->eps, T, H, h, residual);
+  }
+  project(team, &L->qkv, h, T, qkv, xsum, xp);  // [T, q | k | v]
+  sgl_rope(qkv, T, qkv_w, m->heads + m->kv_heads, D, positions, m->rope_cache, m->rope_half);
+  sgl_kv_store(L->k_cache, L->v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, out_loc, T, kv);
+  if (sgl_decode_attn(qkv, qkv_w, NULL, T, m->heads, m->kv_heads, D, L->k_cache, L->v_cache,
+                      table, table_stride, table_rows, lens, m->attn_scale, attn, 1))
+    return -1;
+  project(team, &L->o, attn, T, x, xsum, xp);  // [T, H]
+  sgl_rmsnorm(x, residual, L->post_norm, m->eps, T, H, h, residual);
+  project(team, &L->gate_up, h, T, gu, xsum, xp);  // [T, 2 * inter]
+  sgl_silu_mul(gu, T, m->inter, act);
+  project(team, &L->down, act, T, x, xsum, xp);  // [T, H]
+  return 0;
+}
+
+// T single-token rows through every layer and the final norm.
+//   x [T, hidden]: the embeddings (read only); out [T, hidden]: the final-normed hidden states;
+//   residual [T, hidden]: work (the stream); positions, out_loc [T] int64: each row's position
+//   and the pool slot its K/V goes to; row b's keys: the first lens[b] slots of
+//   table[table_rows[b] * table_stride ...] (its own included); scratch: of
+//   sgl_decode_scratch_floats(m, rows >= T) floats.
+// Returns 0, or -1 when decode attention could not allocate its work buffer.
+static int run_layers(team_t* team, const sgl_model* m, int64_t T, const float* x,
+                      float* residual, float* out, const int64_t* positions,
+                      const int64_t* out_loc, const int32_t* table, int64_t table_stride,
+                      const int64_t* table_rows, const int64_t* lens, float* scratch) {
+  scratch_plan p = plan_scratch(m, T);
+  for (int64_t l = 0; l < m->num_layers; l++) {
+    const float* x_in = l == 0 ? x : scratch + p.x;
+    if (layer_step(team, m, &m->layers[l], l == 0, T, x_in, residual, scratch, &p, positions,
+                   out_loc, table, table_stride, table_rows, lens))
+      return -1;
+  }
+  sgl_rmsnorm(scratch + p.x, residual, m->final_norm, m->eps, T, m->hidden, out, residual);
+  return 0;
+}
+
+int sgl_decode_step(const sgl_model* m, int64_t T, const float* x, float* residual, float* out,
+                    const int64_t* positions, const int64_t* out_loc, const int32_t* table,
+                    int64_t table_stride, const int64_t* table_rows, const int64_t* lens,
+                    float* scratch, int threads) {
+  if (threads <= 1)
+    return run_layers(NULL, m, T, x, residual, out, positions, out_loc, table, table_stride,
+                      table_rows, lens, scratch);
+  team_t team = {0};
+  int failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp master
+    {
+      failed = run_layers(&team, m, T, x, residual, out, positions, out_loc, table,
+                          table_stride, table_rows, lens, scratch);
+      atomic_store_explicit(&team.quit, 1, memory_order_release);
+    }
+    if (omp_get_thread_num() != 0) helper_loop(&team);
+  }
+  return failed;
+}
