@@ -21,7 +21,7 @@ from sgl._spec import RequestSpec
 from sgl.backend.model_source import resolve_model_source
 from sgl.backend.quant.policy import require_gguf_model, resolve_quantization
 from sgl.backend.req import Req
-from sgl.backend.spec_text import MAX_MATCH_BYTES, PieceTable, TextDrafter
+from sgl.backend.spec_text import PieceTable, TextDrafter
 from sgl.backend.speculative import NgramDrafter, SpecConfig
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
@@ -369,8 +369,7 @@ def _drafter(config: EngineConfig, tokenizer: Any) -> NgramDrafter | None:
             logger.warning("speculative_ngram_match='text': the tokenizer's pieces do not spell its "
                            "text; drafting by token-id lookup instead")
         return NgramDrafter(spec)
-    min_bytes = config.speculative_ngram_min_match_window_size
-    return TextDrafter(spec, table, min_chars=min_bytes, max_chars=max(MAX_MATCH_BYTES, min_bytes))
+    return TextDrafter(spec, table)  # its match lengths count bytes: spec_text.py's constants
 
 
 def _spec_stats(drafter: NgramDrafter | None) -> dict[str, int]:

@@ -39,9 +39,13 @@ from sgl.backend.speculative import NgramDrafter, SpecConfig
 if TYPE_CHECKING:
     from sgl.backend.req import Req
 
-__all__ = ["MAX_MATCH_BYTES", "PieceTable", "TextDrafter"]
+__all__ = ["PieceTable", "TextDrafter"]
 
-MAX_MATCH_BYTES = 32  # longest text suffix matched: longer ones rarely pick another source
+# Chosen on the `json` workload's prompts (free text and JSON, replayed offline against greedy
+# outputs, and bench/speculative.py): on the CPU a verify row costs about a third of a step.
+MIN_MATCH_BYTES = 3  # shorter suffixes ("e", "s ") match everywhere and mostly draft wrong
+MAX_MATCH_BYTES = 32  # longest suffix tried: longer ones rarely pick another source
+BYTES_PER_DRAFT = 4  # a match of n bytes drafts at most ceil(n / 4) tokens: short, weak, few
 
 _SEPARATOR = b"\x00"  # a special token's bytes: matches nothing useful, ends a continuation
 _RECHECK = 8  # output ids compared per step to notice a rollback (jump-forward re-tokenizes <= 8)
@@ -135,9 +139,11 @@ class TextDrafter(NgramDrafter):
     `forget`), not its lookup: on these prompts the id lookup as a fallback drafted more and
     kept less (bench/speculative.py figures in docs/structured.md)."""
 
-    def __init__(self, cfg: SpecConfig, table: PieceTable, *, min_chars: int = 1, max_chars: int = MAX_MATCH_BYTES,
+    def __init__(self, cfg: SpecConfig, table: PieceTable, *, min_chars: int = MIN_MATCH_BYTES,
+                 max_chars: int = MAX_MATCH_BYTES, bytes_per_draft: int = BYTES_PER_DRAFT,
                  use_grammar: bool = True) -> None:
         super().__init__(cfg)
+        self.bytes_per_draft = bytes_per_draft
         self.table = table
         self.min_chars, self.max_chars = min_chars, max_chars
         self.use_grammar = use_grammar  # draft forced text (off: to measure what it adds)
@@ -202,13 +208,15 @@ class TextDrafter(NgramDrafter):
         """Drafts from the latest earlier occurrence of the longest text suffix; None when no
         suffix of `min_chars` bytes occurred before. `extra`: bytes that will follow the
         request's text (forced by the grammar); the cache is for the request's own text only."""
-        if extra:
-            buf = st.buf + extra
-            start = self._match_end(buf)
-            return None if start is None else self._tokenize(buf, start, limit).ids[:limit]
-        start = self._match_end(st.buf)
-        if start is None:
+        buf = st.buf + extra if extra else st.buf
+        match = self._match(buf)
+        if match is None:
             return None
+        start, length = match
+        if self.bytes_per_draft:  # a short match is weak evidence: draft less after it
+            limit = min(limit, -(-length // self.bytes_per_draft))
+        if extra:
+            return self._tokenize(buf, start, limit).ids[:limit]
         cont = st.cont
         if cont is not None and start in cont.index_at:
             i = cont.index_at[start]
@@ -217,20 +225,20 @@ class TextDrafter(NgramDrafter):
         cont = st.cont = self._tokenize(st.buf, start, limit)
         return cont.ids[:limit]
 
-    def _match_end(self, buf: bytearray) -> int | None:
-        """Where the text after the best match starts: the longest suffix of min..max bytes
-        with an earlier occurrence (its latest one), or None."""
+    def _match(self, buf: bytearray) -> tuple[int, int] | None:
+        """(where the text after the best match starts, the match's length in bytes): the
+        longest suffix of min..max bytes with an earlier occurrence (its latest one), or None."""
         n = len(buf)
         lo, hi = self.min_chars, min(self.max_chars, n - 1)
-        best = -1
+        best = None
         while lo <= hi:  # a longer matching suffix implies every shorter one matches
             mid = (lo + hi) // 2
             pos = buf.rfind(buf[n - mid :], 0, n - 1)
             if pos >= 0:
-                best, lo = pos + mid, mid + 1
+                best, lo = (pos + mid, mid), mid + 1
             else:
                 hi = mid - 1
-        return best if best >= 0 else None
+        return best
 
     def _tokenize(self, buf: bytearray, start: int, limit: int) -> _Continuation:
         """The tokenizer's tokens for the bytes at `start`, minus the last one (the cut may

@@ -65,16 +65,23 @@ def test_a_copied_json_value_is_drafted_from_its_first_token(tok: Any, table: Pi
     to follow it; the text `Maria` does occur, followed by ` Lopez is 34`."""
     r = _req(tok, PROMPT, '{"name": "Maria')
     drafts = _drafter(table).propose(r, 4)
-    assert drafts == _ids(tok, " Lopez is 34")[:4]
-    assert tok.convert_ids_to_tokens(drafts[:1]) == ["ĠLopez"]
+    assert tok.convert_ids_to_tokens(drafts) == ["ĠLopez", "Ġis"]  # a 5-byte match: 2 drafts
     token_level = NgramDrafter(SpecConfig(num_draft_tokens=4, min_window=1, max_window=4)).propose(r, 4)
     assert token_level[:1] != drafts[:1], "the id lookup should not find the value (else this test shows nothing)"
+
+
+def test_longer_matches_draft_more_tokens(tok: Any, table: PieceTable) -> None:
+    d = _drafter(table)
+    assert len(d.propose(_req(tok, PROMPT, '{"text": "Maria Lopez is 34'), 4)) == 4  # 17 bytes
+    assert len(d.propose(_req(tok, PROMPT, '{"text": "Maria Lopez'), 3)) == 3  # the caller's limit
+    assert len(d.propose(_req(tok, PROMPT, '{"x": "Lim'), 4)) == 1  # 3 bytes: one token
+    assert d.propose(_req(tok, PROMPT, '{"x": "Li'), 4) == []  # 2 bytes: too weak to draft
 
 
 def test_a_match_ending_inside_a_word_drafts_the_rest_of_it(tok: Any, table: PieceTable) -> None:
     # the output stopped inside the copied word: drafts start exactly after its last token
     r = _req(tok, PROMPT, '{"city": "Li')
-    drafts = _drafter(table).propose(r, 2)
+    drafts = _drafter(table, min_chars=1, bytes_per_draft=0).propose(r, 2)
     assert [table.pieces[t] for t in drafts] == [b"ma", b"."]  # `Lima.`: the rest of the word
 
 
@@ -100,7 +107,7 @@ def test_the_state_follows_appends_and_rollbacks(tok: Any, table: PieceTable) ->
     # jump-forward re-tokenized the tail: the drafter's text must follow (same as a fresh one)
     r.output_ids[:] = _ids(tok, '{"name": "Maria Lopez", "city": "Li')
     assert d.propose(r, 3) == _drafter(table).propose(r, 3)
-    del r.output_ids[-2:]  # rolled back below what was indexed (`"city": "` is left)
+    del r.output_ids[-3:]  # rolled back below what was indexed (`..., "city` is left)
     assert d.propose(r, 3) == _drafter(table).propose(r, 3) != []
     d.forget(r)
     assert not d._text
