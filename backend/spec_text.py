@@ -14,7 +14,14 @@ finds the longest suffix of `min_chars`..`max_chars` bytes that occurred earlier
 occurrence), tokenizes the bytes that followed it with the tokenizer's own encoder, and
 proposes the first tokens. The continuation starts exactly after the request's last token, so
 the tokens drafted are those the model writes next when it keeps copying; a continuation that
-starts inside a UTF-8 character (the last token was a partial byte) drafts nothing.
+starts inside a UTF-8 character (the last token was a partial byte) drafts nothing. A match of
+n bytes drafts at most ceil(n / `bytes_per_draft`) tokens: a short match is weak evidence, and
+each verify row costs a share of a step (on the CPU about a third; with a grammar, a mask).
+
+A constrained request first gets the text its grammar forces next (xgrammar's forced string,
+tokenized canonically): with jump-forward on, the boundary token the jump held back (` "`
+before a string value) and forced text too short to jump (`\n}` at the end); with it off, all
+forced text. The match then runs on the output followed by that forced text.
 
 Per step and request the cost is a few `bytearray.rfind` calls (binary search over the match
 length: a suffix of length L occurring ending at e implies the suffix of length L-1 does too)
@@ -136,8 +143,8 @@ class TextDrafter(NgramDrafter):
     """Drafts the grammar's forced text, then what followed the longest matching text suffix.
 
     A subclass of the token-id drafter for its interface (`cfg`, `stats`, `propose`,
-    `forget`), not its lookup: on these prompts the id lookup as a fallback drafted more and
-    kept less (bench/speculative.py figures in docs/structured.md)."""
+    `forget`), not its lookup: as a fallback where the text finds nothing, the id lookup
+    drafted more and kept less (greedy outputs of the `json` workload replayed offline)."""
 
     def __init__(self, cfg: SpecConfig, table: PieceTable, *, min_chars: int = MIN_MATCH_BYTES,
                  max_chars: int = MAX_MATCH_BYTES, bytes_per_draft: int = BYTES_PER_DRAFT,
