@@ -21,6 +21,7 @@ from sgl._spec import RequestSpec
 from sgl.backend.model_source import resolve_model_source
 from sgl.backend.quant.policy import require_gguf_model, resolve_quantization
 from sgl.backend.req import Req
+from sgl.backend.spec_text import PieceTable, TextDrafter
 from sgl.backend.speculative import NgramDrafter, SpecConfig
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
@@ -192,7 +193,7 @@ class Runtime:
                             policy=config.schedule_policy, conservativeness=config.schedule_conservativeness,
                             context_length=config.context_length, eos_token_ids=frozenset(mcfg.eos_token_ids)),
             KVManager(allocator, self.req_pool, self.tree, config.page_size), self.tree,
-            self.runner.futures, self.tokenizer, drafter=_drafter(config),
+            self.runner.futures, self.tokenizer, drafter=_drafter(config, self.tokenizer),
         )  # fmt: skip
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
@@ -354,12 +355,21 @@ class Runtime:
 GRAPH_ROWS_PER_REQ = 2  # decode graphs hold up to 2 x cuda_graph_max_bs token rows
 
 
-def _drafter(config: EngineConfig) -> NgramDrafter | None:
+def _drafter(config: EngineConfig, tokenizer: Any) -> NgramDrafter | None:
+    """The n-gram drafter: text-level lookup (spec_text.py) when the tokenizer's pieces
+    reproduce its text, else (or when asked) token-id lookup alone."""
     if config.speculative_algorithm is None:
         return None
-    return NgramDrafter(SpecConfig(num_draft_tokens=config.speculative_num_draft_tokens,
-                                   min_window=config.speculative_ngram_min_match_window_size,
-                                   max_window=config.speculative_ngram_max_match_window_size))
+    spec = SpecConfig(num_draft_tokens=config.speculative_num_draft_tokens,
+                      min_window=config.speculative_ngram_min_match_window_size,
+                      max_window=config.speculative_ngram_max_match_window_size)
+    table = PieceTable.from_tokenizer(tokenizer) if config.speculative_ngram_match == "text" else None
+    if table is None:
+        if config.speculative_ngram_match == "text" and tokenizer is not None:
+            logger.warning("speculative_ngram_match='text': the tokenizer's pieces do not spell its "
+                           "text; drafting by token-id lookup instead")
+        return NgramDrafter(spec)
+    return TextDrafter(spec, table)  # its match lengths count bytes: spec_text.py's constants
 
 
 def _spec_stats(drafter: NgramDrafter | None) -> dict[str, int]:

@@ -1,10 +1,12 @@
 """n-gram speculative decoding on the default model: acceptance and single-stream speed.
 
-    python bench/speculative.py [--requests 8] [--draft-tokens 4] [--device cpu]
+    python bench/speculative.py [--requests 8] [--draft-tokens 4] [--match text,tokens] [--device cpu]
 
 Copy-heavy extraction (the values are copied from the prompt): the `json` workload's prompts
-(bench/json_workload.py), one request at a time (single stream), greedy, on two engines built
-in the same process: plain decoding and `speculative_algorithm="ngram"`. Each engine runs
+(bench/json_workload.py), one request at a time (single stream), greedy, on engines built in
+the same process: plain decoding and `speculative_algorithm="ngram"` with each drafter named in
+`--match` (`speculative_ngram_match`: "text", sgl's text-level lookup that also drafts the
+grammar's forced text, and "tokens", SGLang's token-id lookup). Each engine runs
 the same requests as free text (answer in prose, 96 new tokens, EOS ends) and as JSON (the
 workload's schemas, jump-forward on). The engines alternate request by request, so machine
 load drifts hit both alike.
@@ -77,20 +79,21 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--min-window", type=int, default=1, help="speculative_ngram_min_match_window_size")
+    ap.add_argument("--match", default="text,tokens", help="speculative_ngram_match values, one engine each")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    engines = {
-        "plain": sgl.Engine(device=args.device),
-        "ngram": sgl.Engine(device=args.device, speculative_algorithm="ngram",
-                            speculative_num_draft_tokens=args.draft_tokens,
-                            speculative_ngram_min_match_window_size=args.min_window,
-                            speculative_ngram_max_match_window_size=max(4, args.min_window)),
-    }
+    engines = {"plain": sgl.Engine(device=args.device)}
+    for match in args.match.split(","):
+        engines[f"ngram {match}"] = sgl.Engine(
+            device=args.device, speculative_algorithm="ngram", speculative_ngram_match=match,
+            speculative_num_draft_tokens=args.draft_tokens,
+            speculative_ngram_min_match_window_size=args.min_window,
+            speculative_ngram_max_match_window_size=max(4, args.min_window))
     requests = workload(args.requests, seed=1)
-    _one(engines["plain"], requests[0][1], dict(max_new_tokens=4))  # warm both
-    _one(engines["ngram"], requests[0][1], dict(max_new_tokens=4))
+    for engine in engines.values():  # warm every engine
+        _one(engine, requests[0][1], dict(max_new_tokens=4))
     rows = []
     for constrained in (False, True):
         figures = measure(engines, requests, constrained, args.max_new_tokens)

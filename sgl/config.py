@@ -86,6 +86,11 @@ class EngineConfig:
     speculative_num_draft_tokens: int = 4  # drafts verified per step
     speculative_ngram_min_match_window_size: int = 1  # shortest suffix matched
     speculative_ngram_max_match_window_size: int = 4  # longest suffix matched (tried first)
+    # sgl's own: "text" (backend/spec_text.py) matches the request's text (suffixes of 3..32
+    # bytes; the windows above do not apply) and drafts the text its grammar forces; "tokens":
+    # SGLang's token-id lookup with the windows above. "text" needs the tokenizer's pieces to
+    # spell its text (byte-level BPE does); otherwise the engine uses "tokens".
+    speculative_ngram_match: Literal["text", "tokens"] = "text"
 
     # -- execution ------------------------------------------------------------------------
     attention_backend: Literal["auto", "torch", "triton"] = "auto"

@@ -15,6 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 import sgl
+from sgl.backend.spec_text import TextDrafter
 from sgl.backend.speculative import NgramDrafter, SpecConfig, accepted_len
 
 # -- the drafter ------------------------------------------------------------------------------
@@ -73,6 +74,8 @@ class Invoice(BaseModel):
 def engines():
     plain = sgl.Engine()
     spec = sgl.Engine(speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    # every test below runs the default drafter: the text-level one (backend/spec_text.py)
+    assert isinstance(spec._rt.scheduler.drafter, TextDrafter)
     yield plain, spec
     plain.close()
     spec.close()
@@ -137,11 +140,50 @@ def test_constrained_outputs_are_identical(engines, jump: bool) -> None:
     assert b.text.startswith('{') and '"number"' in b.text  # the schema was enforced
 
 
+def test_a_regex_constrained_copy_is_identical(engines) -> None:
+    plain, spec = engines
+    prompt = f"{DOC}\n\nThe contact's email address is"
+    kw = dict(max_new_tokens=40, temperature=0, regex=r" [a-z.]+@[a-z-]+\.example")
+    a = _run(plain, [prompt], **kw)[0]
+    b = _run(spec, [prompt], **kw)[0]
+    assert b.token_ids == a.token_ids and b.text == a.text
+
+
+def test_json_extraction_takes_fewer_steps_with_drafts(engines) -> None:
+    """Copied values are drafted from their first token and the grammar's forced text is
+    drafted too, so a JSON extraction verifies several tokens per step."""
+    plain, spec = engines
+    prompt = f"{DOC}\n\nExtract the invoice as JSON."
+    kw = dict(max_new_tokens=96, temperature=0, schema=Invoice)
+    p0, s0 = plain.stats(), spec.stats()
+    a = _run(plain, [prompt], **kw)[0]
+    b = _run(spec, [prompt], **kw)[0]
+    p1, s1 = plain.stats(), spec.stats()
+    assert b.token_ids == a.token_ids
+    accepted = s1.spec_accepted_tokens - s0.spec_accepted_tokens
+    drafts = s1.spec_draft_tokens - s0.spec_draft_tokens
+    assert 0 < accepted <= drafts
+    # each accepted draft saves at most one step (fewer where a jump takes over after it)
+    saved = (p1.steps - p0.steps) - (s1.steps - s0.steps)
+    assert 0 < saved <= accepted
+
+
+def test_the_token_id_drafter_is_still_available() -> None:
+    from sgl.backend.runtime import _drafter
+
+    cfg = sgl.EngineConfig(speculative_algorithm="ngram", speculative_ngram_match="tokens")
+    assert type(_drafter(cfg, None)) is NgramDrafter
+    # text mode without a tokenizer (dummy weights) falls back to the id lookup
+    assert type(_drafter(cfg.replace(speculative_ngram_match="text"), None)) is NgramDrafter
+
+
 def test_speculative_options_are_validated() -> None:
     with pytest.raises(sgl.InvalidConfigError, match="speculative_algorithm"):
         sgl.EngineConfig(speculative_algorithm="eagle")
     with pytest.raises(sgl.InvalidConfigError, match="speculative_num_draft_tokens"):
         sgl.EngineConfig(speculative_num_draft_tokens=0)
+    with pytest.raises(sgl.InvalidConfigError, match="speculative_ngram_match"):
+        sgl.EngineConfig(speculative_ngram_match="chars")
     with pytest.raises(sgl.InvalidConfigError, match="max_match_window"):
         sgl.EngineConfig(speculative_ngram_min_match_window_size=4,
                          speculative_ngram_max_match_window_size=2)
