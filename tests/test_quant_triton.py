@@ -26,15 +26,16 @@ from test_quant_formats import random_blocks
 from sgl.backend.quant import FORMATS, QuantizedWeight, decode, linear
 from sgl.backend.quant.factored import factor, unfactor
 from sgl.backend.quant.fp8 import FP8_MAX, Fp8Weight, fp8_linear, fp8_linear_reference
-from sgl.backend.quant.triton_gemm import (
-    GemmConfig,
+from sgl.backend.quant.triton_fp8 import (
+    e4m3_f32,
+    e4m3_f32_sext,
     fp8_dequant,
     fp8_gemm,
-    qdequant,
-    qgemm,
+    fp8_gemv,
 )
+from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, qdequant, qgemm
 from sgl.backend.kernels.triton_compat import tl, triton
-from sgl.backend.quant.triton_gemv import QGemvConfig, e4m3_f32, fp8_gemv, qgemv
+from sgl.backend.quant.triton_gemv import QGemvConfig, qgemv
 
 TRITON_HERE = triton_runs_here(qgemv.__globals__["_qgemv_kernel"])
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
@@ -127,22 +128,92 @@ def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
     assert_matches(qgemv(x, even, b24, config=cfg), x, even.dequantize(), b24)
 
 
+# The GEMV's variant flags (QGemvConfig): I2F conversions instead of the 2^23 trick, int32
+# word loads instead of bytes, and both.
+GEMV_VARIANTS = {"i2f": dict(magic=False), "words": dict(words=True),
+                 "words_i2f": dict(words=True, magic=False)}
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("variant", sorted(GEMV_VARIANTS))
+@pytest.mark.parametrize("factored", [False, True])
+def test_qgemv_variants_match_dequantize_then_matmul(fmt: str, variant: str,
+                                                     factored: bool) -> None:
+    if factored and fmt not in K_QUANTS:
+        pytest.skip("no factored form")
+    flags = GEMV_VARIANTS[variant]
+    n, k = shape_of(fmt)
+    w = qweight(fmt, n, k, seed=5, factored=factored)
+    x, b = inputs(2, k, n, torch.float32, bias=True, seed=5)
+    cfg = QGemvConfig(block_n=8, block_k=ragged_block_k(w), num_warps=1, **flags)
+    assert_matches(qgemv(x, w, b, config=cfg), x, w.dequantize(), b)
+    even = qweight(fmt, 24, k, seed=6, factored=factored)  # the unmasked loads
+    groups = k // even.group_size
+    cfg = QGemvConfig(8, (groups & -groups) * even.group_size, 1, **flags)
+    assert_matches(qgemv(x, even, None, config=cfg), x, even.dequantize(), None)
+    xb = x.bfloat16()  # 16-bit activations through the same variant
+    assert_matches(qgemv(xb, w, None, config=cfg._replace(block_k=ragged_block_k(w))), xb,
+                   w.dequantize(), None)
+
+
 @needs_triton
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [3, 17])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("factored", [False, True])
+@pytest.mark.parametrize("weight_as_a", [False, True])
 def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
-                                              factored: bool) -> None:
+                                              factored: bool, weight_as_a: bool) -> None:
     if factored and fmt not in K_QUANTS:
         pytest.skip("no factored form")
     n, k = shape_of(fmt)
     w = qweight(fmt, n, k, seed=m, factored=factored)
     x, b = inputs(m, k, n, torch.float32, bias, seed=m)
-    assert_matches(qgemm(x, w, b), x, w.dequantize(), b)
-    cfg = GemmConfig(block_m=16, block_n=16, block_k=ragged_block_k(w), num_warps=1,
-                     num_stages=1)
+    cfg = gemm_config(m, n, k, w.group_size)._replace(weight_as_a=weight_as_a)
     assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=ragged_block_k(w), num_warps=1,
+                     num_stages=1, weight_as_a=weight_as_a)
+    assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
+
+
+# The real model's inner dims (SmolLM2: hidden 576 = 18 groups of 32, MLP 1536) and the 8B
+# model's (4096, 14336); K-quants need whole 256-blocks (768: 3 of them).
+TAIL_K = {"Q4_0": (576,), "Q4_1": (1536,), "Q8_0": (576,), "Q4_K": (4096,), "Q5_K": (768,),
+          "Q6_K": (768,)}
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("weight_as_a", [False, True])
+def test_qgemm_row_tails_37_and_real_inner_dims(fmt: str, weight_as_a: bool) -> None:
+    """Row counts around the tile edges (37: the eager prefill that once went wrong on the
+    device; 16/17, 33, 40, 65) at the real models' K, each with the rule's own tiles."""
+    for k in TAIL_K[fmt]:  # (each K: several K steps with a ragged last one)
+        w = qweight(fmt, 19, k, seed=k, factored=fmt in K_QUANTS)
+        x, b = inputs(65, k, 19, torch.float32, bias=True, seed=k)
+        ref = w.dequantize()
+        for m in (2, 17, 37, 65):
+            cfg = gemm_config(m, 19, k, w.group_size)._replace(weight_as_a=weight_as_a)
+            assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])  # the default model's two formats
+def test_qgemm_every_row_count_1_to_40(fmt: str) -> None:
+    """Every M from 1 to 40 at SmolLM2's hidden size in float32 (the orientations take turns),
+    and 16, 17, 37, 40 rows with bf16 activations in both."""
+    w = qweight(fmt, 21, 576, seed=37)
+    ref = w.dequantize()
+    x, b = inputs(40, 576, 21, torch.float32, bias=True, seed=37)
+    for m in range(1, 41):
+        cfg = gemm_config(m, 21, 576)._replace(weight_as_a=m % 2 == 1)
+        assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
+    x, b = x.bfloat16(), b.bfloat16()
+    for m in (16, 17, 37, 40):
+        for weight_as_a in (False, True):
+            cfg = gemm_config(m, 21, 576)._replace(weight_as_a=weight_as_a)
+            assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
 
 
 @needs_triton
@@ -218,17 +289,22 @@ def test_the_bound_catches_a_swapped_nibble_order_and_a_wrong_group() -> None:
     assert_matches(qgemv(x, w), x, w.dequantize(), None)
     swapped = QuantizedWeight(((w.codes << 4) | (w.codes >> 4)).contiguous(), w.scale, w.zero,
                               4, 32, 512, "Q4_K")
-    with pytest.raises(AssertionError, match="beyond the bound"):
-        assert_matches(qgemv(x, swapped), x, w.dequantize(), None)
+    words = QGemvConfig(8, 256, 1, words=True)
+    for run in (lambda v: qgemv(x, v), lambda v: qgemv(x, v, config=words)):
+        with pytest.raises(AssertionError, match="beyond the bound"):
+            assert_matches(run(swapped), x, w.dequantize(), None)
     shifted = QuantizedWeight(w.codes, w.scale.roll(1, dims=1).contiguous(), w.zero, 4, 32, 512,
                               "Q4_K")
-    with pytest.raises(AssertionError, match="beyond the bound"):
-        assert_matches(qgemm(x, shifted), x, w.dequantize(), None)
+    for weight_as_a in (False, True):
+        cfg = gemm_config(3, 21, 512)._replace(weight_as_a=weight_as_a)
+        with pytest.raises(AssertionError, match="beyond the bound"):
+            assert_matches(qgemm(x, shifted, config=cfg), x, w.dequantize(), None)
 
 
 def test_configs_are_shape_only_and_valid() -> None:
     from sgl.backend.quant.triton_gemm import gemm_config
-    from sgl.backend.quant.triton_gemv import fp8_gemv_config, qgemv_config
+    from sgl.backend.quant.triton_fp8 import fp8_gemv_config
+    from sgl.backend.quant.triton_gemv import qgemv_config
 
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     for n, k in ((6144, 4096), (4096, 14336), (128256, 4096), (37, 160), (21, 768)):
@@ -241,7 +317,22 @@ def test_configs_are_shape_only_and_valid() -> None:
                 assert t.block_k % gs == 0 and pow2(t.block_k // gs)
                 assert min(t.block_m, t.block_n) >= 16 and t.block_m >= min(m, 128) // 2
         f = fp8_gemv_config(n, k)
-        assert pow2(f.block_n) and pow2(f.block_k)
+        assert pow2(f.block_n) and pow2(f.block_k) and f.fp8_decode in ("bits", "sext", "cvt")
+        for m in (2, 16, 256):
+            t = gemm_config(m, n, k, fp8=True)
+            assert pow2(t.block_k) and min(t.block_m, t.block_n) >= 16
+
+
+def test_cuda_routes_are_a_valid_table() -> None:
+    """Every weight kind has a route; limits increase; one row is the GEMV; the paths are
+    the three the dispatcher knows; rows past the table go to the scratch."""
+    assert set(linear.CUDA_ROUTES) == {"q4", "q8", "fp8"}
+    for kind, routes in linear.CUDA_ROUTES.items():
+        limits = [limit for limit, _ in routes]
+        assert limits == sorted(set(limits)) and limits[0] >= 1, kind
+        assert {path for _, path in routes} <= {"gemv", "gemm", "scratch"}, kind
+        assert linear.cuda_route(1, kind) == "gemv"
+        assert linear.cuda_route(limits[-1] + 1, kind) == "scratch"
 
 
 # -- FP8 --------------------------------------------------------------------------------------
@@ -255,20 +346,25 @@ def fp8_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, Fp8Weight]:
 
 
 @triton.jit
-def decode_all(B, OUT):
+def decode_all(B, OUT, SEXT: tl.constexpr):
     offs = tl.arange(0, 256)
-    tl.store(OUT + offs, e4m3_f32(tl.load(B + offs).to(tl.int32)))
+    b = tl.load(B + offs).to(tl.int32)  # (int8 bytes: sign-extended)
+    tl.store(OUT + offs, e4m3_f32_sext(b) if SEXT else e4m3_f32(b))
 
 
 @needs_triton
-def test_e4m3_integer_decode_is_exact_for_every_byte() -> None:
-    """All 256 bytes but the two NaNs, subnormals included: e4m3_f32 * 2^120 == the value."""
-    raw = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+@pytest.mark.parametrize("sext", [False, True])
+def test_e4m3_integer_decodes_are_exact_for_every_byte(sext: bool) -> None:
+    """All 256 bytes but the two NaNs, subnormals included: the decode * 2^120 == torch's
+    value, bit for bit (the products by 2^120 in float64 are exact)."""
+    raw = torch.arange(256, dtype=torch.int32, device=DEVICE).to(torch.uint8)
     out = torch.empty(256, device=DEVICE)
-    decode_all[(1,)](raw, out)
+    decode_all[(1,)](raw.view(torch.int8) if sext else raw, out, sext)
     values = raw.view(torch.float8_e4m3fn).float()
     finite = ~values.isnan()
     assert finite.sum() == 254
+    subnormal = finite & (raw & 0x78 == 0) & (raw & 0x07 != 0)
+    assert subnormal.sum() == 14 and (out[subnormal] != 0).all()  # not flushed
     assert torch.equal((out.double() * 2.0**120)[finite], values.double()[finite])
 
 
@@ -302,14 +398,15 @@ def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
         assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
         _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
         xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
-        for bits in (True, False):  # e4m3 decoded with integer ops / the hardware conversion
-            cfg = QGemvConfig(8, 64, 1, fp8_bits=bits)
+        for decode in ("bits", "sext", "cvt"):  # integer ops, two of them, the hardware's
+            cfg = QGemvConfig(8, 64, 1, fp8_decode=decode)
             assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=cfg), x, ref, b)
             assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=cfg), xe,
                            even.dequantize(), be)
     assert_matches(fp8_gemm(x, w.weight, w.scale, b), x, ref, b)
-    cfg = GemmConfig(16, 16, 64, 1, 1)
-    assert_matches(fp8_gemm(x, w.weight, w.scale, b, config=cfg), x, ref, b)
+    for weight_as_a in (False, True):
+        cfg = GemmConfig(16, 16, 64, 1, 1, weight_as_a)
+        assert_matches(fp8_gemm(x, w.weight, w.scale, b, config=cfg), x, ref, b)
     xb = x.bfloat16()
     yb = fp8_gemm(xb, w.weight, w.scale, None if b is None else b.bfloat16())
     assert yb.dtype == torch.bfloat16
@@ -325,18 +422,20 @@ def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
 @needs_triton
 @pytest.mark.parametrize("rows", [1, 4, 9])
 def test_dispatch_by_rows(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """1 row -> GEMV, up to GEMM_MAX_ROWS -> tiled, more -> dequantized slices + matmul (the
-    slices small here, so the N-sliced path runs); equal results on every path."""
+    """CUDA_ROUTES: 1 row -> GEMV, up to 4 -> tiled (as set here), more -> dequantized slices
+    + matmul (the slices small here, so the N-sliced path runs); equal results on every
+    path."""
     from sgl.backend.quant import fp8 as fp8_module
-    from sgl.backend.quant import triton_gemm, triton_gemv
+    from sgl.backend.quant import triton_fp8, triton_gemm, triton_gemv
 
     monkeypatch.setattr(linear, "use_triton", lambda x: True)
-    monkeypatch.setattr(linear, "GEMM_MAX_ROWS", 4)
+    routes = ((1, "gemv"), (4, "gemm"))
+    monkeypatch.setattr(linear, "CUDA_ROUTES", {"q4": routes, "q8": routes, "fp8": routes})
     monkeypatch.setattr(linear, "SCRATCH_ELEMENTS", 10 * 160)  # 10 weight rows per slice
     calls: list[str] = []
     for mod, name in ((triton_gemv, "qgemv"), (triton_gemm, "qgemm"), (triton_gemm, "qdequant"),
-                      (triton_gemv, "fp8_gemv"), (triton_gemm, "fp8_gemm"),
-                      (triton_gemm, "fp8_dequant")):
+                      (triton_fp8, "fp8_gemv"), (triton_fp8, "fp8_gemm"),
+                      (triton_fp8, "fp8_dequant")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw:
                             calls.append(_n) or _r(*a, **kw))
