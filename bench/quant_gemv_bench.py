@@ -1,7 +1,8 @@
 """Quantized linears (backend/quant: Triton GEMV / tiled / scratch + cuBLAS) vs bf16 at the
 Llama-3.1-8B layer shapes, with a sweep of every kernel variant: one command for the device.
 
-    python bench/quant_gemv_bench.py [--budget 480] [--rows 1,2,4,16,64,256,1024] [--quick]
+    python bench/quant_gemv_bench.py [--budget 540] [--rows 1,2,4,16,64,256,1024]
+                                     [--phases base,gemv,gemm] [--kinds q4,fp8,q8g16] [--quick]
 
 Weights per projection (qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down
 4096x14336, LM head 128256x4096): bf16 (cuBLAS, and our bf16 GEMV at one row), Q4 (4-bit
@@ -9,7 +10,8 @@ codes per 32 with K-quant scales in the GPU's factored form, quant/factored.py: 
 mapping, 4.75 bits per weight), Q8/16 (8-bit codes per 16: Q6_K's, the head and some layers
 of a Q4_K_M file, 9.25 bits) and FP8 (1 byte plus a float32 scale per row).
 
-Phases, in priority order (the sweep stops at --budget seconds and reports what it has):
+Phases, in priority order (the sweep stops at --budget seconds and reports what it has; per
+kind, Q4 then FP8 then Q8, its GEMV then its tiled sweep, 256 rows first):
   base   every path as shipped: bf16; per kind the GEMV at 1, 2, 4 rows, the tiled kernel
          (its default tiles, both operand orders) and scratch + cuBLAS from 2 rows on
   gemv   one-row sweep per kind (quant_sweep.py): tiles first (block_n x block_k x warps,
@@ -23,9 +25,9 @@ shapes, as the CUDA_ROUTES table of quant/linear.py.
 
 Output: the table on stdout and in $OUT/quant_gemv_table.md, every measurement as JSON lines
 in $OUT/quant_gemv_sweep.jsonl (written as they are taken: a killed run keeps its figures),
-one summary line in bench/results/quant_gemv_bench.jsonl, and the Python lines to paste into
-triton_gemv.py (QGEMV_DEFAULTS), triton_fp8.py (FP8_GEMV_DEFAULTS), triton_gemm.py
-(GEMM_DEFAULTS, FP8_GEMM_DEFAULTS) and linear.py (CUDA_ROUTES). Timing as in
+one summary line in bench/results/quant_gemv_bench.jsonl, and three Python lines to paste:
+GEMV_DEFAULTS (quant/triton_gemv.py), GEMM_DEFAULTS (quant/triton_gemm.py) and CUDA_ROUTES
+(quant/linear.py); an entry the run did not measure keeps today's value. Timing as in
 bench/gemv_bench.py: calls replayed from one CUDA graph, cycling through enough weight copies
 (>= 256 MiB) that the L2 cannot serve a repeat.
 """
@@ -45,6 +47,7 @@ from common import ensure_sgl_importable  # noqa: E402
 
 ensure_sgl_importable()
 from quant_sweep import (  # noqa: E402
+    TABLE_KIND,
     Budget,
     Recorder,
     WeightSet,
@@ -77,7 +80,7 @@ def base_phase(ws: WeightSet, rows: list[int], rec: Recorder, budget: Budget) ->
                     cfg = None
                     if path.startswith("gemm"):
                         cfg = gemm_config(m, n, k, 16 if kind == "q8g16" else 32,
-                                          fp8=kind == "fp8")._replace(
+                                          TABLE_KIND[kind])._replace(
                             weight_as_a=path == "gemm_wa")
                     rec.add("base", name, kind, m, path,
                             time_path(ws, kind, name, x, path, cfg), config=cfg)
@@ -85,11 +88,12 @@ def base_phase(ws: WeightSet, rows: list[int], rec: Recorder, budget: Budget) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=480.0,
+    ap.add_argument("--budget", type=float, default=540.0,
                     help="seconds for the whole run; sweeps stop there (device calls: 600)")
     ap.add_argument("--rows", default="1,2,4,16,64,256,1024")
     ap.add_argument("--quick", action="store_true", help="small grids (a smoke test)")
     ap.add_argument("--phases", default="base,gemv,gemm")
+    ap.add_argument("--kinds", default="q4,fp8,q8g16", help="sweep order of the weight kinds")
     args = ap.parse_args()
     import triton
 
@@ -103,10 +107,9 @@ def main() -> int:
     if "base" in phases:
         base_phase(ws, rows, rec, budget)
     best: dict[str, Any] = {}
-    for kind in QUANT:
+    for kind in args.kinds.split(","):  # Q4 first: the budget may stop the rest
         if "gemv" in phases:
             best[f"gemv_{kind}"] = gemv_sweep(ws, kind, rec, budget, args.quick)
-    for kind in ("q4", "fp8", "q8g16"):
         if "gemm" in phases:
             best[f"gemm_{kind}"] = gemm_sweep(ws, kind, rec, budget, args.quick)
     text = rec.report(best, routes_table(rec, rows))

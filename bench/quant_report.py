@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gemv_bench import SHAPES
-from quant_sweep import LIMIT, SWEEP_ROWS, WEIGHT, nbytes_of
+from quant_sweep import LIMIT, SWEEP_ROWS, TABLE_KIND, WEIGHT, nbytes_of
 
 KINDS = ("q4", "q8g16", "fp8")
 
@@ -33,7 +33,8 @@ def gemv_table(rec: Any) -> list[str]:
 def rows_table(routes: dict[str, Any]) -> list[str]:
     lines = ["", "## Per 8B step (32 x (qkv + o + gate_up + down) + head), us: each path at "
              "its best measured config; ratio = best path / bf16", "",
-             "| kind | rows | gemv | gemm | scratch | bf16 | ratio |", "|---|---|---|---|---|---|---|"]
+             "| kind | rows | gemv | gemm | scratch | bf16 | ratio |",
+             "|---|---|---|---|---|---|---|"]
     for kind in KINDS:
         for m, totals in routes[kind]["per_m"].items():
             paths = [totals.get(p) for p in ("gemv", "gemm", "scratch")]
@@ -58,38 +59,45 @@ def per_shape_table(rec: Any, rows: list[int]) -> list[str]:
     return lines
 
 
-def _cfg(best: dict[str, Any], key: str) -> str | None:
+def _cfg(best: dict[str, Any], key: str) -> Any:
     entry = best.get(key)
-    if not entry or not entry.get("best"):
-        return None
-    return repr(entry["best"][0])
+    return entry["best"][0] if entry and entry.get("best") else None
+
+
+def _limit(v: int) -> str:
+    return "1 << 62" if v >= 1 << 62 else str(v)
 
 
 def paste_lines(best: dict[str, Any], routes: dict[str, Any]) -> list[str]:
-    out = ["", "## Lines to paste (the sweep's winners; '# not measured' keeps today's value)", ""]
-    gemv: dict[str, str] = {}
-    for kind, key in (("q4", "q4"), ("q8g16", "q8"), ("fp8", "fp8")):
+    """GEMV_DEFAULTS, GEMM_DEFAULTS and CUDA_ROUTES as Python: the sweep's winners per N class
+    (and row tier), today's value where the run measured nothing."""
+    from sgl.backend.quant.triton_gemm import GEMM_DEFAULTS
+    from sgl.backend.quant.triton_gemv import GEMV_DEFAULTS
+
+    gemv, gemm = [], []
+    for kind in KINDS:
+        key = TABLE_KIND[kind]
         sweep = best.get(f"gemv_{kind}", {})
-        cells = [f"({LIMIT[c] if c == 'small' else '1 << 62'}, {_cfg(sweep, c)})"
-                 for c in ("small", "large") if _cfg(sweep, c)]
-        gemv[key] = "(" + ", ".join(cells) + ")" if len(cells) == 2 else "# not measured"
-    out.append("# backend/quant/triton_gemv.py")
-    out.append(f'QGEMV_DEFAULTS = {{"q4": {gemv["q4"]}, "q8": {gemv["q8"]}}}')
-    out.append("# backend/quant/triton_fp8.py")
-    out.append(f"FP8_GEMV_DEFAULTS = {gemv['fp8']}")
-    for kind, name in (("q4", "GEMM_DEFAULTS"), ("fp8", "FP8_GEMM_DEFAULTS"),
-                       ("q8g16", "Q8_GEMM_BEST  # (information: GEMM_DEFAULTS serves q8 too)")):
+        today = GEMV_DEFAULTS[key]
+        cells = [(LIMIT["small"], _cfg(sweep, "small") or today[0][1]),
+                 (LIMIT["large"], _cfg(sweep, "large") or today[-1][1])]
+        gemv.append(f'"{key}": (' + ", ".join(f"({_limit(n)}, {c!r})" for n, c in cells) + ")")
         sweep = best.get(f"gemm_{kind}", {})
         tiers = []
-        for m, limit in zip(SWEEP_ROWS, ("16", "64", "256", "1 << 62")):
-            s, big = _cfg(sweep, f"{m}_small"), _cfg(sweep, f"{m}_large")
-            tiers.append(f"({limit}, {s}, {big})" if s and big else f"({limit}: not measured)")
-        out.append("# backend/quant/triton_gemm.py")
-        out.append(f"{name} = (" + ", ".join(tiers) + ")")
-    table = {("q8" if k == "q8g16" else k): tuple(routes[k]["routes"]) for k in KINDS}
-    out.append("# backend/quant/linear.py")
-    out.append(f"CUDA_ROUTES = {table!r}")
-    return out
+        for m, (limit, small, large) in zip(SWEEP_ROWS, GEMM_DEFAULTS[key]):
+            tiers.append(f"({_limit(limit)}, {_cfg(sweep, f'{m}_small') or small!r}, "
+                         f"{_cfg(sweep, f'{m}_large') or large!r})")
+        gemm.append(f'"{key}": (' + ", ".join(tiers) + ")")
+    table = {TABLE_KIND[k]: tuple(routes[k]["routes"]) or ((1, "gemv"),) for k in KINDS}
+    return ["", "## Lines to paste (the sweep's winners; today's values where not measured)",
+            "", "# backend/quant/triton_gemv.py",
+            "GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {"
+            + ", ".join(gemv) + "}",
+            "# backend/quant/triton_gemm.py",
+            "GEMM_DEFAULTS: dict[str, tuple[tuple[int, GemmConfig, GemmConfig], ...]] = {"
+            + ", ".join(gemm) + "}",
+            "# backend/quant/linear.py",
+            f"CUDA_ROUTES: dict[str, tuple[tuple[int, str], ...]] = {table!r}"]
 
 
 def report(rec: Any, best: dict[str, Any], routes: dict[str, Any]) -> str:

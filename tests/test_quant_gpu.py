@@ -187,13 +187,13 @@ def test_gpu_tiled_kernels_8b_shapes(n: int, k: int, kind: str, weight_as_a: boo
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
     if kind == "fp8":
         w8 = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
-        cfg = gemm_config(m, n, k, fp8=True)._replace(weight_as_a=weight_as_a)
+        cfg = gemm_config(m, n, k, kind="fp8")._replace(weight_as_a=weight_as_a)
         assert_tight(fp8_gemm(x, w8.weight, w8.scale, config=cfg), x,
                      w8.dequantize(torch.bfloat16))
         return
     bits, group = (4, 32) if kind == "q4" else (8, 16)
     w = random_qweight(n, k, bits, group, seed=m, factored=True)
-    cfg = gemm_config(m, n, k, group)._replace(weight_as_a=weight_as_a)
+    cfg = gemm_config(m, n, k, group, linear.weight_kind(w))._replace(weight_as_a=weight_as_a)
     assert_tight(qgemm(x, w, config=cfg), x, w.dequantize(dtype=torch.bfloat16))
 
 
@@ -235,7 +235,8 @@ def test_gpu_tiled_kernel_on_the_real_models_weights(dtype: torch.dtype) -> None
         x = torch.randn(40, k, device=CUDA, dtype=dtype)
         for m in range(1, 41):
             for weight_as_a in (False, True):
-                cfg = gemm_config(m, n, k, w.group_size)._replace(weight_as_a=weight_as_a)
+                cfg = gemm_config(m, n, k, w.group_size, linear.weight_kind(w))._replace(
+                    weight_as_a=weight_as_a)
                 assert_tight(qgemm(x[:m], w, config=cfg), x[:m], ref)
 
 

@@ -170,7 +170,8 @@ def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
     n, k = shape_of(fmt)
     w = qweight(fmt, n, k, seed=m, factored=factored)
     x, b = inputs(m, k, n, torch.float32, bias, seed=m)
-    cfg = gemm_config(m, n, k, w.group_size)._replace(weight_as_a=weight_as_a)
+    cfg = gemm_config(m, n, k, w.group_size, linear.weight_kind(w))._replace(
+        weight_as_a=weight_as_a)
     assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
     cfg = GemmConfig(block_m=16, block_n=16, block_k=ragged_block_k(w), num_warps=1,
                      num_stages=1, weight_as_a=weight_as_a)
@@ -194,7 +195,8 @@ def test_qgemm_row_tails_37_and_real_inner_dims(fmt: str, weight_as_a: bool) -> 
         x, b = inputs(65, k, 19, torch.float32, bias=True, seed=k)
         ref = w.dequantize()
         for m in (2, 17, 37, 65):
-            cfg = gemm_config(m, 19, k, w.group_size)._replace(weight_as_a=weight_as_a)
+            cfg = gemm_config(m, 19, k, w.group_size, linear.weight_kind(w))._replace(
+                weight_as_a=weight_as_a)
             assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
 
 
@@ -303,23 +305,23 @@ def test_the_bound_catches_a_swapped_nibble_order_and_a_wrong_group() -> None:
 
 def test_configs_are_shape_only_and_valid() -> None:
     from sgl.backend.quant.triton_gemm import gemm_config
-    from sgl.backend.quant.triton_fp8 import fp8_gemv_config
-    from sgl.backend.quant.triton_gemv import qgemv_config
+    from sgl.backend.quant.triton_gemv import gemv_config
 
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     for n, k in ((6144, 4096), (4096, 14336), (128256, 4096), (37, 160), (21, 768)):
         for gs in (16, 32):
-            c = qgemv_config(n, k, gs)
-            assert c == qgemv_config(n, k, gs) and pow2(c.block_n) and pow2(c.block_k // gs)
+            c = gemv_config("q4" if gs == 32 else "q8", n, k, gs)
+            assert c == gemv_config("q4" if gs == 32 else "q8", n, k, gs)
+            assert pow2(c.block_n) and pow2(c.block_k // gs)
             assert c.block_k % gs == 0
             for m in (2, 16, 17, 64, 65, 256):
                 t = gemm_config(m, n, k, gs)
                 assert t.block_k % gs == 0 and pow2(t.block_k // gs)
                 assert min(t.block_m, t.block_n) >= 16 and t.block_m >= min(m, 128) // 2
-        f = fp8_gemv_config(n, k)
+        f = gemv_config("fp8", n, k, 64)
         assert pow2(f.block_n) and pow2(f.block_k) and f.fp8_decode in ("bits", "sext", "cvt")
         for m in (2, 16, 256):
-            t = gemm_config(m, n, k, fp8=True)
+            t = gemm_config(m, n, k, kind="fp8")
             assert pow2(t.block_k) and min(t.block_m, t.block_n) >= 16
 
 

@@ -8,6 +8,7 @@ The per-channel scale factors out of a whole output row, so every kernel accumul
 w_fp8 * x in float32 and multiplies by scale[n] once at the end. Weight-only: activations stay
 in x's dtype (no `torch._scaled_mm`, which would quantize them).
 
+Configs: the "fp8" entries of triton_gemv.GEMV_DEFAULTS and triton_gemm.GEMM_DEFAULTS.
 How the GEMV turns e4m3 bytes into float32 is a config switch (`fp8_decode`), since which is
 fastest is a question of instruction rates the device answers (bench/quant_gemv_bench.py):
 - "bits": the byte's sign to bit 31 and exponent|mantissa to bits 20..26, four integer ops
@@ -27,31 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, next_power_of_2, tl, triton
+from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
-from sgl.backend.quant.triton_gemv import QGemvConfig, _rows
+from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config
 
-__all__ = ["FP8_DECODES", "FP8_GEMV_DEFAULTS", "e4m3_f32", "e4m3_f32_sext", "fp8_dequant",
-           "fp8_gemm", "fp8_gemv", "fp8_gemv_config"]
+__all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "fp8_dequant", "fp8_gemm", "fp8_gemv"]
 
 FP8_DECODES = {"cvt": 0, "bits": 1, "sext": 2}  # QGemvConfig.fp8_decode -> kernel constexpr
-
-# One-row defaults by weight rows N ((largest N, config); the last covers the rest), set from
-# bench/quant_gemv_bench.py's sweep (it prints this line). One byte per weight, so the bf16
-# GEMV's 2-byte tiles with twice the K span move the same bytes per step (the session-5
-# starting point: 16 rows up to N = 4096, 8 past it).
-FP8_GEMV_DEFAULTS: tuple[tuple[int, QGemvConfig], ...] = (
-    (4096, QGemvConfig(16, 1024, 4, fp8_decode="bits")),
-    (1 << 62, QGemvConfig(8, 1024, 4, fp8_decode="bits")),
-)
-
-
-def fp8_gemv_config(n: int, k: int) -> QGemvConfig:
-    """Tiles and e4m3 decode for one row against an [n, k] FP8 weight (shape-only; the
-    QuantizedWeight-only fields `magic` and `words` are ignored here)."""
-    cfg = next(c for limit, c in FP8_GEMV_DEFAULTS if n <= limit)
-    return cfg._replace(block_k=min(cfg.block_k, max(64, next_power_of_2(k))))
-
 
 @triton.jit
 def e4m3_f32(b):
@@ -119,7 +102,7 @@ def fp8_gemv(
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
-        cfg = config or fp8_gemv_config(n, k)
+        cfg = config or gemv_config("fp8", n, k, 64)
         mode = FP8_DECODES[cfg.fp8_decode]
         w = weight.view(torch.uint8) if mode == 1 else weight.view(torch.int8) if mode == 2 \
             else weight
@@ -183,7 +166,7 @@ def fp8_gemm(
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m and n:
-        cfg = config or gemm_config(m, n, k, fp8=True)
+        cfg = config or gemm_config(m, n, k, kind="fp8")
         _fp8_gemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
             x2, weight, scale, bias if bias is not None else scale, y,
             m, n, k,

@@ -3,7 +3,7 @@
     qgemm(x [M, K], w: QuantizedWeight, bias) -> [M, N]              (x's dtype)
     qdequant(w, dtype) -> [N, K]
 
-(FP8 weights: quant/triton_fp8.py, which shares `GemmConfig` and `gemm_config`.)
+(FP8 weights: quant/triton_fp8.py, which shares `GemmConfig` and the `GEMM_DEFAULTS` table.)
 
 `qgemm` serves decode batches (2 to a few hundred rows): a program owns a [BLOCK_M, BLOCK_N]
 output tile and walks K; each step loads one tile of codes, dequantizes it in registers to
@@ -46,7 +46,7 @@ from sgl.backend.quant.triton_gemv import (
 )
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["FP8_GEMM_DEFAULTS", "GEMM_DEFAULTS", "GemmConfig", "gemm_config", "qdequant", "qgemm", "store_tile"]
+__all__ = ["GEMM_DEFAULTS", "GemmConfig", "gemm_config", "qdequant", "qgemm", "store_tile"]
 
 
 class GemmConfig(NamedTuple):
@@ -58,27 +58,26 @@ class GemmConfig(NamedTuple):
     weight_as_a: bool = False  # the weight tile as the dot's first operand (module doc)
 
 
-# Tiles by rows (shape-only: graph-safe), set from bench/quant_gemv_bench.py's sweep (it
-# sweeps at 16, 64, 256 and 1,024 rows, one per entry, and prints these lines). Each entry:
-# (largest M, config for N <= 8192, config for larger N); the last covers the rest. BLOCK_M
-# covers the rows in one tile up to 64 (each weight tile read and dequantized once); up to 64
-# rows the product is still weight streaming, so output tiles stay narrow where N is small, to
-# give the 132 SMs a few programs each; past that, wide compute tiles. The session-5 starting
-# points (far from cuBLAS at 256 rows on the H200).
-GEMM_DEFAULTS: tuple[tuple[int, GemmConfig, GemmConfig], ...] = (
+# Tiles by weight kind (quant/linear.py's names: "q4", "q8", "fp8") and rows (shape-only:
+# graph-safe), set from bench/quant_gemv_bench.py's sweep (it sweeps at 16, 64, 256 and
+# 1,024 rows, one per entry, and prints this line). Each entry: (largest M, config for
+# N <= 8192, config for larger N); the last covers the rest. Today's values are session 5's
+# starting points (far from cuBLAS at 256 rows on the H200): BLOCK_M covers the rows up to 64
+# (each weight tile read and dequantized once), output tiles narrow where N is small while
+# the product is still weight streaming (a few programs per SM), wide compute tiles past it.
+_SESSION5 = (
     (16, GemmConfig(16, 16, 256, 4, 3), GemmConfig(16, 32, 256, 4, 3)),
     (64, GemmConfig(64, 32, 128, 4, 3), GemmConfig(64, 64, 128, 4, 3)),
     (256, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 3)),
     (1 << 62, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 3)),
 )
-# FP8 (quant/triton_fp8.py): the same tiers, its own table so the sweep can set it apart.
-FP8_GEMM_DEFAULTS: tuple[tuple[int, GemmConfig, GemmConfig], ...] = GEMM_DEFAULTS
+GEMM_DEFAULTS: dict[str, tuple[tuple[int, GemmConfig, GemmConfig], ...]] = {
+    "q4": _SESSION5, "q8": _SESSION5, "fp8": _SESSION5}
 
 
-def gemm_config(m: int, n: int, k: int, group_size: int = 32, fp8: bool = False) -> GemmConfig:
+def gemm_config(m: int, n: int, k: int, group_size: int = 32, kind: str = "q4") -> GemmConfig:
     """The table's tiles for an [m, k] x [n, k]^T product; BLOCK_K at least one group."""
-    table = FP8_GEMM_DEFAULTS if fp8 else GEMM_DEFAULTS
-    small, large = next((s, l) for limit, s, l in table if m <= limit)  # noqa: E741
+    small, large = next((s, l) for limit, s, l in GEMM_DEFAULTS[kind] if m <= limit)  # noqa: E741
     cfg = small if n <= 8192 else large
     return cfg._replace(block_k=max(cfg.block_k, group_size))
 
@@ -180,7 +179,7 @@ def qgemm(
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
-        cfg = config or gemm_config(m, n, k, gs)
+        cfg = config or gemm_config(m, n, k, gs, "q4" if w.bits == 4 else "q8")
         block_g = groups_per_block(cfg.block_k, gs)
         sup_s, sup_z, sup = scale_args(w)
         _qgemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](

@@ -22,9 +22,10 @@ code bytes in flight (Little's law: ~4 TB/s times ~1 us of latency is ~4 MB acro
   mantissa bits of 2^23 and 2^23 is subtracted (exact for any code below 2^23). The
   conversion path stays as a config switch, so the device sweep can show what it costs.
 
-Rows of x are a second grid axis (each program re-reads its weight tile from L2; the engine
-sends only one-row products here, quant/linear.py's CUDA table). Configs depend on the
-shape only: graph-safe, no host sync.
+The tiles and flags come from the GEMV_DEFAULTS table (FP8's too: quant/triton_fp8.py). Rows
+of x are a second grid axis (each program re-reads its weight tile from L2; quant/linear.py's
+CUDA_ROUTES decides which row counts come here). Configs depend on the shape only:
+graph-safe, no host sync.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import torch
 from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["QGEMV_DEFAULTS", "QGemvConfig", "groups_per_block", "int8_f32", "load_group_scales", "nibbles_f32",
-           "nibbles_f32_hi16", "qgemv", "qgemv_config", "scale_args"]
+__all__ = ["GEMV_DEFAULTS", "QGemvConfig", "gemv_config", "groups_per_block", "int8_f32",
+           "load_group_scales", "nibbles_f32", "nibbles_f32_hi16", "qgemv", "scale_args"]
 
 
 class QGemvConfig(NamedTuple):
@@ -50,25 +51,25 @@ class QGemvConfig(NamedTuple):
     fp8_decode: str = "bits"  # FP8 only: "bits" | "sext" | "cvt" (quant/triton_fp8.py)
 
 
-# The one-row defaults by code width ("q4": 4-bit, "q8": 8-bit codes) and weight rows N, set
-# from bench/quant_gemv_bench.py's sweep (it prints these lines). Each entry: (largest N,
-# config); the last one covers the rest.
-QGEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
+# The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
+# codes, "fp8") and weight rows N: (largest N, config), the last entry covering the rest. Set
+# from bench/quant_gemv_bench.py's sweep, which prints this line. Today's values are session
+# 5's starting points: 512-weight K steps for codes (a 16-row tile moves 4 KB of 4-bit codes
+# per step, where the bf16 GEMV's best tiles move 16-32 KB: 0.7-1.6 TB/s on the H200) and,
+# for FP8, the bf16 GEMV's tiles with twice the K span (16 rows up to N = 4096, 8 past it).
+GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
     "q4": ((8192, QGemvConfig(16, 512, 4)), (1 << 62, QGemvConfig(8, 512, 4))),
     "q8": ((8192, QGemvConfig(16, 512, 4)), (1 << 62, QGemvConfig(8, 512, 4))),
+    "fp8": ((4096, QGemvConfig(16, 1024, 4)), (1 << 62, QGemvConfig(8, 1024, 4))),
 }
 
 
-def qgemv_config(n: int, k: int, group_size: int, bits: int = 4) -> QGemvConfig:
-    """Tile sizes for one row against an [n, k] quantized weight (shape-only).
-
-    The session-5 starting points (512-weight K steps: a 16-row tile moves 4 KB of 4-bit
-    codes per step, where the bf16 GEMV's best tiles move 16-32 KB) measured 0.7-1.6 TB/s
-    on the H200; bench/quant_gemv_bench.py sweeps wider tiles and the variant flags and
-    prints the QGEMV_DEFAULTS line to paste here. K is capped at the weight's own (small
-    test shapes waste no lanes)."""
-    cfg = next(c for limit, c in QGEMV_DEFAULTS["q4" if bits == 4 else "q8"] if n <= limit)
-    return cfg._replace(block_k=min(cfg.block_k, max(group_size, next_power_of_2(k))))
+def gemv_config(kind: str, n: int, k: int, min_k: int) -> QGemvConfig:
+    """The table's one-row config for an [n, k] weight of `kind` (shape-only), its K step
+    capped at the weight's own K (rounded up to a power of two, at least `min_k`: small test
+    shapes waste no lanes)."""
+    cfg = next(c for limit, c in GEMV_DEFAULTS[kind] if n <= limit)
+    return cfg._replace(block_k=min(cfg.block_k, max(min_k, next_power_of_2(k))))
 
 
 @triton.jit
@@ -255,7 +256,7 @@ def qgemv(
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
-        cfg = config or qgemv_config(n, k, gs, w.bits)
+        cfg = config or gemv_config("q4" if w.bits == 4 else "q8", n, k, gs)
         block_g, groups = groups_per_block(cfg.block_k, gs), k // gs
         gbytes = gs // 2 if w.bits == 4 else gs
         # (every group's bytes are a multiple of 4 and rows start 4-aligned: int32 views)
