@@ -135,6 +135,27 @@ GEMV_VARIANTS = {"i2f": dict(magic=False), "words": dict(words=True),
 
 
 @needs_triton
+def test_gemv_rows_fastest_grid_and_its_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several rows run row-fastest (weight tiles shared through L2) unless the weight blocks
+    overflow CUDA's second grid axis; the kernels give the same products either way."""
+    from sgl.backend.quant import triton_fp8, triton_gemv
+
+    assert triton_gemv.row_grid(3, 10) == ((3, 10), True)
+    assert triton_gemv.row_grid(1, 10) == ((10, 1), False)
+    assert triton_gemv.row_grid(2, 70000) == ((70000, 2), False)
+    w = qweight("Q4_1", 37, 160)
+    _, w8 = fp8_weight(37, 160)
+    x, b = inputs(3, 160, 37, torch.float32, bias=True)
+    for forced in (False, True):
+        if forced:
+            fallback = lambda m, nb: ((nb, m), False)  # noqa: E731
+            monkeypatch.setattr(triton_gemv, "row_grid", fallback)
+            monkeypatch.setattr(triton_fp8, "row_grid", fallback)
+        assert_matches(qgemv(x, w, b), x, w.dequantize(), b)
+        assert_matches(fp8_gemv(x, w8.weight, w8.scale, b), x, w8.dequantize(), b)
+
+
+@needs_triton
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("variant", sorted(GEMV_VARIANTS))
 @pytest.mark.parametrize("factored", [False, True])

@@ -30,7 +30,7 @@ import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
-from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config
+from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
 
 __all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "fp8_dequant", "fp8_gemm", "fp8_gemv"]
 
@@ -56,9 +56,12 @@ def _fp8_gemv_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
+    ROWS_FIRST: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    row = tl.program_id(1)
+    if ROWS_FIRST:  # several rows: the programs sharing a weight tile run together
+        row, pid_n = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_n, row = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     mask_n = offs_n < N
@@ -106,13 +109,14 @@ def fp8_gemv(
         mode = FP8_DECODES[cfg.fp8_decode]
         w = weight.view(torch.uint8) if mode == 1 else weight.view(torch.int8) if mode == 2 \
             else weight
-        _fp8_gemv_kernel[(cdiv(n, cfg.block_n), m)](
+        grid, rows_first = row_grid(m, cdiv(n, cfg.block_n))
+        _fp8_gemv_kernel[grid](
             x2, w, scale, bias if bias is not None else scale, y,
             n, k,
             x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ROWS_FIRST=rows_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y.reshape(*x.shape[:-1], n)
 

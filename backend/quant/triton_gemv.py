@@ -23,8 +23,8 @@ code bytes in flight (Little's law: ~4 TB/s times ~1 us of latency is ~4 MB acro
   conversion path stays as a config switch, so the device sweep can show what it costs.
 
 The tiles and flags come from the GEMV_DEFAULTS table (FP8's too: quant/triton_fp8.py). Rows
-of x are a second grid axis (each program re-reads its weight tile from L2; quant/linear.py's
-CUDA_ROUTES decides which row counts come here). Configs depend on the shape only:
+of x are a grid axis, the fastest one (`row_grid`: each program re-reads its weight tile, from
+L2; quant/linear.py's CUDA_ROUTES decides which row counts come here). Configs depend on the shape only:
 graph-safe, no host sync.
 """
 
@@ -38,7 +38,8 @@ from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["GEMV_DEFAULTS", "QGemvConfig", "gemv_config", "groups_per_block", "int8_f32",
-           "load_group_scales", "nibbles_f32", "nibbles_f32_hi16", "qgemv", "scale_args"]
+           "load_group_scales", "nibbles_f32", "nibbles_f32_hi16", "qgemv", "row_grid",
+           "scale_args"]
 
 
 class QGemvConfig(NamedTuple):
@@ -204,10 +205,12 @@ def _qgemv_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     EVEN_G: tl.constexpr, EVEN: tl.constexpr, MAGIC: tl.constexpr, WORDS: tl.constexpr,
-    LANES: tl.constexpr,
+    LANES: tl.constexpr, ROWS_FIRST: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    row = tl.program_id(1)
+    if ROWS_FIRST:  # several rows: the programs sharing a weight tile run together
+        row, pid_n = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_n, row = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     offs_i = tl.arange(0, LANES)  # [LANES] code bytes (or int32 words) of one group
@@ -262,7 +265,8 @@ def qgemv(
         # (every group's bytes are a multiple of 4 and rows start 4-aligned: int32 views)
         codes = w.codes.view(torch.int32) if cfg.words else w.codes.view(torch.uint8)
         sup_s, sup_z, sup = scale_args(w)
-        _qgemv_kernel[(cdiv(n, cfg.block_n), m)](
+        grid, rows_first = row_grid(m, cdiv(n, cfg.block_n))
+        _qgemv_kernel[grid](
             x2, codes, w.scale, w.zero, sup_s, sup_z,
             bias if bias is not None else sup_s, y,
             n, groups,
@@ -271,9 +275,19 @@ def qgemv(
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
             EVEN_G=groups % block_g == 0, EVEN=n % cfg.block_n == 0 and groups % block_g == 0,
             MAGIC=cfg.magic, WORDS=cfg.words, LANES=gbytes // 4 if cfg.words else gbytes,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ROWS_FIRST=rows_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y.reshape(*x.shape[:-1], n)
+
+
+def row_grid(m: int, n_blocks: int) -> tuple[tuple[int, int], bool]:
+    """(grid, rows first) of a GEMV launch. Several rows: the row is the fastest grid axis,
+    so the programs reading one weight tile run back to back and all but the first find it
+    in L2 (with the row axis second, gate_up's 66 MB of codes would stream from DRAM once
+    per row); CUDA's second axis stops at 65,535, past which the rows go second."""
+    if m > 1 and n_blocks <= 65535:
+        return (m, n_blocks), True
+    return (n_blocks, m), False
 
 
 def groups_per_block(block_k: int, group_size: int) -> int:
