@@ -1,5 +1,6 @@
-"""The Triton kernels on quantized weights (backend/quant/triton_gemv.py, triton_gemm.py, and
-FP8 in quant/fp8.py) against dequantize-then-matmul, on random blocks of every GGUF format.
+"""The Triton kernels on quantized weights (backend/quant/triton_gemv.py, triton_gemm.py; the
+tiled kernel's row tails in test_quant_triton_tiled.py, FP8 in test_quant_triton_fp8.py)
+against dequantize-then-matmul, on random blocks of every GGUF format.
 
 Without CUDA they run under Triton's interpreter (tests/triton_interp.py), in process when
 this module is the first to import triton, else through `test_quant_triton_in_subprocess`.
@@ -25,16 +26,9 @@ from test_quant_formats import random_blocks
 
 from sgl.backend.quant import FORMATS, QuantizedWeight, decode, linear
 from sgl.backend.quant.factored import factor, unfactor
-from sgl.backend.quant.fp8 import FP8_MAX, Fp8Weight, fp8_linear, fp8_linear_reference
-from sgl.backend.quant.triton_fp8 import (
-    e4m3_f32,
-    e4m3_f32_sext,
-    fp8_dequant,
-    fp8_gemm,
-    fp8_gemv,
-)
-from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, qdequant, qgemm
-from sgl.backend.kernels.triton_compat import tl, triton
+from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear, fp8_linear_reference
+from sgl.backend.quant.triton_fp8 import fp8_gemv
+from sgl.backend.quant.triton_gemm import gemm_config, qdequant, qgemm
 from sgl.backend.quant.triton_gemv import QGemvConfig, qgemv
 
 TRITON_HERE = triton_runs_here(qgemv.__globals__["_qgemv_kernel"])
@@ -179,67 +173,6 @@ def test_qgemv_variants_match_dequantize_then_matmul(fmt: str, variant: str,
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("m", [3, 17])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("factored", [False, True])
-@pytest.mark.parametrize("weight_as_a", [False, True])
-def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
-                                              factored: bool, weight_as_a: bool) -> None:
-    if factored and fmt not in K_QUANTS:
-        pytest.skip("no factored form")
-    n, k = shape_of(fmt)
-    w = qweight(fmt, n, k, seed=m, factored=factored)
-    x, b = inputs(m, k, n, torch.float32, bias, seed=m)
-    cfg = gemm_config(m, n, k, w.group_size, linear.weight_kind(w))._replace(
-        weight_as_a=weight_as_a)
-    assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
-    cfg = GemmConfig(block_m=16, block_n=16, block_k=ragged_block_k(w), num_warps=1,
-                     num_stages=1, weight_as_a=weight_as_a)
-    assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
-
-
-# The real model's inner dims (SmolLM2: hidden 576 = 18 groups of 32, MLP 1536) and the 8B
-# model's (4096, 14336); K-quants need whole 256-blocks (768: 3 of them).
-TAIL_K = {"Q4_0": (576,), "Q4_1": (1536,), "Q8_0": (576,), "Q4_K": (4096,), "Q5_K": (768,),
-          "Q6_K": (768,)}
-
-
-@needs_triton
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("weight_as_a", [False, True])
-def test_qgemm_row_tails_37_and_real_inner_dims(fmt: str, weight_as_a: bool) -> None:
-    """Row counts around the tile edges (37: the eager prefill that once went wrong on the
-    device; 16/17, 33, 40, 65) at the real models' K, each with the rule's own tiles."""
-    for k in TAIL_K[fmt]:  # (each K: several K steps with a ragged last one)
-        w = qweight(fmt, 19, k, seed=k, factored=fmt in K_QUANTS)
-        x, b = inputs(65, k, 19, torch.float32, bias=True, seed=k)
-        ref = w.dequantize()
-        for m in (2, 17, 37, 65):
-            cfg = gemm_config(m, 19, k, w.group_size, linear.weight_kind(w))._replace(
-                weight_as_a=weight_as_a)
-            assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
-
-
-@needs_triton
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])  # the default model's two formats
-def test_qgemm_every_row_count_1_to_40(fmt: str) -> None:
-    """Every M from 1 to 40 at SmolLM2's hidden size in float32 (the orientations take turns),
-    and 16, 17, 37, 40 rows with bf16 activations in both."""
-    w = qweight(fmt, 21, 576, seed=37)
-    ref = w.dequantize()
-    x, b = inputs(40, 576, 21, torch.float32, bias=True, seed=37)
-    for m in range(1, 41):
-        cfg = gemm_config(m, 21, 576)._replace(weight_as_a=m % 2 == 1)
-        assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
-    x, b = x.bfloat16(), b.bfloat16()
-    for m in (16, 17, 37, 40):
-        for weight_as_a in (False, True):
-            cfg = gemm_config(m, 21, 576)._replace(weight_as_a=weight_as_a)
-            assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
-
-
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_activations_give_their_dtype(dtype: torch.dtype) -> None:
     for fmt in ("Q4_K", "Q6_K"):
@@ -366,77 +299,6 @@ def fp8_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, Fp8Weight]:
     dense = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3).to(DEVICE)
     dense[n // 2] = 0.0  # a zero row: scale 1, not a division by zero
     return dense, Fp8Weight.quantize(dense)
-
-
-@triton.jit
-def decode_all(B, OUT, SEXT: tl.constexpr):
-    offs = tl.arange(0, 256)
-    b = tl.load(B + offs).to(tl.int32)  # (int8 bytes: sign-extended)
-    tl.store(OUT + offs, e4m3_f32_sext(b) if SEXT else e4m3_f32(b))
-
-
-@needs_triton
-@pytest.mark.parametrize("sext", [False, True])
-def test_e4m3_integer_decodes_are_exact_for_every_byte(sext: bool) -> None:
-    """All 256 bytes but the two NaNs, subnormals included: the decode * 2^120 == torch's
-    value, bit for bit (the products by 2^120 in float64 are exact)."""
-    raw = torch.arange(256, dtype=torch.int32, device=DEVICE).to(torch.uint8)
-    out = torch.empty(256, device=DEVICE)
-    decode_all[(1,)](raw.view(torch.int8) if sext else raw, out, sext)
-    values = raw.view(torch.float8_e4m3fn).float()
-    finite = ~values.isnan()
-    assert finite.sum() == 254
-    subnormal = finite & (raw & 0x78 == 0) & (raw & 0x07 != 0)
-    assert subnormal.sum() == 14 and (out[subnormal] != 0).all()  # not flushed
-    assert torch.equal((out.double() * 2.0**120)[finite], values.double()[finite])
-
-
-def test_fp8_quantize_scales_and_rounding() -> None:
-    dense, w = fp8_weight(13, 70)
-    amax = dense.abs().amax(dim=1)
-    expected = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    assert torch.equal(w.scale, expected)
-    assert torch.equal(w.weight[6].float(), torch.zeros(70, device=DEVICE))
-    # e4m3 keeps 3 mantissa bits: round to nearest is within 2^-4 relative (normal range)
-    # and every row's largest value is exact (it maps onto 448).
-    err = (w.dequantize() - dense).abs()
-    assert (err <= dense.abs() * 2.0**-4 + w.scale[:, None] * 2.0**-9).all()
-    top = dense.abs().argmax(dim=1)
-    rows = torch.arange(13, device=DEVICE)
-    torch.testing.assert_close(w.dequantize()[rows, top], dense[rows, top], rtol=1e-6, atol=0)
-    assert w.nbytes == 13 * 70 + 13 * 4
-    with pytest.raises(ValueError, match="inconsistent"):
-        Fp8Weight(w.weight, w.scale[:5])
-
-
-@needs_triton
-@pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
-    n, k = 37, 200
-    _, w = fp8_weight(n, k, seed=m)
-    x, b = inputs(m, k, n, torch.float32, bias, seed=m)
-    ref = w.dequantize()
-    if m <= 3:  # (the GEMV serves one row; more run as a grid axis, slowly when interpreted)
-        assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
-        _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
-        xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
-        for decode in ("bits", "sext", "cvt"):  # integer ops, two of them, the hardware's
-            cfg = QGemvConfig(8, 64, 1, fp8_decode=decode)
-            assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=cfg), x, ref, b)
-            assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=cfg), xe,
-                           even.dequantize(), be)
-    assert_matches(fp8_gemm(x, w.weight, w.scale, b), x, ref, b)
-    for weight_as_a in (False, True):
-        cfg = GemmConfig(16, 16, 64, 1, 1, weight_as_a)
-        assert_matches(fp8_gemm(x, w.weight, w.scale, b, config=cfg), x, ref, b)
-    xb = x.bfloat16()
-    yb = fp8_gemm(xb, w.weight, w.scale, None if b is None else b.bfloat16())
-    assert yb.dtype == torch.bfloat16
-    assert_matches(yb, xb, ref, b)
-    assert torch.equal(fp8_dequant(w.weight, w.scale, torch.float32), ref)
-    assert_same_16_bit(fp8_dequant(w.weight, w.scale, torch.bfloat16, slice(3, 9)),
-                       w.dequantize(torch.bfloat16)[3:9])
 
 
 # -- the dispatcher's row rule (CUDA's, run here under the interpreter) -----------------------
