@@ -149,10 +149,11 @@ def assert_tight(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 GEMV_VARIANTS = [dict(), dict(magic=False), dict(words=True), dict(words=True, magic=False)]
 GEMV_TILES = [(8, 512, 4), (16, 2048, 8), (32, 1024, 8)]  # narrow, wide, the sweep's middle
+ODD_SHAPE = (1000, 768)  # no tile divides N, the K steps end ragged: the masked loads
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", LAYER_SHAPES)
+@pytest.mark.parametrize("n,k", LAYER_SHAPES + [ODD_SHAPE])
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 16)])
 @pytest.mark.parametrize("variant", range(len(GEMV_VARIANTS)))
 def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
@@ -166,7 +167,7 @@ def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", LAYER_SHAPES)
+@pytest.mark.parametrize("n,k", LAYER_SHAPES + [ODD_SHAPE])
 @pytest.mark.parametrize("decode", ["bits", "sext", "cvt"])
 def test_gpu_fp8_gemv_decodes_8b_shapes(n: int, k: int, decode: str) -> None:
     w = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
