@@ -10,8 +10,9 @@ codes per 32 with K-quant scales in the GPU's factored form, quant/factored.py: 
 mapping, 4.75 bits per weight), Q8/16 (8-bit codes per 16: Q6_K's, the head and some layers
 of a Q4_K_M file, 9.25 bits) and FP8 (1 byte plus a float32 scale per row).
 
-Phases, in priority order (the sweep stops at --budget seconds and reports what it has; per
-kind, Q4 then FP8 then Q8, its GEMV then its tiled sweep, 256 rows first):
+Phases (the run stops at --budget seconds and reports what it has), in this order: base at
+one row, Q4's GEMV sweep, base at the other row counts, then per kind (Q4, FP8, Q8) its GEMV
+sweep (Q4's done) and its tiled sweep, 256 rows first:
   base   every path as shipped: bf16; per kind the GEMV at 1, 2, 4 rows, the tiled kernel
          (its default tiles, both operand orders) and scratch + cuBLAS from 2 rows on
   gemv   one-row sweep per kind (quant_sweep.py): tiles first (block_n x block_k x warps,
@@ -104,11 +105,18 @@ def main() -> int:
     budget = Budget(args.budget)
     rec = Recorder(out / "quant_gemv_sweep.jsonl")
     ws = WeightSet()
-    if "base" in phases:
-        base_phase(ws, rows, rec, budget)
     best: dict[str, Any] = {}
-    for kind in args.kinds.split(","):  # Q4 first: the budget may stop the rest
-        if "gemv" in phases:
+    kinds = args.kinds.split(",")
+    # The order is the priority: one row everywhere, then the first kind's GEMV sweep (the
+    # issue's single-stream targets), then the batches everywhere, then the rest by kind.
+    if "base" in phases:
+        base_phase(ws, [m for m in rows if m == 1], rec, budget)
+    if "gemv" in phases:
+        best[f"gemv_{kinds[0]}"] = gemv_sweep(ws, kinds[0], rec, budget, args.quick)
+    if "base" in phases:
+        base_phase(ws, [m for m in rows if m > 1], rec, budget)
+    for i, kind in enumerate(kinds):
+        if "gemv" in phases and i > 0:
             best[f"gemv_{kind}"] = gemv_sweep(ws, kind, rec, budget, args.quick)
         if "gemm" in phases:
             best[f"gemm_{kind}"] = gemm_sweep(ws, kind, rec, budget, args.quick)
