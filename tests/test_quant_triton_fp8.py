@@ -100,6 +100,8 @@ def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
     assert yb.dtype == torch.bfloat16
     assert_matches(yb, xb, ref, b)
     assert torch.equal(fp8_dequant(w.weight, w.scale, torch.float32), ref)
+    with pytest.raises(ValueError, match="fp8_decode 'e5m2'"):
+        fp8_gemv(x[:1], w.weight, w.scale, config=QGemvConfig(8, 64, 1, fp8_decode="e5m2"))
     assert_same_16_bit(fp8_dequant(w.weight, w.scale, torch.bfloat16, slice(3, 9)),
                        w.dequantize(torch.bfloat16)[3:9])
 

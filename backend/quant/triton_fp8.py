@@ -106,6 +106,8 @@ def fp8_gemv(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
         cfg = config or gemv_config("fp8", n, k, 64)
+        if cfg.fp8_decode not in FP8_DECODES:
+            raise ValueError(f"fp8_decode {cfg.fp8_decode!r}: use one of {sorted(FP8_DECODES)}")
         mode = FP8_DECODES[cfg.fp8_decode]
         w = weight.view(torch.uint8) if mode == 1 else weight.view(torch.int8) if mode == 2 \
             else weight
