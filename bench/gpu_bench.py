@@ -633,7 +633,12 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
     """Issue 14 on the GPU: the 8B shape with bf16, random 4-bit (quantization="gguf" on a
     dummy model: Q4_K-layout Linears, Q6_K-layout table and head, quant/install.py) and FP8
     weights (bf16 head), single stream and `fixed` throughput, each against bf16's run here.
-    The single-stream floor counts the bytes the engine really holds (`weights_bytes`)."""
+    The single-stream floor counts the bytes the engine really holds (`weights_bytes`); the
+    note names the kernel routes in force (quant/linear.py CUDA_ROUTES), so a figure can be
+    traced to the path that produced it."""
+    from sgl.backend.quant.linear import CUDA_ROUTES
+
+    note(f"quant: CUDA_ROUTES {CUDA_ROUTES}")
     ensure_8b_state(args, state)
     shape, res = state["shape"], {}
     fixed = w_fixed(max(8, int(512 * args.scale)), shape.vocab)

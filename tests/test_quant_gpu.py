@@ -5,9 +5,13 @@
 On any machine: `quantization="fp8"` converts every Linear of a float load and nothing else;
 a dummy model with `quantization="gguf"` gets random quantized weights in a Q4_K_M layout.
 On CUDA: the quant_linear dispatcher at the 8B layer shapes on every path (GEMV, tiled,
-scratch + cuBLAS) against dequantize-then-matmul, CUDA-graph replay against eager, and the
-real default model kept quantized on the GPU against the same engine on its dequantized
-float weights (token for token, with the tie rule of test_engine_real).
+scratch + cuBLAS) against dequantize-then-matmul, every kernel variant flag (GEMV: magic /
+words; FP8 decodes; tiled: weight_as_a) at those shapes against a bound tight enough to see
+one wrong nibble, the tiled kernel at every row count 1..40 (rows independent of M, bit for
+bit) and on the real model's weights, CUDA-graph replay against eager, and the real default
+model kept quantized on the GPU against the same engine on its dequantized float weights
+(token for token, with the tie rule of test_engine_real), through the scratch path and
+through the tiled kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from sgl.backend.quant import QuantizedWeight, linear
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.install import weight_bytes
+from sgl.backend.quant.triton_fp8 import fp8_gemm, fp8_gemv
+from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, qgemm
+from sgl.backend.quant.triton_gemv import QGemvConfig, qgemv
 
 SMALL = {"num_hidden_layers": 2}
 CUDA = torch.device("cuda")
@@ -128,6 +135,112 @@ def test_gpu_fp8_linear_8b_shapes(n: int, k: int, m: int) -> None:
     assert_bf16_close(linear.quant_linear(x, w), x, w.dequantize())
 
 
+def assert_tight(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got == x @ w^T (w: the reference's weights in x's dtype) up to the output's rounding
+    and float32 summation: 2^-8 of |y| in bf16 (2^-22 in float32) plus 1e-4 of |x| @ |w|.
+    At K = 4096 a swapped nibble pair or a wrong group's scale moves y by ~1.5% of |x| @ |w|
+    (assert_bf16_close's 2% bound would pass it)."""
+    expected = F.linear(x.float(), w.float())
+    rel = 2.0**-8 if got.dtype == torch.bfloat16 else 2.0**-22
+    bound = rel * expected.abs() + 1e-4 * F.linear(x.float().abs(), w.float().abs()) + 1e-6
+    excess = (got.float() - expected).abs() - bound
+    assert excess.max().item() <= 0, f"off by {excess.max().item():.3g} beyond the bound"
+
+
+GEMV_VARIANTS = [dict(), dict(magic=False), dict(words=True), dict(words=True, magic=False)]
+GEMV_TILES = [(8, 512, 4), (16, 2048, 8), (32, 1024, 8)]  # narrow, wide, the sweep's middle
+ODD_SHAPE = (1000, 768)  # no tile divides N, the K steps end ragged: the masked loads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LAYER_SHAPES + [ODD_SHAPE])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 16)])
+@pytest.mark.parametrize("variant", range(len(GEMV_VARIANTS)))
+def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
+                                      variant: int) -> None:
+    w = random_qweight(n, k, bits, group, seed=variant, factored=True)
+    ref = w.dequantize(dtype=torch.bfloat16)
+    x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+    for tiles in GEMV_TILES:
+        cfg = QGemvConfig(*tiles, **GEMV_VARIANTS[variant])
+        assert_tight(qgemv(x, w, config=cfg), x, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LAYER_SHAPES + [ODD_SHAPE])
+@pytest.mark.parametrize("decode", ["bits", "sext", "cvt"])
+def test_gpu_fp8_gemv_decodes_8b_shapes(n: int, k: int, decode: str) -> None:
+    w = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
+    ref = w.dequantize(torch.bfloat16)
+    x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+    for tiles in GEMV_TILES:
+        cfg = QGemvConfig(*tiles, fp8_decode=decode)
+        assert_tight(fp8_gemv(x, w.weight, w.scale, config=cfg), x, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LAYER_SHAPES)
+@pytest.mark.parametrize("kind", ["q4", "q8g16", "fp8"])
+@pytest.mark.parametrize("weight_as_a", [False, True])
+@pytest.mark.parametrize("m", [2, 16, 37, 64, 256])
+def test_gpu_tiled_kernels_8b_shapes(n: int, k: int, kind: str, weight_as_a: bool,
+                                     m: int) -> None:
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    if kind == "fp8":
+        w8 = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
+        cfg = gemm_config(m, n, k, kind="fp8")._replace(weight_as_a=weight_as_a)
+        assert_tight(fp8_gemm(x, w8.weight, w8.scale, config=cfg), x,
+                     w8.dequantize(torch.bfloat16))
+        return
+    bits, group = (4, 32) if kind == "q4" else (8, 16)
+    w = random_qweight(n, k, bits, group, seed=m, factored=True)
+    cfg = gemm_config(m, n, k, group, linear.weight_kind(w))._replace(weight_as_a=weight_as_a)
+    assert_tight(qgemm(x, w, config=cfg), x, w.dequantize(dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_as_a", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_tiled_rows_do_not_depend_on_the_row_count(weight_as_a: bool,
+                                                       dtype: torch.dtype) -> None:
+    """For one config, row r of an M-row product is bit for bit the same for every M > r
+    (1..40: every tail of a 16-, 32- and 64-row tile, 37 included): a masked row or a tail
+    tile that leaks into the others shows here, on any data."""
+    w = random_qweight(4096, 4096, 4, 32, seed=37, factored=True)
+    w8 = Fp8Weight.quantize(torch.randn(4096, 4096, device=CUDA) * 0.02)
+    x = torch.randn(40, 4096, device=CUDA, dtype=dtype)
+    for block_m in (16, 32, 64):
+        cfg = GemmConfig(block_m, 64, 128, 4, 3, weight_as_a)
+        full = qgemm(x, w, config=cfg)
+        full8 = fp8_gemm(x, w8.weight, w8.scale, config=cfg)
+        assert_tight(full, x, w.dequantize(dtype=dtype))
+        for m in range(1, 40):
+            assert torch.equal(qgemm(x[:m], w, config=cfg), full[:m]), (block_m, m)
+            assert torch.equal(fp8_gemm(x[:m], w8.weight, w8.scale, config=cfg), full8[:m])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_tiled_kernel_on_the_real_models_weights(dtype: torch.dtype) -> None:
+    """The default model's (or SGL_TEST_MODEL's) quantized weights, every Linear of the
+    first and last layers and the head: the tiled kernel at every row count 1..40, both
+    orientations, against the reference."""
+    model, _ = load_model(_model(), device="cuda", dtype=dtype, quantization="gguf")
+    layers = [m for m in model.modules() if hasattr(m, "qweight") and m.qweight is not None]
+    chosen = [m.qweight for m in layers[:5] + layers[-5:]
+              if isinstance(m.qweight, QuantizedWeight)]
+    assert chosen
+    for w in chosen:
+        n, k = w.shape
+        ref = w.dequantize(dtype=dtype)
+        x = torch.randn(40, k, device=CUDA, dtype=dtype)
+        for m in range(1, 41):
+            for weight_as_a in (False, True):
+                cfg = gemm_config(m, n, k, w.group_size, linear.weight_kind(w))._replace(
+                    weight_as_a=weight_as_a)
+                assert_tight(qgemm(x[:m], w, config=cfg), x[:m], ref)
+
+
 @pytest.mark.gpu
 def test_gpu_move_factors_k_quant_scales_exactly() -> None:
     from test_quant_formats import random_blocks
@@ -143,9 +256,16 @@ def test_gpu_move_factors_k_quant_scales_exactly() -> None:
         assert torch.equal(dev.to("cpu").scale, host.scale)
 
 
+TILED_ROUTES = {kind: ((1, "gemv"), (1024, "gemm")) for kind in ("q4", "q8", "fp8")}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 64])
-def test_gpu_quantized_linears_replay_in_cuda_graphs(m: int) -> None:
+@pytest.mark.parametrize("m", [1, 8, 37, 64])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gpu_quantized_linears_replay_in_cuda_graphs(m: int, tiled: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if tiled:
+        monkeypatch.setattr(linear, "CUDA_ROUTES", TILED_ROUTES)
     weights = [random_qweight(6144, 4096, 4, 32), random_qweight(4096, 4096, 8, 16),
                random_qweight(6144, 4096, 4, 32, factored=True),
                Fp8Weight.quantize(torch.randn(4096, 4096, device=CUDA) * 0.02)]
@@ -188,6 +308,26 @@ async def test_gpu_gguf_engine_matches_the_float_path() -> None:
     prompts, floats, float_bytes = await _greedy(dict(quantization="none", dtype="float32"))
     _, quant, quant_bytes = await _greedy(dict(quantization="gguf", dtype="float32"))
     assert quant_bytes < float_bytes // 4  # the file's precision, on the GPU
+    if quant != floats:
+        from sgl.backend.reference import load_reference_model
+
+        model = load_reference_model(_model())
+        for prompt, expected, got in zip(prompts, floats, quant):
+            assert_same_or_tie(model, prompt, expected, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_gpu_gguf_engine_through_the_tiled_kernel_matches_the_float_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above with every multi-row product (the prompts' eager prefills, 37 tokens among
+    them on the default model) through the tiled kernel instead of the scratch."""
+    from test_engine_real import assert_same_or_tie
+
+    prompts, floats, _ = await _greedy(dict(quantization="none", dtype="float32"))
+    monkeypatch.setattr(linear, "CUDA_ROUTES", TILED_ROUTES)
+    _, quant, _ = await _greedy(dict(quantization="gguf", dtype="float32"))
     if quant != floats:
         from sgl.backend.reference import load_reference_model
 

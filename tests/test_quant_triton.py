@@ -1,5 +1,6 @@
-"""The Triton kernels on quantized weights (backend/quant/triton_gemv.py, triton_gemm.py, and
-FP8 in quant/fp8.py) against dequantize-then-matmul, on random blocks of every GGUF format.
+"""The Triton kernels on quantized weights (backend/quant/triton_gemv.py, triton_gemm.py; the
+tiled kernel's row tails in test_quant_triton_tiled.py, FP8 in test_quant_triton_fp8.py)
+against dequantize-then-matmul, on random blocks of every GGUF format.
 
 Without CUDA they run under Triton's interpreter (tests/triton_interp.py), in process when
 this module is the first to import triton, else through `test_quant_triton_in_subprocess`.
@@ -25,16 +26,10 @@ from test_quant_formats import random_blocks
 
 from sgl.backend.quant import FORMATS, QuantizedWeight, decode, linear
 from sgl.backend.quant.factored import factor, unfactor
-from sgl.backend.quant.fp8 import FP8_MAX, Fp8Weight, fp8_linear, fp8_linear_reference
-from sgl.backend.quant.triton_gemm import (
-    GemmConfig,
-    fp8_dequant,
-    fp8_gemm,
-    qdequant,
-    qgemm,
-)
-from sgl.backend.kernels.triton_compat import tl, triton
-from sgl.backend.quant.triton_gemv import QGemvConfig, e4m3_f32, fp8_gemv, qgemv
+from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear, fp8_linear_reference
+from sgl.backend.quant.triton_fp8 import fp8_gemv
+from sgl.backend.quant.triton_gemm import gemm_config, qdequant, qgemm
+from sgl.backend.quant.triton_gemv import QGemvConfig, qgemv
 
 TRITON_HERE = triton_runs_here(qgemv.__globals__["_qgemv_kernel"])
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
@@ -127,22 +122,54 @@ def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
     assert_matches(qgemv(x, even, b24, config=cfg), x, even.dequantize(), b24)
 
 
+# The GEMV's variant flags (QGemvConfig): I2F conversions instead of the 2^23 trick, int32
+# word loads instead of bytes, and both.
+GEMV_VARIANTS = {"i2f": dict(magic=False), "words": dict(words=True),
+                 "words_i2f": dict(words=True, magic=False)}
+
+
+@needs_triton
+def test_gemv_rows_fastest_grid_and_its_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several rows run row-fastest (weight tiles shared through L2) unless the weight blocks
+    overflow CUDA's second grid axis; the kernels give the same products either way."""
+    from sgl.backend.quant import triton_fp8, triton_gemv
+
+    assert triton_gemv.row_grid(3, 10) == ((3, 10), True)
+    assert triton_gemv.row_grid(1, 10) == ((10, 1), False)
+    assert triton_gemv.row_grid(2, 70000) == ((70000, 2), False)
+    w = qweight("Q4_1", 37, 160)
+    _, w8 = fp8_weight(37, 160)
+    x, b = inputs(3, 160, 37, torch.float32, bias=True)
+    for forced in (False, True):
+        if forced:
+            fallback = lambda m, nb: ((nb, m), False)  # noqa: E731
+            monkeypatch.setattr(triton_gemv, "row_grid", fallback)
+            monkeypatch.setattr(triton_fp8, "row_grid", fallback)
+        assert_matches(qgemv(x, w, b), x, w.dequantize(), b)
+        assert_matches(fp8_gemv(x, w8.weight, w8.scale, b), x, w8.dequantize(), b)
+
+
 @needs_triton
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("m", [3, 17])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("variant", sorted(GEMV_VARIANTS))
 @pytest.mark.parametrize("factored", [False, True])
-def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
-                                              factored: bool) -> None:
+def test_qgemv_variants_match_dequantize_then_matmul(fmt: str, variant: str,
+                                                     factored: bool) -> None:
     if factored and fmt not in K_QUANTS:
         pytest.skip("no factored form")
+    flags = GEMV_VARIANTS[variant]
     n, k = shape_of(fmt)
-    w = qweight(fmt, n, k, seed=m, factored=factored)
-    x, b = inputs(m, k, n, torch.float32, bias, seed=m)
-    assert_matches(qgemm(x, w, b), x, w.dequantize(), b)
-    cfg = GemmConfig(block_m=16, block_n=16, block_k=ragged_block_k(w), num_warps=1,
-                     num_stages=1)
-    assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
+    w = qweight(fmt, n, k, seed=5, factored=factored)
+    x, b = inputs(2, k, n, torch.float32, bias=True, seed=5)
+    cfg = QGemvConfig(block_n=8, block_k=ragged_block_k(w), num_warps=1, **flags)
+    assert_matches(qgemv(x, w, b, config=cfg), x, w.dequantize(), b)
+    even = qweight(fmt, 24, k, seed=6, factored=factored)  # the unmasked loads
+    groups = k // even.group_size
+    cfg = QGemvConfig(8, (groups & -groups) * even.group_size, 1, **flags)
+    assert_matches(qgemv(x, even, None, config=cfg), x, even.dequantize(), None)
+    xb = x.bfloat16()  # 16-bit activations through the same variant
+    assert_matches(qgemv(xb, w, None, config=cfg._replace(block_k=ragged_block_k(w))), xb,
+                   w.dequantize(), None)
 
 
 @needs_triton
@@ -218,30 +245,50 @@ def test_the_bound_catches_a_swapped_nibble_order_and_a_wrong_group() -> None:
     assert_matches(qgemv(x, w), x, w.dequantize(), None)
     swapped = QuantizedWeight(((w.codes << 4) | (w.codes >> 4)).contiguous(), w.scale, w.zero,
                               4, 32, 512, "Q4_K")
-    with pytest.raises(AssertionError, match="beyond the bound"):
-        assert_matches(qgemv(x, swapped), x, w.dequantize(), None)
+    words = QGemvConfig(8, 256, 1, words=True)
+    for run in (lambda v: qgemv(x, v), lambda v: qgemv(x, v, config=words)):
+        with pytest.raises(AssertionError, match="beyond the bound"):
+            assert_matches(run(swapped), x, w.dequantize(), None)
     shifted = QuantizedWeight(w.codes, w.scale.roll(1, dims=1).contiguous(), w.zero, 4, 32, 512,
                               "Q4_K")
-    with pytest.raises(AssertionError, match="beyond the bound"):
-        assert_matches(qgemm(x, shifted), x, w.dequantize(), None)
+    for weight_as_a in (False, True):
+        cfg = gemm_config(3, 21, 512)._replace(weight_as_a=weight_as_a)
+        with pytest.raises(AssertionError, match="beyond the bound"):
+            assert_matches(qgemm(x, shifted, config=cfg), x, w.dequantize(), None)
 
 
 def test_configs_are_shape_only_and_valid() -> None:
     from sgl.backend.quant.triton_gemm import gemm_config
-    from sgl.backend.quant.triton_gemv import fp8_gemv_config, qgemv_config
+    from sgl.backend.quant.triton_gemv import gemv_config
 
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     for n, k in ((6144, 4096), (4096, 14336), (128256, 4096), (37, 160), (21, 768)):
         for gs in (16, 32):
-            c = qgemv_config(n, k, gs)
-            assert c == qgemv_config(n, k, gs) and pow2(c.block_n) and pow2(c.block_k // gs)
+            c = gemv_config("q4" if gs == 32 else "q8", n, k, gs)
+            assert c == gemv_config("q4" if gs == 32 else "q8", n, k, gs)
+            assert pow2(c.block_n) and pow2(c.block_k // gs)
             assert c.block_k % gs == 0
             for m in (2, 16, 17, 64, 65, 256):
                 t = gemm_config(m, n, k, gs)
                 assert t.block_k % gs == 0 and pow2(t.block_k // gs)
                 assert min(t.block_m, t.block_n) >= 16 and t.block_m >= min(m, 128) // 2
-        f = fp8_gemv_config(n, k)
-        assert pow2(f.block_n) and pow2(f.block_k)
+        f = gemv_config("fp8", n, k, 64)
+        assert pow2(f.block_n) and pow2(f.block_k) and f.fp8_decode in ("bits", "sext", "cvt")
+        for m in (2, 16, 256):
+            t = gemm_config(m, n, k, kind="fp8")
+            assert pow2(t.block_k) and min(t.block_m, t.block_n) >= 16
+
+
+def test_cuda_routes_are_a_valid_table() -> None:
+    """Every weight kind has a route; limits increase; one row is the GEMV; the paths are
+    the three the dispatcher knows; rows past the table go to the scratch."""
+    assert set(linear.CUDA_ROUTES) == {"q4", "q8", "fp8"}
+    for kind, routes in linear.CUDA_ROUTES.items():
+        limits = [limit for limit, _ in routes]
+        assert limits == sorted(set(limits)) and limits[0] >= 1, kind
+        assert {path for _, path in routes} <= {"gemv", "gemm", "scratch"}, kind
+        assert linear.cuda_route(1, kind) == "gemv"
+        assert linear.cuda_route(limits[-1] + 1, kind) == "scratch"
 
 
 # -- FP8 --------------------------------------------------------------------------------------
@@ -254,89 +301,26 @@ def fp8_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, Fp8Weight]:
     return dense, Fp8Weight.quantize(dense)
 
 
-@triton.jit
-def decode_all(B, OUT):
-    offs = tl.arange(0, 256)
-    tl.store(OUT + offs, e4m3_f32(tl.load(B + offs).to(tl.int32)))
-
-
-@needs_triton
-def test_e4m3_integer_decode_is_exact_for_every_byte() -> None:
-    """All 256 bytes but the two NaNs, subnormals included: e4m3_f32 * 2^120 == the value."""
-    raw = torch.arange(256, dtype=torch.uint8, device=DEVICE)
-    out = torch.empty(256, device=DEVICE)
-    decode_all[(1,)](raw, out)
-    values = raw.view(torch.float8_e4m3fn).float()
-    finite = ~values.isnan()
-    assert finite.sum() == 254
-    assert torch.equal((out.double() * 2.0**120)[finite], values.double()[finite])
-
-
-def test_fp8_quantize_scales_and_rounding() -> None:
-    dense, w = fp8_weight(13, 70)
-    amax = dense.abs().amax(dim=1)
-    expected = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    assert torch.equal(w.scale, expected)
-    assert torch.equal(w.weight[6].float(), torch.zeros(70, device=DEVICE))
-    # e4m3 keeps 3 mantissa bits: round to nearest is within 2^-4 relative (normal range)
-    # and every row's largest value is exact (it maps onto 448).
-    err = (w.dequantize() - dense).abs()
-    assert (err <= dense.abs() * 2.0**-4 + w.scale[:, None] * 2.0**-9).all()
-    top = dense.abs().argmax(dim=1)
-    rows = torch.arange(13, device=DEVICE)
-    torch.testing.assert_close(w.dequantize()[rows, top], dense[rows, top], rtol=1e-6, atol=0)
-    assert w.nbytes == 13 * 70 + 13 * 4
-    with pytest.raises(ValueError, match="inconsistent"):
-        Fp8Weight(w.weight, w.scale[:5])
-
-
-@needs_triton
-@pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
-    n, k = 37, 200
-    _, w = fp8_weight(n, k, seed=m)
-    x, b = inputs(m, k, n, torch.float32, bias, seed=m)
-    ref = w.dequantize()
-    if m <= 3:  # (the GEMV serves one row; more run as a grid axis, slowly when interpreted)
-        assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
-        _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
-        xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
-        for bits in (True, False):  # e4m3 decoded with integer ops / the hardware conversion
-            cfg = QGemvConfig(8, 64, 1, fp8_bits=bits)
-            assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=cfg), x, ref, b)
-            assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=cfg), xe,
-                           even.dequantize(), be)
-    assert_matches(fp8_gemm(x, w.weight, w.scale, b), x, ref, b)
-    cfg = GemmConfig(16, 16, 64, 1, 1)
-    assert_matches(fp8_gemm(x, w.weight, w.scale, b, config=cfg), x, ref, b)
-    xb = x.bfloat16()
-    yb = fp8_gemm(xb, w.weight, w.scale, None if b is None else b.bfloat16())
-    assert yb.dtype == torch.bfloat16
-    assert_matches(yb, xb, ref, b)
-    assert torch.equal(fp8_dequant(w.weight, w.scale, torch.float32), ref)
-    assert_same_16_bit(fp8_dequant(w.weight, w.scale, torch.bfloat16, slice(3, 9)),
-                       w.dequantize(torch.bfloat16)[3:9])
-
-
 # -- the dispatcher's row rule (CUDA's, run here under the interpreter) -----------------------
 
 
 @needs_triton
 @pytest.mark.parametrize("rows", [1, 4, 9])
 def test_dispatch_by_rows(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """1 row -> GEMV, up to GEMM_MAX_ROWS -> tiled, more -> dequantized slices + matmul (the
-    slices small here, so the N-sliced path runs); equal results on every path."""
+    """CUDA_ROUTES: 1 row -> GEMV, up to 4 -> tiled (as set here), more -> dequantized slices
+    + matmul (the slices small here, so the N-sliced path runs); equal results on every
+    path."""
     from sgl.backend.quant import fp8 as fp8_module
-    from sgl.backend.quant import triton_gemm, triton_gemv
+    from sgl.backend.quant import triton_fp8, triton_gemm, triton_gemv
 
     monkeypatch.setattr(linear, "use_triton", lambda x: True)
-    monkeypatch.setattr(linear, "GEMM_MAX_ROWS", 4)
+    routes = ((1, "gemv"), (4, "gemm"))
+    monkeypatch.setattr(linear, "CUDA_ROUTES", {"q4": routes, "q8": routes, "fp8": routes})
     monkeypatch.setattr(linear, "SCRATCH_ELEMENTS", 10 * 160)  # 10 weight rows per slice
     calls: list[str] = []
     for mod, name in ((triton_gemv, "qgemv"), (triton_gemm, "qgemm"), (triton_gemm, "qdequant"),
-                      (triton_gemv, "fp8_gemv"), (triton_gemm, "fp8_gemm"),
-                      (triton_gemm, "fp8_dequant")):
+                      (triton_fp8, "fp8_gemv"), (triton_fp8, "fp8_gemm"),
+                      (triton_fp8, "fp8_dequant")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw:
                             calls.append(_n) or _r(*a, **kw))

@@ -6,9 +6,9 @@ in the model's dtype, so no calibration and no activation rounding).
     fp8_linear(x [..., K], w, bias) -> [..., N]      (x's dtype)
     fp8_linear_reference(x, w, bias)                 same signature: dequantize, then F.linear
 
-On CUDA (quant/linear.py's row rule): one row -> the FP8 GEMV (triton_gemv.py), a few hundred
-rows -> the tiled kernel (triton_gemm.py), more -> dequantize to a scratch in x's dtype and
-cuBLAS. `torch._scaled_mm` is not used: it multiplies fp8 by fp8, i.e. it would quantize the
+On CUDA (quant/linear.py's CUDA_ROUTES, kind "fp8"): the FP8 GEMV, the tiled kernel or a
+dequantized scratch in x's dtype and cuBLAS, by rows (kernels in triton_fp8.py).
+`torch._scaled_mm` is not used: it multiplies fp8 by fp8, i.e. it would quantize the
 activations too, a different accuracy contract than "the weights are rounded, nothing else".
 On the CPU there is no FP8 kernel: the runtime refuses `fp8` there (runtime.py).
 """
@@ -88,14 +88,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
 
     if not use_triton(x):
         return fp8_linear_reference(x, w, bias)
-    from sgl.backend.quant.linear import GEMM_MAX_ROWS, dense_via_scratch
-    from sgl.backend.quant.triton_gemm import fp8_dequant, fp8_gemm
-    from sgl.backend.quant.triton_gemv import fp8_gemv
+    from sgl.backend.quant.linear import cuda_route, dense_via_scratch
+    from sgl.backend.quant.triton_fp8 import fp8_dequant, fp8_gemm, fp8_gemv
 
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 1:
+    path = cuda_route(x.numel() // x.shape[-1] if x.shape[-1] else 0, "fp8")
+    if path == "gemv":
         return fp8_gemv(x, w.weight, w.scale, bias)
-    if rows <= GEMM_MAX_ROWS:
+    if path == "gemm":
         return fp8_gemm(x, w.weight, w.scale, bias)
     return dense_via_scratch(x, w.out_features, w.in_features, bias,
                              lambda sl: fp8_dequant(w.weight, w.scale, x.dtype, sl))

@@ -14,11 +14,12 @@ weight over `TILE_BYTES` as float32 is done a tile of output features at a time,
 scratch stays bounded (SmolLM2's tied 49k-row head is 113 MB as float32, which a 32-request
 decode step would otherwise allocate and fill every step).
 
-CUDA (Triton), by the number of rows, which is static inside a CUDA graph (the choice is
-fixed at capture, no host sync):
-    1 row                       triton_gemv: dequantize in registers, every code byte read once
-    2 .. GEMM_MAX_ROWS rows     triton_gemm: tiled, dequantize a weight tile, tensor-core dots
-    more (prefill)              dequantize slices of the weight to x's dtype, then cuBLAS
+CUDA (Triton): `CUDA_ROUTES` maps the number of rows, which is static inside a CUDA graph
+(the choice is fixed at capture, no host sync), and the weight's kind to a path:
+    "gemv"      triton_gemv / triton_fp8: dequantize in registers, every code byte read once
+                (one program grid row per row of x)
+    "gemm"      triton_gemm / triton_fp8: tiled, dequantize a weight tile, tensor-core dots
+    "scratch"   dequantize slices of the weight to x's dtype, then cuBLAS (prefill)
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from sgl.backend.quant import cpu_kernel
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["GEMM_MAX_ROWS", "GEMV_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES", "dense_via_scratch",
-           "quant_linear", "quant_linear_reference", "use_triton"]
+__all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES", "cuda_route",
+           "dense_via_scratch", "quant_linear", "quant_linear_reference", "use_triton",
+           "weight_kind"]
 
 # CPU: above this many rows the dequantize-then-BLAS path wins (the C kernel re-reads the
 # weight once per 8 rows).
@@ -44,12 +46,18 @@ GEMV_MAX_ROWS = 16
 # this size. Few tiles per call: each costs two parallel regions, which stall when another
 # process holds a core.
 TILE_BYTES = 16 << 20
-# CUDA: up to this many rows the tiled Triton kernel, above it the scratch + cuBLAS path. 1:
-# the tiled kernel is off. On the H200 (bench/quant_gemv_bench.py) it was 2-4x slower than
-# scratch + cuBLAS at 256 rows, and an eager 37-row prefill through it gave wrong tokens on the
-# real model (38 and 40 rows did not; its interpreter tests pass): until that is found, every
-# multi-row product dequantizes to a scratch and runs cuBLAS.
-GEMM_MAX_ROWS = 1
+# CUDA: per weight kind ("q4": 4-bit codes, "q8": 8-bit codes, "fp8"), (largest rows, path)
+# in increasing rows; rows past the last entry take the scratch path. Set from
+# bench/quant_gemv_bench.py, which prints this table from its measurements. Today: the tiled
+# kernel is off (session 5 on the H200: 2-4x slower than scratch + cuBLAS at 256 rows, and an
+# eager 37-row prefill of the real model gave wrong tokens while it was on; the same commit
+# also stopped prefill from replaying decode graphs, so which change fixed it is open:
+# tests/test_quant_gpu.py checks the tiled kernel at 1..40 rows on the real model's weights).
+CUDA_ROUTES: dict[str, tuple[tuple[int, str], ...]] = {
+    "q4": ((1, "gemv"),),
+    "q8": ((1, "gemv"),),
+    "fp8": ((1, "gemv"),),
+}
 # Largest dequantized scratch, in weight elements (128 MB in bf16): bigger weights (the 8B
 # LM head is 525M) are dequantized and multiplied in row slices.
 SCRATCH_ELEMENTS = 64 << 20
@@ -102,15 +110,27 @@ def _tiled_linear(x: torch.Tensor, w: QuantizedWeight,
     return y
 
 
+def weight_kind(w: QuantizedWeight | Fp8Weight) -> str:
+    """The CUDA_ROUTES key of a weight."""
+    if isinstance(w, Fp8Weight):
+        return "fp8"
+    return "q4" if w.bits == 4 else "q8"
+
+
+def cuda_route(rows: int, kind: str) -> str:
+    """"gemv", "gemm" or "scratch" for a product of `rows` rows on a `kind` weight."""
+    return next((path for limit, path in CUDA_ROUTES[kind] if rows <= limit), "scratch")
+
+
 def _quant_linear_triton(x: torch.Tensor, w: QuantizedWeight,
                          bias: torch.Tensor | None) -> torch.Tensor:
     from sgl.backend.quant.triton_gemm import qdequant, qgemm
     from sgl.backend.quant.triton_gemv import qgemv
 
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 1:
+    path = cuda_route(x.numel() // x.shape[-1] if x.shape[-1] else 0, weight_kind(w))
+    if path == "gemv":
         return qgemv(x, w, bias)
-    if rows <= GEMM_MAX_ROWS:
+    if path == "gemm":
         return qgemm(x, w, bias)
     return dense_via_scratch(x, w.out_features, w.in_features, bias,
                              lambda rows_: qdequant(w, x.dtype, rows_))

@@ -1,24 +1,32 @@
-"""Tiled products and dequantization on quantized weights (Triton, CUDA): more than one row.
+"""Tiled products and dequantization on QuantizedWeights (Triton, CUDA): more than one row.
 
     qgemm(x [M, K], w: QuantizedWeight, bias) -> [M, N]              (x's dtype)
-    fp8_gemm(x [M, K], weight fp8 [N, K], scale [N], bias) -> [M, N]
-    qdequant(w, dtype) -> [N, K]          fp8_dequant(weight, scale, dtype) -> [N, K]
+    qdequant(w, dtype) -> [N, K]
 
-`qgemm` / `fp8_gemm` serve decode batches (2 to a few hundred rows): a program owns a
-[BLOCK_M, BLOCK_N] output tile and walks K; each step loads one tile of codes, dequantizes it
-in registers to x's dtype (float32 scale/zero math, then one rounding) and feeds tensor cores
-through `tl.dot`. The weight bytes are read once per BLOCK_M rows, the dequantization is paid
-once per BLOCK_M rows too, so the kernel stays near the quantized bandwidth at small M and
-near a tiled GEMM at large M.
+(FP8 weights: quant/triton_fp8.py, which shares `GemmConfig` and the `GEMM_DEFAULTS` table.)
+
+`qgemm` serves decode batches (2 to a few hundred rows): a program owns a [BLOCK_M, BLOCK_N]
+output tile and walks K; each step loads one tile of codes, dequantizes it in registers to
+x's dtype (float32 scale/zero math, then one rounding: the reference's bf16 weights exactly)
+and feeds tensor cores through `tl.dot` with float32 accumulators (W4A16 / W8A16: the
+activations are never quantized). The weight bytes are read once per BLOCK_M rows and the
+dequantization is paid once per BLOCK_M rows too.
+
+Which operand the weight tile is (`GemmConfig.weight_as_a`) is a switch for the device to
+decide: as the second operand (y = x W^T, the weight tile transposed) Hopper's wgmma must
+read it from shared memory, so the dequantized tile takes a trip through it; as the first
+(y^T = W x^T, the output tile stored transposed) wgmma can take it straight from registers,
+and the rows of x become the MMA's N dimension, which may be as small as 8 (small batches
+waste no tensor-core rows).
 
 4-bit codes hold k = g*32+i in the low nibble and g*32+16+i in the high one; rather than
 interleaving the nibbles back into K order (a register shuffle), the step is two dots over
 the half-tiles: x gathered at the low-nibble columns times the low codes, plus the same for
 the high ones. Equal sums, no permutation.
 
-`qdequant` / `fp8_dequant` write the float weight (prefill: many rows, where cuBLAS on a
-dequantized scratch beats any tiled kernel of ours and the dequantization is a small part of
-the step; quant/linear.py picks by rows).
+`qdequant` writes the float weight (prefill: many rows, where cuBLAS on a dequantized
+scratch beats a tiled kernel of ours and the dequantization is a small part of the step;
+quant/linear.py's CUDA table picks by rows).
 """
 
 from __future__ import annotations
@@ -38,33 +46,62 @@ from sgl.backend.quant.triton_gemv import (
 )
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["GemmConfig", "fp8_dequant", "fp8_gemm", "gemm_config", "qdequant", "qgemm"]
+__all__ = ["GEMM_DEFAULTS", "GemmConfig", "gemm_config", "qdequant", "qgemm", "store_tile"]
 
 
 class GemmConfig(NamedTuple):
     block_m: int
     block_n: int
-    block_k: int  # weights along K per step (a multiple of the group size)
+    block_k: int  # weights along K per step (a power-of-two number of groups)
     num_warps: int
     num_stages: int
+    weight_as_a: bool = False  # the weight tile as the dot's first operand (module doc)
 
 
-def gemm_config(m: int, n: int, k: int, group_size: int = 32) -> GemmConfig:
-    """Tiles from the shape only (graph-safe). BLOCK_M covers the rows in one tile up to 64
-    (each weight tile is read and dequantized once); past that, 128-row tiles. Up to 64 rows
-    the product is still weight streaming, so output tiles stay narrow where N is small, to
-    give the 132 SMs a few programs each (N=4096: 256 programs at 16 columns); past that,
-    wide compute tiles. Starting points, to be swept on the device
-    (bench/quant_gemv_bench.py --sweep-tiled)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    if m <= 16:
-        block_n, block_k = (16 if n <= 8192 else 32), 256
-    elif m <= 64:
-        block_n, block_k = (32 if n <= 8192 else 64), 128
+# Tiles by weight kind (quant/linear.py's names: "q4", "q8", "fp8") and rows (shape-only:
+# graph-safe), set from bench/quant_gemv_bench.py's sweep (it sweeps at 16, 64, 256 and
+# 1,024 rows, one per entry, and prints this line). Each entry: (largest M, config for
+# N <= 8192, config for larger N); the last covers the rest. Today's values are session 5's
+# starting points (far from cuBLAS at 256 rows on the H200): BLOCK_M covers the rows up to 64
+# (each weight tile read and dequantized once), output tiles narrow where N is small while
+# the product is still weight streaming (a few programs per SM), wide compute tiles past it.
+_SESSION5 = (
+    (16, GemmConfig(16, 16, 256, 4, 3), GemmConfig(16, 32, 256, 4, 3)),
+    (64, GemmConfig(64, 32, 128, 4, 3), GemmConfig(64, 64, 128, 4, 3)),
+    (256, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 3)),
+    (1 << 62, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 3)),
+)
+GEMM_DEFAULTS: dict[str, tuple[tuple[int, GemmConfig, GemmConfig], ...]] = {
+    "q4": _SESSION5, "q8": _SESSION5, "fp8": _SESSION5}
+
+
+def gemm_config(m: int, n: int, k: int, group_size: int = 32, kind: str = "q4") -> GemmConfig:
+    """The table's tiles for an [m, k] x [n, k]^T product; BLOCK_K at least one group."""
+    small, large = next((s, l) for limit, s, l in GEMM_DEFAULTS[kind] if m <= limit)  # noqa: E741
+    cfg = small if n <= 8192 else large
+    return cfg._replace(block_k=max(cfg.block_k, group_size))
+
+
+@triton.jit
+def _weight_tile(CODES, SCALE, ZERO, SUP_S, SUP_Z, c_ptrs, rows64, offs_g, g0, G, mask_n,
+                 dt: tl.constexpr, BITS: tl.constexpr, GBYTES: tl.constexpr,
+                 SUPER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The dequantized weights of one K step in x's dtype, [BLOCK_N, BLOCK_G * GBYTES] each:
+    (low codes, high codes) for 4 bits (the high tile the same as the low for 8 bits)."""
+    mask_g = g0 + offs_g < G
+    m2 = mask_n[:, None] & mask_g[None, :]
+    raw = tl.load(c_ptrs + g0 * GBYTES, mask=m2[:, :, None], other=0)  # [BLOCK_N, BLOCK_G, GB]
+    s, z = load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, g0 + offs_g, G, m2, True, SUPER)
+    s, z = s[:, :, None], z[:, :, None]
+    if BITS == 4:
+        lo, hi = nibbles_f32(raw.to(tl.int32))
+        w_lo = tl.reshape((lo * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
+        w_hi = tl.reshape((hi * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
     else:
-        block_n, block_k = 128, 128  # 4-bit: two dots of K=64 per step (the nibble halves)
-    warps = 4 if block_m * block_n <= 64 * 64 else 8
-    return GemmConfig(block_m, block_n, max(block_k, group_size), warps, 3)
+        w_lo = tl.reshape((int8_f32(raw.to(tl.int32)) * s + z).to(dt),
+                          (BLOCK_N, BLOCK_G * GBYTES))
+        w_hi = w_lo
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -75,7 +112,7 @@ def _qgemm_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, W_AS_A: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # fastest: the row blocks sharing a weight tile run together
     pid_n = tl.program_id(1)
@@ -92,35 +129,43 @@ def _qgemm_kernel(
     x_col = (offs_j // GBYTES) * GROUP + offs_j % GBYTES  # [BLOCK_KB]
     x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + x_col[None, :]  # [BLOCK_M, BLOCK_KB]
     dt = X.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W_AS_A:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g0 in range(0, G, BLOCK_G):
-        mask_g = g0 + offs_g < G
-        m2 = mask_n[:, None] & mask_g[None, :]
-        raw = tl.load(c_ptrs + g0 * GBYTES, mask=m2[:, :, None], other=0)
-        s, z = load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, g0 + offs_g, G, m2,
-                                 True, SUPER)
-        s, z = s[:, :, None], z[:, :, None]
+        w_lo, w_hi = _weight_tile(CODES, SCALE, ZERO, SUP_S, SUP_Z, c_ptrs, rows64, offs_g, g0,
+                                  G, mask_n, dt, BITS, GBYTES, SUPER, BLOCK_N, BLOCK_G)
         mask_x = mask_m[:, None] & (g0 + offs_j // GBYTES < G)[None, :]
         xa = tl.load(x_ptrs + g0 * GROUP, mask=mask_x, other=0.0)
-        if BITS == 4:
-            lo, hi = nibbles_f32(raw.to(tl.int32))
-            w_lo = tl.reshape((lo * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
-            w_hi = tl.reshape((hi * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
-            xb = tl.load(x_ptrs + g0 * GROUP + GBYTES, mask=mask_x, other=0.0)
-            acc += mma(xa, tl.trans(w_lo), UPCAST, IEEE)
-            acc += mma(xb, tl.trans(w_hi), UPCAST, IEEE)
+        if W_AS_A:
+            acc += mma(w_lo, tl.trans(xa), UPCAST, IEEE)
         else:
-            w = tl.reshape((int8_f32(raw.to(tl.int32)) * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
-            acc += mma(xa, tl.trans(w), UPCAST, IEEE)
-    _store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+            acc += mma(xa, tl.trans(w_lo), UPCAST, IEEE)
+        if BITS == 4:  # the high nibbles: x 16 columns further
+            xb = tl.load(x_ptrs + g0 * GROUP + GBYTES, mask=mask_x, other=0.0)
+            if W_AS_A:
+                acc += mma(w_hi, tl.trans(xb), UPCAST, IEEE)
+            else:
+                acc += mma(xb, tl.trans(w_hi), UPCAST, IEEE)
+    store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, W_AS_A)
 
 
 @triton.jit
-def _store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+def store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: tl.constexpr,
+               TRANSPOSED: tl.constexpr):
+    """Add the bias and store an output tile: acc [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M]
+    when TRANSPOSED (the weight was the dot's first operand)."""
+    if TRANSPOSED:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = Y + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def qgemm(
@@ -134,7 +179,7 @@ def qgemm(
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
-        cfg = config or gemm_config(m, n, k, gs)
+        cfg = config or gemm_config(m, n, k, gs, "q4" if w.bits == 4 else "q8")
         block_g = groups_per_block(cfg.block_k, gs)
         sup_s, sup_z, sup = scale_args(w)
         _qgemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
@@ -145,58 +190,8 @@ def qgemm(
             BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_G=block_g, UPCAST=is_interpreted(_qgemm_kernel),
-            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return y.reshape(*x.shape[:-1], n)
-
-
-@triton.jit
-def _fp8_gemm_kernel(
-    X, W, SCALE, B, Y,
-    M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-):
-    pid_m = tl.program_id(0)  # fastest: the row blocks sharing a weight tile run together
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = k0 + offs_k < K
-        xa = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        # e4m3 values are exact in bf16/fp16/fp32: the cast loses nothing.
-        acc += mma(xa, tl.trans(w.to(X.dtype.element_ty)), UPCAST, IEEE)
-    acc *= tl.load(SCALE + offs_n, mask=mask_n, other=0.0)[None, :]  # per output channel
-    _store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
-
-
-def fp8_gemm(
-    x: torch.Tensor,  # [..., K]
-    weight: torch.Tensor,  # [N, K] float8_e4m3fn
-    scale: torch.Tensor,  # [N] float32
-    bias: torch.Tensor | None = None,
-    config: GemmConfig | None = None,
-) -> torch.Tensor:  # [..., N] in x's dtype
-    n, k = weight.shape
-    x2 = _rows(x, k)  # [M, K]
-    m = x2.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m and n:
-        cfg = config or gemm_config(m, n, k)
-        _fp8_gemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
-            x2, weight, scale, bias if bias is not None else scale, y,
-            m, n, k,
-            x2.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, UPCAST=is_interpreted(_fp8_gemm_kernel),
-            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            IEEE=x.dtype == torch.float32, W_AS_A=cfg.weight_as_a,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y.reshape(*x.shape[:-1], n)
 
@@ -249,29 +244,4 @@ def qdequant(w: QuantizedWeight, dtype: torch.dtype, rows: slice = slice(None)) 
             BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
             BLOCK_N=DEQUANT_ROWS, BLOCK_G=DEQUANT_GROUPS,
         )
-    return out
-
-
-@triton.jit
-def _fp8_dequant_kernel(W, SCALE, OUT, N, K, stride_wn, stride_on,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    rows64 = offs_n.to(tl.int64)
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    w = tl.load(W + rows64[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-    s = tl.load(SCALE + offs_n, mask=offs_n < N, other=0.0)
-    out = (w.to(tl.float32) * s[:, None]).to(OUT.dtype.element_ty)
-    tl.store(OUT + rows64[:, None] * stride_on + offs_k[None, :], out, mask=mask)
-
-
-def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                rows: slice = slice(None)) -> torch.Tensor:
-    """[n, K] = weight[rows] * scale[rows, None] in `dtype`."""
-    w, s = weight[rows], scale[rows]
-    n, k = w.shape
-    out = torch.empty(n, k, device=w.device, dtype=dtype)
-    if n and k:
-        _fp8_dequant_kernel[(cdiv(n, 16), cdiv(k, 256))](
-            w, s, out, n, k, w.stride(0), out.stride(0), BLOCK_N=16, BLOCK_K=256)
     return out

@@ -1,0 +1,210 @@
+"""FP8 (e4m3, one float32 scale per output channel) products on the GPU (Triton, CUDA).
+
+    fp8_gemv(x [M, K], weight fp8 [N, K], scale [N] f32, bias) -> [M, N]   (one row: decode)
+    fp8_gemm(x [M, K], weight, scale, bias) -> [M, N]                      (tiled: batches)
+    fp8_dequant(weight, scale, dtype) -> [N, K]                            (scratch: prefill)
+
+The per-channel scale factors out of a whole output row, so every kernel accumulates
+w_fp8 * x in float32 and multiplies by scale[n] once at the end. Weight-only: activations stay
+in x's dtype (no `torch._scaled_mm`, which would quantize them).
+
+Configs: the "fp8" entries of triton_gemv.GEMV_DEFAULTS and triton_gemm.GEMM_DEFAULTS.
+How the GEMV turns e4m3 bytes into float32 is a config switch (`fp8_decode`), since which is
+fastest is a question of instruction rates the device answers (bench/quant_gemv_bench.py):
+- "bits": the byte's sign to bit 31 and exponent|mantissa to bits 20..26, four integer ops
+  (`e4m3_f32`);
+- "sext": the byte loaded as int8 (sign-extended by the load's conversion), then one shift
+  and one AND (`e4m3_f32_sext`): the sign-extension copies land in bits 27..31, the AND keeps
+  bit 31 and clears the rest;
+- "cvt": Triton's conversion (the hardware e4m3x2 -> f16x2 plus f16 -> f32).
+The two bit tricks give the value times 2^-120 (the float32 exponent field then holds e4m3's,
+whose bias is 120 smaller), exact for normal and subnormal bytes alike (e4m3 subnormals land
+on float32 subnormals of the same value, and the accumulation keeps them: float32 FMAs do not
+flush by default); the kernel multiplies the row sum by 2^120. No NaN handling: quantize()
+never writes one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
+from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
+from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
+
+__all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "fp8_dequant", "fp8_gemm", "fp8_gemv"]
+
+FP8_DECODES = {"cvt": 0, "bits": 1, "sext": 2}  # QGemvConfig.fp8_decode -> kernel constexpr
+
+@triton.jit
+def e4m3_f32(b):
+    """e4m3 bytes (int32 0..255) -> float32 equal to the value times 2^-120."""
+    return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_f32_sext(b):
+    """e4m3 bytes sign-extended (int32 -128..127) -> the same as e4m3_f32, in two ops:
+    0x87F00000 (as int32) keeps the sign and the 7 exponent|mantissa bits."""
+    return ((b << 20) & -2014314496).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    X, W, SCALE, B, Y,
+    N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
+    ROWS_FIRST: tl.constexpr,
+):
+    if ROWS_FIRST:  # several rows: the programs sharing a weight tile run together
+        row, pid_n = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_n, row = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    mask_n = offs_n < N
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_row = X + row.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        if EVEN_K and EVEN_N:
+            w = tl.load(w_ptrs + k0)
+            xv = tl.load(x_row + kk)
+        else:
+            mask_k = kk < K
+            w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            xv = tl.load(x_row + kk, mask=mask_k, other=0.0)
+        if DECODE == 1:  # W is the weight's bytes (uint8)
+            wf = e4m3_f32(w.to(tl.int32))
+        elif DECODE == 2:  # W is the weight's bytes as int8
+            wf = e4m3_f32_sext(w.to(tl.int32))
+        else:  # W is float8e4nv
+            wf = w.to(tl.float32)
+        acc += wf * xv.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if DECODE != 0:
+        y = y * 1.329227995784916e36  # 2^120: the bit tricks' values are the weights / 2^120
+    y = y * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+
+
+def fp8_gemv(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
+    scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None = None,  # [N]
+    config: QGemvConfig | None = None,
+) -> torch.Tensor:  # [..., N] in x's dtype
+    n, k = weight.shape
+    x2 = _rows(x, k)  # [M, K]
+    m = x2.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
+    if m and n:
+        cfg = config or gemv_config("fp8", n, k, 64)
+        if cfg.fp8_decode not in FP8_DECODES:
+            raise ValueError(f"fp8_decode {cfg.fp8_decode!r}: use one of {sorted(FP8_DECODES)}")
+        mode = FP8_DECODES[cfg.fp8_decode]
+        w = weight.view(torch.uint8) if mode == 1 else weight.view(torch.int8) if mode == 2 \
+            else weight
+        grid, rows_first = row_grid(m, cdiv(n, cfg.block_n))
+        _fp8_gemv_kernel[grid](
+            x2, w, scale, bias if bias is not None else scale, y,
+            n, k,
+            x2.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
+            ROWS_FIRST=rows_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return y.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    X, W, SCALE, B, Y,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, W_AS_A: tl.constexpr,
+):
+    pid_m = tl.program_id(0)  # fastest: the row blocks sharing a weight tile run together
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if W_AS_A:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = k0 + offs_k < K
+        xa = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = w.to(X.dtype.element_ty)  # (e4m3 values are exact in bf16/fp16/fp32)
+        if W_AS_A:
+            acc += mma(w, tl.trans(xa), UPCAST, IEEE)
+        else:
+            acc += mma(xa, tl.trans(w), UPCAST, IEEE)
+    s = tl.load(SCALE + offs_n, mask=mask_n, other=0.0)  # per output channel
+    if W_AS_A:
+        acc *= s[:, None]
+    else:
+        acc *= s[None, :]
+    store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, W_AS_A)
+
+
+def fp8_gemm(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:  # [..., N] in x's dtype
+    n, k = weight.shape
+    x2 = _rows(x, k)  # [M, K]
+    m = x2.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m and n:
+        cfg = config or gemm_config(m, n, k, kind="fp8")
+        _fp8_gemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
+            x2, weight, scale, bias if bias is not None else scale, y,
+            m, n, k,
+            x2.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, UPCAST=is_interpreted(_fp8_gemm_kernel),
+            IEEE=x.dtype == torch.float32, W_AS_A=cfg.weight_as_a,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return y.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _fp8_dequant_kernel(W, SCALE, OUT, N, K, stride_wn, stride_on,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows64 = offs_n.to(tl.int64)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    w = tl.load(W + rows64[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+    s = tl.load(SCALE + offs_n, mask=offs_n < N, other=0.0)
+    out = (w.to(tl.float32) * s[:, None]).to(OUT.dtype.element_ty)
+    tl.store(OUT + rows64[:, None] * stride_on + offs_k[None, :], out, mask=mask)
+
+
+def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                rows: slice = slice(None)) -> torch.Tensor:
+    """[n, K] = weight[rows] * scale[rows, None] in `dtype`."""
+    w, s = weight[rows], scale[rows]
+    n, k = w.shape
+    out = torch.empty(n, k, device=w.device, dtype=dtype)
+    if n and k:
+        _fp8_dequant_kernel[(cdiv(n, 16), cdiv(k, 256))](
+            w, s, out, n, k, w.stride(0), out.stride(0), BLOCK_N=16, BLOCK_K=256)
+    return out

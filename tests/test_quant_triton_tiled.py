@@ -1,0 +1,99 @@
+"""The tiled Triton kernel on quantized weights (backend/quant/triton_gemm.py: `qgemm`, and its
+`weight_as_a` operand order) against dequantize-then-matmul: every GGUF format, ragged K
+steps, and row counts around the tile edges, 1..40 with 37 (the eager prefill that once went
+wrong on the device) at the real models' inner dimensions. Helpers and the bound:
+tests/test_quant_triton.py; the interpreter set-up: tests/triton_interp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imported
+    NO_TRITON,
+    rerun_interpreted,
+    skip_unless_rerun_needed,
+    triton_runs_here,
+)
+from test_quant_triton import (
+    FMTS,
+    K_QUANTS,
+    assert_matches,
+    inputs,
+    qweight,
+    ragged_block_k,
+    shape_of,
+)
+
+from sgl.backend.quant import linear
+from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, qgemm
+
+TRITON_HERE = triton_runs_here(qgemm.__globals__["_qgemm_kernel"])
+needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [3, 17])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("factored", [False, True])
+@pytest.mark.parametrize("weight_as_a", [False, True])
+def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
+                                              factored: bool, weight_as_a: bool) -> None:
+    if factored and fmt not in K_QUANTS:
+        pytest.skip("no factored form")
+    n, k = shape_of(fmt)
+    w = qweight(fmt, n, k, seed=m, factored=factored)
+    x, b = inputs(m, k, n, torch.float32, bias, seed=m)
+    cfg = gemm_config(m, n, k, w.group_size, linear.weight_kind(w))._replace(
+        weight_as_a=weight_as_a)
+    assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=ragged_block_k(w), num_warps=1,
+                     num_stages=1, weight_as_a=weight_as_a)
+    assert_matches(qgemm(x, w, b, config=cfg), x, w.dequantize(), b)
+
+
+# The real model's inner dims (SmolLM2: hidden 576 = 18 groups of 32, MLP 1536) and the 8B
+# model's (4096, 14336); K-quants need whole 256-blocks (768: 3 of them).
+TAIL_K = {"Q4_0": (576,), "Q4_1": (1536,), "Q8_0": (576,), "Q4_K": (4096,), "Q5_K": (768,),
+          "Q6_K": (768,)}
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("weight_as_a", [False, True])
+def test_qgemm_row_tails_37_and_real_inner_dims(fmt: str, weight_as_a: bool) -> None:
+    """Row counts around the tile edges (37: the eager prefill that once went wrong on the
+    device; 16/17, 33, 40, 65) at the real models' K, each with the rule's own tiles."""
+    for k in TAIL_K[fmt]:  # (each K: several K steps with a ragged last one)
+        w = qweight(fmt, 19, k, seed=k, factored=fmt in K_QUANTS)
+        x, b = inputs(65, k, 19, torch.float32, bias=True, seed=k)
+        ref = w.dequantize()
+        for m in (2, 17, 37, 65):
+            cfg = gemm_config(m, 19, k, w.group_size, linear.weight_kind(w))._replace(
+                weight_as_a=weight_as_a)
+            assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])  # the default model's two formats
+def test_qgemm_every_row_count_1_to_40(fmt: str) -> None:
+    """Every M from 1 to 40 at SmolLM2's hidden size in float32 (the orientations take turns),
+    and 16, 17, 37, 40 rows with bf16 activations in both."""
+    w = qweight(fmt, 21, 576, seed=37)
+    ref = w.dequantize()
+    x, b = inputs(40, 576, 21, torch.float32, bias=True, seed=37)
+    for m in range(1, 41):
+        cfg = gemm_config(m, 21, 576)._replace(weight_as_a=m % 2 == 1)
+        assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
+    x, b = x.bfloat16(), b.bfloat16()
+    for m in (16, 17, 37, 40):
+        for weight_as_a in (False, True):
+            cfg = gemm_config(m, 21, 576)._replace(weight_as_a=weight_as_a)
+            assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
+
+
+@skip_unless_rerun_needed(TRITON_HERE)
+def test_quant_triton_tiled_in_subprocess() -> None:
+    """Triton was imported before this module could ask for its interpreter: rerun here."""
+    rerun_interpreted(__file__)
