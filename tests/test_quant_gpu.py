@@ -159,7 +159,7 @@ ODD_SHAPE = (1000, 768)  # no tile divides N, the K steps end ragged: the masked
 def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
                                       variant: int) -> None:
     w = random_qweight(n, k, bits, group, seed=variant, factored=True)
-    ref = w.dequantize(dtype=torch.bfloat16)
+    ref = w.dequantize(dtype=torch.float32)  # the GEMV dequantizes in float32 registers
     x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
     for tiles in GEMV_TILES:
         cfg = QGemvConfig(*tiles, **GEMV_VARIANTS[variant])
@@ -171,7 +171,7 @@ def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
 @pytest.mark.parametrize("decode", ["bits", "sext", "cvt"])
 def test_gpu_fp8_gemv_decodes_8b_shapes(n: int, k: int, decode: str) -> None:
     w = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
-    ref = w.dequantize(torch.bfloat16)
+    ref = w.dequantize(torch.float32)  # e4m3 times the row's float32 scale, not rounded
     x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
     for tiles in GEMV_TILES:
         cfg = QGemvConfig(*tiles, fp8_decode=decode)
@@ -189,8 +189,9 @@ def test_gpu_tiled_kernels_8b_shapes(n: int, k: int, kind: str, weight_as_a: boo
     if kind == "fp8":
         w8 = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
         cfg = gemm_config(m, n, k, kind="fp8")._replace(weight_as_a=weight_as_a)
+        # (e4m3 is exact in bf16; the row scale multiplies the float32 sum)
         assert_tight(fp8_gemm(x, w8.weight, w8.scale, config=cfg), x,
-                     w8.dequantize(torch.bfloat16))
+                     w8.dequantize(torch.float32))
         return
     bits, group = (4, 32) if kind == "q4" else (8, 16)
     w = random_qweight(n, k, bits, group, seed=m, factored=True)

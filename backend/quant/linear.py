@@ -48,15 +48,15 @@ GEMV_MAX_ROWS = 16
 TILE_BYTES = 16 << 20
 # CUDA: per weight kind ("q4": 4-bit codes, "q8": 8-bit codes, "fp8"), (largest rows, path)
 # in increasing rows; rows past the last entry take the scratch path. Set from
-# bench/quant_gemv_bench.py, which prints this table from its measurements. Today: the tiled
-# kernel is off (session 5 on the H200: 2-4x slower than scratch + cuBLAS at 256 rows, and an
-# eager 37-row prefill of the real model gave wrong tokens while it was on; the same commit
-# also stopped prefill from replaying decode graphs, so which change fixed it is open:
-# tests/test_quant_gpu.py checks the tiled kernel at 1..40 rows on the real model's weights).
+# bench/quant_gemv_bench.py, which prints this table from its measurements (session 6 on the
+# H200, `--budget 400`: the tiled kernel beats scratch + cuBLAS up to 16-64 rows; from 256 rows
+# scratch wins, and both stay ~2x bf16's time). tests/test_quant_gpu.py checks the tiled kernel
+# at 1..40 rows on the real model's weights (session 5 saw wrong tokens on a 37-row prefill
+# through an earlier version of it).
 CUDA_ROUTES: dict[str, tuple[tuple[int, str], ...]] = {
-    "q4": ((1, "gemv"),),
-    "q8": ((1, "gemv"),),
-    "fp8": ((1, "gemv"),),
+    "q4": ((2, "gemv"), (64, "gemm")),
+    "q8": ((2, "gemv"), (16, "gemm")),
+    "fp8": ((1, "gemv"), (64, "gemm")),
 }
 # Largest dequantized scratch, in weight elements (128 MB in bf16): bigger weights (the 8B
 # LM head is 525M) are dequantized and multiplied in row slices.

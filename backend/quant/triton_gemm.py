@@ -59,20 +59,25 @@ class GemmConfig(NamedTuple):
 
 
 # Tiles by weight kind (quant/linear.py's names: "q4", "q8", "fp8") and rows (shape-only:
-# graph-safe), set from bench/quant_gemv_bench.py's sweep (it sweeps at 16, 64, 256 and
-# 1,024 rows, one per entry, and prints this line). Each entry: (largest M, config for
-# N <= 8192, config for larger N); the last covers the rest. Today's values are session 5's
-# starting points (far from cuBLAS at 256 rows on the H200): BLOCK_M covers the rows up to 64
-# (each weight tile read and dequantized once), output tiles narrow where N is small while
-# the product is still weight streaming (a few programs per SM), wide compute tiles past it.
-_SESSION5 = (
-    (16, GemmConfig(16, 16, 256, 4, 3), GemmConfig(16, 32, 256, 4, 3)),
-    (64, GemmConfig(64, 32, 128, 4, 3), GemmConfig(64, 64, 128, 4, 3)),
-    (256, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 3)),
-    (1 << 62, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 3)),
-)
+# graph-safe), set from bench/quant_gemv_bench.py's sweep at 16, 64, 256 and 1,024 rows
+# (session 6, H200). Each entry: (largest M, config for N <= 8192, config for larger N); the
+# last covers the rest. GemmConfig(block_m, block_n, block_k, num_warps, num_stages,
+# weight_as_a). quant/linear.py's CUDA_ROUTES decides the rows this kernel serves at all.
+_G = GemmConfig
 GEMM_DEFAULTS: dict[str, tuple[tuple[int, GemmConfig, GemmConfig], ...]] = {
-    "q4": _SESSION5, "q8": _SESSION5, "fp8": _SESSION5}
+    "q4": ((16, _G(16, 32, 256, 4, 3), _G(16, 64, 128, 4, 3)),
+           (64, _G(64, 32, 128, 4, 3), _G(64, 128, 128, 8, 2, True)),
+           (256, _G(64, 64, 128, 4, 2, True), _G(128, 128, 128, 8, 4, True)),
+           (1 << 62, _G(128, 128, 128, 8, 3, True), _G(128, 128, 128, 8, 4, True))),
+    "q8": ((16, _G(16, 32, 128, 4, 3), _G(16, 32, 64, 4, 4)),
+           (64, _G(64, 32, 128, 4, 3), _G(64, 64, 64, 4, 3, True)),
+           (256, _G(128, 64, 128, 8, 3), _G(128, 128, 64, 8, 3)),
+           (1 << 62, _G(128, 128, 64, 8, 3), _G(128, 128, 64, 8, 3))),
+    "fp8": ((16, _G(16, 32, 128, 4, 4), _G(16, 32, 256, 4, 3)),
+            (64, _G(64, 32, 128, 4, 4), _G(64, 128, 128, 8, 3, True)),
+            (256, _G(64, 64, 128, 4, 3, True), _G(128, 128, 64, 4, 3, True)),
+            (1 << 62, _G(128, 128, 64, 4, 3, True), _G(128, 128, 64, 4, 3, True))),
+}
 
 
 def gemm_config(m: int, n: int, k: int, group_size: int = 32, kind: str = "q4") -> GemmConfig:

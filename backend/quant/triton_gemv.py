@@ -54,14 +54,14 @@ class QGemvConfig(NamedTuple):
 
 # The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
 # codes, "fp8") and weight rows N: (largest N, config), the last entry covering the rest. Set
-# from bench/quant_gemv_bench.py's sweep, which prints this line. Today's values are session
-# 5's starting points: 512-weight K steps for codes (a 16-row tile moves 4 KB of 4-bit codes
-# per step, where the bf16 GEMV's best tiles move 16-32 KB: 0.7-1.6 TB/s on the H200) and,
-# for FP8, the bf16 GEMV's tiles with twice the K span (16 rows up to N = 4096, 8 past it).
+# from bench/quant_gemv_bench.py's sweep (session 6, H200): few rows per program and long K
+# steps (more bytes in flight per program); for 4- and 8-bit codes the I2F conversion beat
+# the 2^23 trick there, for FP8 the hardware e4m3 conversion beat the integer decodes.
+_Q = QGemvConfig
 GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
-    "q4": ((8192, QGemvConfig(16, 512, 4)), (1 << 62, QGemvConfig(8, 512, 4))),
-    "q8": ((8192, QGemvConfig(16, 512, 4)), (1 << 62, QGemvConfig(8, 512, 4))),
-    "fp8": ((4096, QGemvConfig(16, 1024, 4)), (1 << 62, QGemvConfig(8, 1024, 4))),
+    "q4": ((8192, _Q(4, 1024, 4, magic=False)), (1 << 62, _Q(8, 512, 4, magic=False))),
+    "q8": ((8192, _Q(4, 2048, 4, magic=False)), (1 << 62, _Q(4, 1024, 4, magic=False))),
+    "fp8": ((8192, _Q(8, 1024, 4, fp8_decode="cvt")), (1 << 62, _Q(4, 1024, 4, fp8_decode="cvt"))),
 }
 
 
