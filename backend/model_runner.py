@@ -39,6 +39,7 @@ import torch
 
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.grammar_masks import DeferredMaskFill
+from sgl.backend.quant import cpu_layer
 from sgl.backend.req import ScheduleBatch
 from sgl.backend.speculative import draft_states
 from sgl.backend.step_io import (
@@ -171,24 +172,39 @@ class ModelRunner:
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         rows = plan.num_tokens
         graph_bs = None
+        row_seq_lens = None
         # Prompts are prefilled eagerly (the extend kernel; the same numerics with and without
         # graphs); steps past the prompts (decode, jumped tokens, drafts) replay a graph.
-        if self.graphs is not None and (batch.is_decode or all(
-                it.prefix_len >= len(it.req.prompt_ids) for it in batch.items)):
+        past_prompts = batch.is_decode or all(
+            it.prefix_len >= len(it.req.prompt_ids) for it in batch.items)
+        if self.graphs is not None and past_prompts:
             graph_bs = self.graphs.padded_size(rows)
         if graph_bs is not None:
             if mode is ForwardMode.EXTEND:  # several tokens of a request: one graph row each
                 one_row_per_token(inputs)
             if graph_bs > rows:
                 pad_decode_rows(inputs, graph_bs - rows)
+        elif mode is ForwardMode.EXTEND and past_prompts and rows <= self._cpu_decode_rows():
+            # The CPU's one-call decode step takes several tokens of a request (verify rows,
+            # jumped tokens) the way the decode graphs do, one row per token: without it they
+            # ran the op path, at twice a decode row's cost, and speculation lost to plain
+            # decoding.
+            one_row_per_token(inputs)
+            mode, row_seq_lens = ForwardMode.DECODE, list(inputs.seq_lens)
         inputs.table_index, inputs.table_value = self._table_writes(batch.table_writes)
         packed, lengths = inputs.pack(pin=self.is_cuda)
         return PreparedStep(
             batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
+            row_seq_lens=row_seq_lens,
             sampling=self.sampler.build_for(batch),
             vocab_mask=self._grammar_masks(batch, defer_masks) if batch.has_constraints else None,
             table_check=self._table_check(batch) if self.verify_table else None,
         )
+
+    def _cpu_decode_rows(self) -> int:
+        """The most rows the model's one-call CPU decode step takes (0: it has none)."""
+        decoder = getattr(getattr(self.model, "model", None), "cpu_decode", None)
+        return 0 if decoder is None else cpu_layer.MAX_ROWS
 
     def _grammar_masks(self, batch: ScheduleBatch, defer: bool) -> MaskFill | DeferredMaskFill:
         """The step's masks: filled from now on beside the forward (every matcher has accepted
@@ -288,12 +304,15 @@ class ModelRunner:
             input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids).clamp(min=0)],
                                     input_ids)
         plan = step.plan
+        row_lens = step.row_seq_lens
         fb = ForwardBatch(
-            mode=step.mode, batch_size=len(step.batch.items), input_ids=input_ids,
+            mode=step.mode, batch_size=len(step.batch.items) if row_lens is None else len(row_lens),
+            input_ids=input_ids,
             positions=inputs.positions, out_cache_loc=inputs.out_cache_loc,
             req_pool_indices=inputs.req_pool_indices, seq_lens=inputs.seq_lens,
             extend_prefix_lens=inputs.extend_prefix_lens, extend_seq_lens=inputs.extend_seq_lens,
-            extend_start=inputs.extend_start, seq_lens_cpu=plan.seq_lens,
+            extend_start=inputs.extend_start,
+            seq_lens_cpu=plan.seq_lens if row_lens is None else row_lens,
             extend_prefix_lens_cpu=plan.prefix_lens, extend_seq_lens_cpu=plan.extend_lens,
             logits_indices=inputs.logits_indices, req_to_token=table, kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
@@ -354,6 +373,9 @@ class PreparedStep:
     lengths: tuple[int, ...]
     plan: StepPlan
     graph_bs: int | None  # replayed by the CUDA decode graph of this (padded) row count
+    # eager decode rows of a multi-token step (the CPU's one-call step): each row's sequence
+    # length, where `plan.seq_lens` has one per request
+    row_seq_lens: list[int] | None
     sampling: Any  # the sampler's SamplingBatchInfo
     # the [S, ceil(V/32)] int32 CPU grammar bitmask, being filled beside the forward (or
     # waiting for the previous step's update first: deferred)

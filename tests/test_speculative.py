@@ -109,6 +109,31 @@ def test_one_stream_alone_is_identical(engines) -> None:
     assert b.token_ids == a.token_ids
 
 
+def test_verify_rows_run_the_cpu_one_call_decode_step(engines) -> None:
+    """On the CPU a verify step (a request's last token plus its drafts) is laid out as decode
+    rows, one per token, and served by the quantized model's one-call decode step
+    (quant/cpu_layer.py), not the op path at twice the cost per row; outputs stay identical."""
+    plain, spec = engines
+    decoder = spec._rt.runner.model.model.cpu_decode
+    assert decoder is not None, "the default model should get the one-call CPU step"
+    served: list[int] = []
+    run = decoder.run
+
+    def counted(x, fb):  # type: ignore[no-untyped-def]
+        out = run(x, fb)
+        if out is not None:
+            served.append(x.shape[0])
+        return out
+
+    decoder.run = counted
+    try:
+        got = _run(spec, COPY_PROMPTS[:1], max_new_tokens=48, temperature=0)[0]
+    finally:
+        decoder.run = run
+    assert got.token_ids == _run(plain, COPY_PROMPTS[:1], max_new_tokens=48, temperature=0)[0].token_ids
+    assert any(rows > 1 for rows in served), "no multi-row verify step went through the C step"
+
+
 def test_seeded_sampling_is_identical(engines) -> None:
     plain, spec = engines
     kw = dict(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=11)
