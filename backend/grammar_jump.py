@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from sgl._seq import common_prefix_len
+from sgl.backend.tokenizer import decode_ids, encode_text
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -121,7 +122,7 @@ def plan_jump_forward(
 
     # Rolled-back text must be re-covered, or already-streamed text would shrink; and some
     # forced text must be covered, or the jump saves no decode step.
-    covered = _decode(tokenizer, retokenized[: kept + len(candidate)])
+    covered = decode_ids(tokenizer, retokenized[: kept + len(candidate)])
     if len(covered) <= len(boundary_text) or not covered.startswith(boundary_text):
         return None
     return JumpPlan(
@@ -224,31 +225,11 @@ def _retokenize_boundary(
     """
     tail = [int(t) for t in output_ids[len(output_ids) - k :]] if k else []
     # Drop leading tokens that start inside a UTF-8 character: their text alone is not valid.
-    while tail and "\ufffd" in _decode(tokenizer, tail):
+    while tail and "\ufffd" in decode_ids(tokenizer, tail):
         tail = tail[1:]
-    boundary_text = _decode(tokenizer, tail) if tail else ""
+    boundary_text = decode_ids(tokenizer, tail) if tail else ""
     text = boundary_text + forced
-    retokenized = _encode(tokenizer, text)
-    if _decode(tokenizer, retokenized) != text:
+    retokenized = encode_text(tokenizer, text)
+    if decode_ids(tokenizer, retokenized) != text:
         return None  # the tokenizer normalises this text: we cannot reason about boundaries
     return tail, boundary_text, retokenized, common_prefix_len(tail, retokenized)
-
-
-# A fast tokenizer's own `tokenizers.Tokenizer` gives the same ids and text as the
-# transformers wrapper for these calls (no special tokens added or skipped, no clean-up) at a
-# third to a quarter of the cost; jumps are planned on the engine thread, inside the step.
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return backend.encode(text, add_special_tokens=False).ids
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-
-
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    # No clean-up: it rewrites spaces before punctuation, which would break the text algebra.
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return backend.decode(list(ids), skip_special_tokens=False)
-    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -38,10 +38,12 @@ construction) gets no text drafting: the token-id lookup alone.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from sgl.backend.speculative import NgramDrafter, SpecConfig
+from sgl.backend.tokenizer import encode_text
 
 if TYPE_CHECKING:
     from sgl.backend.req import Req
@@ -106,16 +108,9 @@ class PieceTable:
                 pieces.append(name.encode("utf-8"))
             else:
                 pieces.append(_sentencepiece_bytes(name))
-        table = cls(tuple(pieces), _encoder(tokenizer))
+        table = cls(tuple(pieces), functools.partial(encode_text, tokenizer))
         probe = _PROBE.encode("utf-8")
         return table if b"".join(table.pieces[t] for t in table.encode(_PROBE)) == probe else None
-
-
-def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # the Rust tokenizer directly: half the cost of the Python wrapper
-        return lambda text: backend.encode(text, add_special_tokens=False).ids
-    return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
 @dataclass

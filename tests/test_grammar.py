@@ -374,19 +374,20 @@ def test_short_forced_strings_do_not_jump(backend: GrammarBackend) -> None:
 
 
 def test_jump_planner_codec_equals_the_tokenizers(default_tokenizer) -> None:
-    """The planner encodes and decodes through the fast tokenizer's backend (cheaper, on the
-    engine thread): same ids and text as the transformers calls it stands for, including
-    special tokens, byte pieces of split UTF-8 characters, and whitespace runs."""
-    from sgl.backend.grammar_jump import _decode, _encode
+    """The planner and the text drafter encode and decode through the fast tokenizer's backend
+    (backend/tokenizer.py; cheaper, on the engine thread): same ids and text as the
+    transformers calls they stand for, including special tokens, byte pieces of split UTF-8
+    characters, and whitespace runs."""
+    from sgl.backend.tokenizer import decode_ids, encode_text
 
     tok = default_tokenizer
     assert getattr(tok, "backend_tokenizer", None) is not None  # else the test checks nothing
     texts = ['{"name": "Maria Lopez", "age": 34}', '\n  "street": "Main', "héllo wörld ✓ 日本 😀",
              "<|im_end|> x <|im_start|>", '  \n\t  "tags": [', "it's  two  spaces .", "a" * 80]
     for text in texts:
-        assert _encode(tok, text) == tok.encode(text, add_special_tokens=False)
+        assert encode_text(tok, text) == tok.encode(text, add_special_tokens=False)
     rng = random.Random(0)
     for _ in range(500):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 8))]
         want = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        assert _decode(tok, ids) == want
+        assert decode_ids(tok, ids) == want
