@@ -1,11 +1,11 @@
 """A step's grammar masks, filled on a thread while the step's forward runs.
 
-    masks = grammar.fill_bitmasks_async(states, bitmask)   # runner._prepare, scheduler thread
+    masks = grammar.fill_bitmasks_async(states, bitmask)   # runner.prepare, scheduler thread
     ...                                                     # the forward is launched / runs
     bitmask = masks.result()                                # runner, just before sampling
 
 Why: the masks of step N+1 depend only on every matcher having accepted step N's tokens (the
-scheduler's update), not on step N+1's forward. Filling them in `_prepare` put the fill in
+scheduler's update), not on step N+1's forward. Filling them in `prepare` put the fill in
 series with the forward: on the CPU the forward waited for it, on CUDA the device idled while
 the host filled before launching. xgrammar's fill is C++ that releases the GIL, so one fill
 thread runs it beside the forward (which itself releases the GIL in torch's kernels), and
@@ -13,7 +13,7 @@ xgrammar's `BatchGrammarMatcher` spreads the rows of a large batch over its own 
 
 Cross-step overlap (the overlap loop, engine_loop.py): step N+1 is launched while step N is
 still running, before its tokens are accepted. Its masks are then a `DeferredMaskFill`: the
-states are listed in `_prepare`, and the loop calls `start()` right after `update(N)`, so the
+states are listed in `prepare`, and the loop calls `start()` right after `update(N)`, so the
 fill runs beside the scheduling of step N+2 and the device's forward of step N+1.
 
 Safety: the fill only reads the matchers; they change only in `Scheduler.update` (accepting

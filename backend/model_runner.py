@@ -3,7 +3,7 @@
 `run(batch)` is `launch(batch).result()`; `launch` is split in two halves so that the
 overlap loop can hide CPU work:
 
-* `_prepare` (scheduler thread, CPU only): flatten the batch into named `StepInputs` (in
+* `prepare` (scheduler thread, CPU only): flatten the batch into named `StepInputs` (in
   step_io.py: ids, positions, slots, lengths, table writes...) packed into ONE host int64
   tensor, pinned on CUDA; build the sampling info, grammar masks and logprob plan.
 * `_execute` (the device's turn, in step order): one host->device copy of that tensor, apply
@@ -15,7 +15,7 @@ overlap loop can hide CPU work:
 
 On CUDA `_execute` only enqueues work and never waits for the device: no `.item()`,
 `.tolist()` or data-dependent branch on a device tensor; every decision is made from host
-data in `_prepare`. A CUDA event recorded after the result copies marks completion, and
+data in `prepare`. A CUDA event recorded after the result copies marks completion, and
 `StepHandle.result()` waits on it. On the CPU "the device" is a single worker thread: steps
 still run strictly in order, and the scheduler thread prepares step N+1 while the worker
 computes step N.
@@ -145,15 +145,6 @@ class ModelRunner:
         was started then)."""
         return self.start(self.prepare(batch, defer_masks))
 
-    def prepare(self, batch: ScheduleBatch, defer_masks: bool = False) -> PreparedStep:
-        """The step's host work (inputs, sampling settings, grammar masks), nothing enqueued.
-
-        `defer_masks`: a step is still in flight before this one (the overlap loop), whose
-        tokens the scheduler has not applied yet. This step's grammar masks are then filled
-        only when the handle's `start_masks()` is called, and on CUDA its sampling is enqueued
-        by `resume()` (the caller resumes the step ahead before starting this one)."""
-        return self._prepare(batch, defer_masks)
-
     def start(self, step: PreparedStep) -> StepHandle:
         """Start a prepared step's device work; a handle to its result."""
         deferred = step.vocab_mask if isinstance(step.vocab_mask, DeferredMaskFill) else None
@@ -167,7 +158,13 @@ class ModelRunner:
         forwarded = self._forward_part(step)
         return StepHandle(None, masks=deferred, finish=lambda: self._finish_part(step, forwarded).wait)
 
-    def _prepare(self, batch: ScheduleBatch, defer_masks: bool = False) -> PreparedStep:
+    def prepare(self, batch: ScheduleBatch, defer_masks: bool = False) -> PreparedStep:
+        """The step's host work (inputs, sampling settings, grammar masks), nothing enqueued.
+
+        `defer_masks`: a step is still in flight before this one (the overlap loop), whose
+        tokens the scheduler has not applied yet. This step's grammar masks are then filled
+        only when the handle's `start_masks()` is called, and on CUDA its sampling is enqueued
+        by `resume()` (the caller resumes the step ahead before starting this one)."""
         inputs, plan = flatten_batch(batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         rows = plan.num_tokens

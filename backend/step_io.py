@@ -211,7 +211,7 @@ def _pairs(vals: torch.Tensor | None, ids: torch.Tensor) -> list[list[tuple[floa
     return [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())]
 
 
-# -- laying a batch out as step inputs (model_runner._prepare) ------------------------------
+# -- laying a batch out as step inputs (model_runner.prepare) ------------------------------
 
 
 @dataclass

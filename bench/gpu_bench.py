@@ -560,7 +560,7 @@ def cpu_split(e: sgl.Engine) -> dict[str, float]:
         setattr(obj, name, wrapper)
 
     timed(rt.scheduler, "schedule", "cpu_schedule_ms")
-    timed(rt.runner, "_prepare", "cpu_prepare_ms")
+    timed(rt.runner, "prepare", "cpu_prepare_ms")
     timed(rt.runner, "_execute", "cpu_launch_ms")
     timed(rt.sampler, "build_for", "cpu_sampling_info_ms")
     timed(rt.scheduler, "update", "cpu_update_ms")

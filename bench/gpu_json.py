@@ -127,7 +127,7 @@ def install_cpu_probe() -> None:
                (grammar.GrammarBackend, "fill_bitmasks"), (grammar.GrammarBackend, "_fill_rows"),
                (grammar_masks.MaskFill, "result"), (step_io.StepHandle, "resume"),
                (scheduler.Scheduler, "schedule"),
-               (scheduler.Scheduler, "update"), (model_runner.ModelRunner, "_prepare"),
+               (scheduler.Scheduler, "update"), (model_runner.ModelRunner, "prepare"),
                (model_runner.ModelRunner, "_grammar_masks")]
     for cls, name in targets:
         fn = getattr(cls, name)

@@ -108,7 +108,7 @@ class Probe:
     decode_rows: list[int] = field(default_factory=list)
     fill: list[float] = field(default_factory=list)  # fill_bitmasks per decode step
     apply: list[float] = field(default_factory=list)  # apply_token_bitmask per decode step
-    prepare: list[float] = field(default_factory=list)  # runner._prepare (includes fill)
+    prepare: list[float] = field(default_factory=list)  # runner.prepare (includes fill)
     execute: list[float] = field(default_factory=list)  # runner._execute (forward + sample)
     process: list[float] = field(default_factory=list)  # scheduler.update (accept, stop checks)
     passes: dict[tuple[str, int], int] = field(default_factory=dict)  # request -> sampled steps
@@ -139,10 +139,10 @@ def install_probe(engine: sgl.Engine) -> Probe:
     grammar = rt.grammar  # builds the backend now, so the wrapper sees every call
     runner, scheduler = rt.runner, rt.scheduler
     orig_launch, orig_update, orig_append = runner.launch, scheduler.update, scheduler._append  # noqa: SLF001
-    # Instance attributes shadow the methods: the engine calls self.runner._prepare(...) etc.
+    # Instance attributes shadow the methods: the engine calls self.runner.prepare(...) etc.
     grammar.fill_bitmasks = probe.timed("fill", grammar.fill_bitmasks)
     sampler_mod.apply_token_bitmask = probe.timed("apply", sampler_mod.apply_token_bitmask)
-    runner._prepare = probe.timed("prepare", runner._prepare)  # noqa: SLF001
+    runner.prepare = probe.timed("prepare", runner.prepare)
     runner._execute = probe.timed("execute", runner._execute)  # noqa: SLF001
     launched: list[tuple[float, Any]] = []
 
