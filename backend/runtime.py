@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl._spec import RequestSpec
+from sgl.backend import gc_freeze
 from sgl.backend.model_source import resolve_model_source
 from sgl.backend.quant.policy import require_gguf_model, resolve_quantization
 from sgl.backend.req import Req
@@ -130,6 +131,8 @@ class Runtime:
         self.context_length = config.context_length
         self._build_engine(config, model)
         self.load_seconds = time.monotonic() - t0
+        gc_freeze.hold()  # the loaded engine's objects out of the collector's full passes
+        self._frozen = True
 
     def _load_model(self, config: EngineConfig) -> Any:
         """The model on the engine's kernel set (resolved once, here), its config, and the
@@ -350,6 +353,9 @@ class Runtime:
         self.core.shutdown()
         if self._grammar is not None:
             self._grammar.close()  # its mask-fill thread (after the engine thread stopped)
+        if self._frozen:
+            self._frozen = False
+            gc_freeze.release()
 
 
 GRAPH_ROWS_PER_REQ = 2  # decode graphs hold up to 2 x cuda_graph_max_bs token rows
