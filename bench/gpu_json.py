@@ -11,7 +11,10 @@ Table 1, per batch size (all requests submitted at once): plain decoding (no con
 ignored), JSON with jump-forward off, JSON with jump-forward on, and JSON with jump-forward on
 plus n-gram speculation (a second engine). Figures: output tokens/s, engine steps, wall ms per
 step, and the step time measured on the GPU split by step kind (CUDA events around every
-step: decode-graph steps vs extend steps). The floor for a constrained step is the plain step.
+step: decode-graph steps vs extend steps), and the decode period: the median device time from
+one decode step's end to the next one's (the step's real cost, gaps where the device waited
+for the host included; wall ms per step also carries the prefill steps and the preparation of
+the requests before the first step). The floor for a constrained step is the plain step.
 
 Table 2, single stream: one request whose prompt repeats a sentence (so n-gram drafts are
 always proposed), 128 new tokens, greedy, on the plain and the speculative engine: ms per
@@ -166,6 +169,11 @@ def run(e: sgl.Engine, texts: list[str], **kw: Any) -> dict[str, Any]:
     by_kind: dict[str, list[float]] = {}
     for start, end, mode, _bs in events:
         by_kind.setdefault(mode.name.lower(), []).append(start.elapsed_time(end))
+    # The decode step's period: device time from one decode step's end to the next one's, so
+    # it includes any gap where the device waited for the host (wall ms per step also carries
+    # the prefill steps and the requests' preparation before the first step).
+    periods = [a[1].elapsed_time(b[1]) for a, b in zip(events, events[1:])
+               if a[2].name == b[2].name == "DECODE"]
     tokens = sum(len(o.token_ids) for o in outs)
     steps = after.steps - before.steps
     return dict(
@@ -173,6 +181,7 @@ def run(e: sgl.Engine, texts: list[str], **kw: Any) -> dict[str, Any]:
         output_tok_s=round(tokens / wall, 1), steps=steps, wall_ms_per_step=round(1e3 * wall / max(steps, 1), 2),
         gpu_ms={k: round(statistics.mean(v), 2) for k, v in by_kind.items()},
         gpu_steps={k: len(v) for k, v in by_kind.items()},
+        decode_period_ms=round(statistics.median(periods), 2) if periods else None,
         jump_tokens=after.jump_forward_tokens - before.jump_forward_tokens,
         drafts=after.spec_draft_tokens - before.spec_draft_tokens,
         accepted=after.spec_accepted_tokens - before.spec_accepted_tokens,
@@ -218,8 +227,10 @@ def batch_table(e_plain: sgl.Engine, e_spec: sgl.Engine | None, batches: list[in
             if "_fill_threads" in kw:
                 set_fill_threads(e, kw.pop("_fill_threads"))
             res = run(e, texts, **common, **kw)
-            base = base or res["wall_ms_per_step"]
-            res["step_vs_plain"] = round(res["wall_ms_per_step"] / base, 2)
+            base = base or res
+            res["step_vs_plain"] = round(res["wall_ms_per_step"] / base["wall_ms_per_step"], 2)
+            if res["decode_period_ms"] and base["decode_period_ms"]:
+                res["period_vs_plain"] = round(res["decode_period_ms"] / base["decode_period_ms"], 2)
             rows.append(dict(batch=bs, mode=name, **res))
             emit(f"json batch {bs}: {name}", res)
             print(json.dumps(rows[-1]), flush=True)
@@ -281,7 +292,7 @@ def main() -> None:
         sweep = [None if t == "auto" else int(t) for t in args.fill_threads.split(",") if t]
         rows = [] if args.only_verify else batch_table(e_plain, e_spec, batches, args.new_tokens, sweep)
         print(table(rows, ["batch", "mode", "output_tok_s", "steps", "wall_ms_per_step", "step_vs_plain",
-                           "gpu_ms", "jump_tokens", "drafts", "accepted", "invalid", "failed", "padded_ids"]))
+                           "decode_period_ms", "period_vs_plain", "gpu_ms", "jump_tokens", "drafts", "accepted", "invalid", "failed", "padded_ids"]))
         if e_spec is not None:
             rows = verify_cost(e_plain, e_spec, args.new_tokens)
             print(table(rows, ["mode", "output_tok_s", "steps", "wall_ms_per_step", "gpu_ms", "drafts", "accepted"]))

@@ -28,28 +28,35 @@ def describe_choices(choices: tuple[Any, ...]) -> str:
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
 
 
+@functools.lru_cache(maxsize=None)
+def _parts(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(origin, args) of an annotation: typing's introspection, once per annotation (request
+    fields are checked several times per request)."""
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
 def mismatch(value: Any, hint: Any) -> str | None:
     """None when `value` fits `hint`; otherwise a phrase saying what it must be."""
     if hint is Any:
         return None
-    origin = typing.get_origin(hint)
+    origin, args = _parts(hint)
     if origin is Union or origin is types.UnionType:
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None and len(options) < len(typing.get_args(hint)):
+        options = [a for a in args if a is not type(None)]
+        if value is None and len(options) < len(args):
+            return None
+        if any(mismatch(value, a) is None for a in options):
             return None
         whys = [mismatch(value, a) for a in options]
-        if any(w is None for w in whys):
-            return None
         why = " or ".join(w.removeprefix("must be ") for w in whys if w)
-        return f"must be {why}" + (" (or None)" if len(options) < len(typing.get_args(hint)) else "")
+        return f"must be {why}" + (" (or None)" if len(options) < len(args) else "")
     if origin is Literal:
-        choices = typing.get_args(hint)
+        choices = args
         # `type(...) is` as well: 1 == True, but the option "1" is not the flag True.
         if any(value == c and type(value) is type(c) for c in choices):
             return None
         return f"must be one of {describe_choices(choices)}"
     if origin is tuple:
-        item = typing.get_args(hint)[0]
+        item = args[0]
         if not isinstance(value, tuple):
             return f"must be a list of {_noun(item)}"
         bad = next((v for v in value if mismatch(v, item) is not None), _NOTHING)

@@ -17,6 +17,7 @@ keywords) lives in `sgl._json_schema`.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -201,8 +202,9 @@ def load_grammar(name: str) -> tuple[ConstraintKind, str]:
     )
 
 
-def _warn_unenforceable(schema: Any, source: str) -> None:
-    for keyword, pointer, why in unenforceable_keywords(schema):
+def _warn_unenforceable(schema: Any, source: str,
+                        found: list[tuple[str, str, str]] | None = None) -> None:
+    for keyword, pointer, why in unenforceable_keywords(schema) if found is None else found:
         warnings.warn(
             f"{source}: JSON Schema keyword {keyword!r} at {pointer} is not enforced during "
             f"decoding ({why}); validate the output yourself (schema= does, on parse)",
@@ -211,10 +213,11 @@ def _warn_unenforceable(schema: Any, source: str) -> None:
         )
 
 
-def _refuse_pattern_hazards(schema: Any, source: str, field_name: str) -> None:
+def _refuse_pattern_hazards(schema: Any, source: str, field_name: str,
+                            hazards: list[tuple[str, str]] | None = None) -> None:
     """A `pattern` that names a character JSON must escape would let xgrammar write invalid
     JSON (sgl._json_schema.pattern_json_hazards): refuse it, naming the pattern."""
-    hazards = pattern_json_hazards(schema)
+    hazards = pattern_json_hazards(schema) if hazards is None else hazards
     if hazards:
         pointer, char = hazards[0]
         raise InvalidConstraintError(
@@ -259,9 +262,10 @@ class ConstraintLimits:
             f"{what} is {size}, over the limit of {limit} bytes (engine option "
             f"max_grammar_bytes): shorten it, or raise max_grammar_bytes", field=field_name)
 
-    def check_depth(self, schema: Any, what: str, field_name: str) -> None:
+    def check_depth(self, schema: Any, what: str, field_name: str, depth: int | None = None) -> None:
+        """`depth`: the schema's nesting depth when known (counted up to past _WALKABLE_DEPTH)."""
         limit = min(self.max_json_schema_depth or _WALKABLE_DEPTH, _WALKABLE_DEPTH)
-        if nesting_depth(schema, limit) > limit:
+        if (nesting_depth(schema, limit) if depth is None else depth) > limit:
             raise InvalidConstraintError(
                 f"{what} nests objects and arrays more than {limit} deep (engine option "
                 f"max_json_schema_depth): flatten it, e.g. share repeated parts through $defs "
@@ -343,13 +347,47 @@ def _from_json_schema(value: Any, limits: ConstraintLimits) -> ConstraintSpec:
     return ConstraintSpec("json_schema", canonical_json(parsed), source="json_schema")
 
 
+@dataclass(frozen=True)
+class _TypeSchema:
+    """What a `schema=` type's JSON schema yields, computed once per type (`_type_schema`)."""
+
+    document: dict[str, Any]
+    parser: Callable[[str], Any]
+    depth: int  # nesting depth, counted up to just past _WALKABLE_DEPTH
+    # None when deeper than _WALKABLE_DEPTH (refused by the depth check: never walked)
+    text: str | None
+    hazards: list[tuple[str, str]] | None
+    unenforced: list[tuple[str, str, str]] | None
+
+
+def _walk_type_schema(tp: Any) -> _TypeSchema:
+    document, parser = type_json_schema(tp)
+    depth = nesting_depth(document, _WALKABLE_DEPTH)
+    if depth > _WALKABLE_DEPTH:
+        return _TypeSchema(document, parser, depth, None, None, None)
+    return _TypeSchema(document, parser, depth, canonical_json(document),
+                       pattern_json_hazards(document), unenforceable_keywords(document))
+
+
+# A program sends the same few types with every request: Pydantic's schema generation and the
+# walks over its document cost ~5-10 ms a request (measured on the 2-core VM), on the caller's
+# event loop. Types are hashable; one that is not (Annotated with unhashable metadata) is
+# walked each time. (A class rebuilt under the same object, e.g. by `model_rebuild`, keeps its
+# first schema here.)
+_type_schema = functools.lru_cache(maxsize=256)(_walk_type_schema)
+
+
 def _from_schema(tp: Any, limits: ConstraintLimits) -> ConstraintSpec:
-    as_json, parser = type_json_schema(tp)
+    try:
+        ts = _type_schema(tp)
+    except TypeError:  # unhashable: not cached (a TypeError of the schema itself re-raises)
+        ts = _walk_type_schema(tp)
     source = f"schema {type_name(tp)}"
-    limits.check_depth(as_json, f"the JSON schema of {source}", "schema")
-    _refuse_pattern_hazards(as_json, source, "schema")
-    _warn_unenforceable(as_json, source)
-    return ConstraintSpec("json_schema", canonical_json(as_json), source=source, parser=parser)
+    limits.check_depth(ts.document, f"the JSON schema of {source}", "schema", depth=ts.depth)
+    assert ts.text is not None  # (a document past _WALKABLE_DEPTH was refused just above)
+    _refuse_pattern_hazards(ts.document, source, "schema", ts.hazards)
+    _warn_unenforceable(ts.document, source, ts.unenforced)
+    return ConstraintSpec("json_schema", ts.text, source=source, parser=ts.parser)
 
 
 def _from_grammar(grammar: Any, limits: ConstraintLimits) -> ConstraintSpec:

@@ -229,3 +229,30 @@ def test_spec_is_hashable_and_compares_by_kind_and_text() -> None:
     assert a == ConstraintSpec(a.kind, a.text, a.source)
     assert a.key == b.key
     assert len({a, ConstraintSpec(a.kind, a.text, a.source)}) == 1
+
+
+def test_a_schema_type_is_walked_once_and_checked_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programs send the same types with every request: Pydantic's schema generation runs once
+    per type, while the per-request checks (depth limit, warnings) still run on every call."""
+    import sgl.constraints as constraints
+    from sgl.constraints import ConstraintLimits
+
+    calls: list[object] = []
+    real = constraints.type_json_schema
+    monkeypatch.setattr(constraints, "type_json_schema", lambda tp: calls.append(tp) or real(tp))
+
+    class Inner(pydantic.BaseModel):
+        tags: list[str] = pydantic.Field(json_schema_extra={"uniqueItems": True})
+
+    class Outer(pydantic.BaseModel):
+        inner: Inner
+
+    first = build_constraint(schema=Outer)
+    with pytest.warns(UnenforceableSchemaWarning, match="uniqueItems"):
+        again = build_constraint(schema=Outer)
+    assert again == first and calls == [Outer]
+    # The cached depth meets a tighter limit: refused, naming the option.
+    with pytest.raises(InvalidConstraintError, match="max_json_schema_depth"):
+        build_constraint(schema=Outer, limits=ConstraintLimits(max_json_schema_depth=2))
+    assert calls == [Outer]
+    assert again.parser('{"inner": {"tags": ["a"]}}') == Outer(inner=Inner(tags=["a"]))
