@@ -24,8 +24,10 @@ code bytes in flight (Little's law: ~4 TB/s times ~1 us of latency is ~4 MB acro
 
 The tiles and flags come from the GEMV_DEFAULTS table (FP8's too: quant/triton_fp8.py). Rows
 of x are a grid axis, the fastest one (`row_grid`: each program re-reads its weight tile, from
-L2; quant/linear.py's CUDA_ROUTES decides which row counts come here). Configs depend on the shape only:
-graph-safe, no host sync.
+L2; quant/linear.py's CUDA_ROUTES decides which row counts come here). `split_k` > 1 adds a
+third axis of K slices, each program writing float32 partial sums that a second kernel adds
+in a fixed order (quant/triton_split.py): wide tiles (fewer re-reads of x) with a full grid.
+Configs depend on the shape only: graph-safe, no host sync.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ from typing import NamedTuple
 import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
+from sgl.backend.quant.triton_split import (
+    gemv_program,
+    new_partials,
+    reduce_partials,
+    split_plan,
+    store_rows,
+)
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["GEMV_DEFAULTS", "QGemvConfig", "gemv_config", "groups_per_block", "int8_f32",
@@ -50,6 +59,7 @@ class QGemvConfig(NamedTuple):
     words: bool = False  # load the codes as int32 words (4 bytes each), unpack with shifts
     num_stages: int = 3  # Triton's software pipelining depth of the K loop
     fp8_decode: str = "bits"  # FP8 only: "bits" | "sext" | "cvt" (quant/triton_fp8.py)
+    split_k: int = 1  # K slices (a third grid axis, quant/triton_split.py); 1: no split
 
 
 # The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
@@ -199,18 +209,20 @@ def _words_dot(raw, x_ptrs, mask_g, BITS: tl.constexpr, GBYTES: tl.constexpr,
 
 @triton.jit
 def _qgemv_kernel(
-    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y,
-    N, G,
-    stride_xm, stride_cn, stride_ym,
+    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y, P,
+    N, G, SLICE_G,
+    stride_xm, stride_cn, stride_ym, stride_ps,
     BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     EVEN_G: tl.constexpr, EVEN: tl.constexpr, MAGIC: tl.constexpr, WORDS: tl.constexpr,
-    LANES: tl.constexpr, ROWS_FIRST: tl.constexpr,
+    LANES: tl.constexpr, ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    if ROWS_FIRST:  # several rows: the programs sharing a weight tile run together
-        row, pid_n = tl.program_id(0), tl.program_id(1)
-    else:
-        pid_n, row = tl.program_id(0), tl.program_id(1)
+    row, pid_n, pid_s = gemv_program(ROWS_FIRST)
+    if SPLIT == 1:
+        g_lo, g_hi = 0, G
+    else:  # this program's K slice: SLICE_G groups (a whole number of steps), the last short
+        g_lo = pid_s * SLICE_G
+        g_hi = tl.minimum(G, g_lo + SLICE_G)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     offs_i = tl.arange(0, LANES)  # [LANES] code bytes (or int32 words) of one group
@@ -224,7 +236,7 @@ def _qgemv_kernel(
     # [BLOCK_G, LANES]: K of each lane's first (low-nibble) code: bytes 1 apart, words 4
     x_off = offs_g[:, None] * GROUP + offs_i[None, :] * (GBYTES // LANES)
     acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):
+    for g0 in range(g_lo, g_hi, BLOCK_G):
         mask_g = g0 + offs_g < G  # (all true when EVEN_G: only the masked loads read it)
         m2 = mask_n[:, None] & mask_g[None, :]
         if EVEN:  # no tile crosses the N or the G edge: unmasked loads
@@ -242,10 +254,8 @@ def _qgemv_kernel(
         else:
             part, xsum = _bytes_dot(raw, x_ptrs, mask_g, BITS, GBYTES, EVEN_G, MAGIC)
         acc += part * s + z * xsum[None, :]
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if HAS_BIAS:
-        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+    store_rows(tl.sum(acc, axis=1), B, Y, P, row, pid_s, offs_n, mask_n, N, stride_ym,
+               stride_ps, HAS_BIAS, SPLIT)
 
 
 def qgemv(
@@ -261,22 +271,27 @@ def qgemv(
     if m and n:
         cfg = config or gemv_config("q4" if w.bits == 4 else "q8", n, k, gs)
         block_g, groups = groups_per_block(cfg.block_k, gs), k // gs
+        split, slice_g = split_plan(cdiv(groups, block_g), cfg.split_k, block_g)
         gbytes = gs // 2 if w.bits == 4 else gs
         # (every group's bytes are a multiple of 4 and rows start 4-aligned: int32 views)
         codes = w.codes.view(torch.int32) if cfg.words else w.codes.view(torch.uint8)
         sup_s, sup_z, sup = scale_args(w)
         grid, rows_first = row_grid(m, cdiv(n, cfg.block_n))
-        _qgemv_kernel[grid](
+        partials = new_partials(split, y)  # [split, M, N] float32 (y itself when unsplit)
+        _qgemv_kernel[(*grid, split)](
             x2, codes, w.scale, w.zero, sup_s, sup_z,
-            bias if bias is not None else sup_s, y,
-            n, groups,
-            x2.stride(0), codes.stride(0), y.stride(0),
+            bias if bias is not None else sup_s, y, partials,
+            n, groups, slice_g,
+            x2.stride(0), codes.stride(0), y.stride(0), m * n,
             BITS=w.bits, GROUP=gs, GBYTES=gbytes, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
             EVEN_G=groups % block_g == 0, EVEN=n % cfg.block_n == 0 and groups % block_g == 0,
             MAGIC=cfg.magic, WORDS=cfg.words, LANES=gbytes // 4 if cfg.words else gbytes,
-            ROWS_FIRST=rows_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ROWS_FIRST=rows_first, SPLIT=split, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
+        if split > 1:
+            reduce_partials(partials, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 
