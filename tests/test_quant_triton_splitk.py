@@ -30,7 +30,7 @@ needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
 KINDS = FMTS + [f"{f}/factored" for f in K_QUANTS] + ["fp8"]
 
 
-def case(kind: str, m: int, split: int, seed: int = 0):
+def case(kind: str, m: int, split: int, seed: int = 0, reduce: str = "kernel"):
     """(run(x, bias) -> y, reference weight, x, bias, N) for `kind` at a shape whose K loop
     has a ragged last step: group-32 formats K = 13 groups in steps of 4 (4 steps: 2+2,
     1+1+1+1); K-quants K = 1280 in steps of 512 (3 steps: uneven 2+1, and 1+1+1 when 4 are
@@ -39,14 +39,14 @@ def case(kind: str, m: int, split: int, seed: int = 0):
     if kind == "fp8":
         n, k = 37, 200
         _, w8 = fp8_weight(n, k, seed=seed)
-        cfg = QGemvConfig(16, 32, 1, split_k=split)
+        cfg = QGemvConfig(16, 32, 1, split_k=split, split_reduce=reduce)
         x, b = inputs(m, k, n, torch.float32, bias=True, seed=seed)
         return (lambda xx, bb: fp8_gemv(xx, w8.weight, w8.scale, bb, config=cfg),
                 w8.dequantize(), x, b, n)
     fmt, _, factored = kind.partition("/")
     n, k, block_k = (21, 1280, 512) if fmt in K_QUANTS else (37, 13 * 32, 128)
     w = qweight(fmt, n, k, seed=seed, factored=bool(factored))
-    cfg = QGemvConfig(16, block_k, 1, split_k=split)
+    cfg = QGemvConfig(16, block_k, 1, split_k=split, split_reduce=reduce)
     x, b = inputs(m, k, n, torch.float32, bias=True, seed=seed)
     return (lambda xx, bb: qgemv(xx, w, bb, config=cfg)), w.dequantize(), x, b, n
 
@@ -55,20 +55,26 @@ def case(kind: str, m: int, split: int, seed: int = 0):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("split", [1, 2, 4])
 def test_split_k_gemv_matches_dequantize_then_matmul(kind: str, split: int) -> None:
-    """Every kind at every split: one row without a bias, two with one (added once, by the
-    reduction; the rows-first grid with the slices as a third axis)."""
-    for m, bias in ((1, False), (2, True)):
-        run, ref, x, b, _ = case(kind, m, split, seed=m + split)
-        b = b if bias else None
-        assert_matches(run(x, b), x, ref, b)
+    """Every kind at every split: one row without a bias, slices added by a second kernel;
+    two rows with one (added once), by the last slice of each tile (the rows-first grid with
+    the slices as a third axis), bit for bit what the second kernel gives: both add the same
+    float32 partials in slice order."""
+    run, ref, x, _, _ = case(kind, 1, split, seed=split)
+    assert_matches(run(x, None), x, ref, None)
+    run, ref, x, b, _ = case(kind, 2, split, seed=split + 1, reduce="last")
+    y = run(x, b)
+    assert_matches(y, x, ref, b)
+    if split > 1:
+        by_kernel, _, _, _, _ = case(kind, 2, split, seed=split + 1, reduce="kernel")
+        assert torch.equal(by_kernel(x, b), y)
 
 
 @needs_triton
-@pytest.mark.parametrize("kind", ["Q4_K/factored", "fp8"])
-def test_split_rows_do_not_depend_on_the_row_count(kind: str) -> None:
+@pytest.mark.parametrize("kind,reduce", [("Q4_K/factored", "kernel"), ("fp8", "last")])
+def test_split_rows_do_not_depend_on_the_row_count(kind: str, reduce: str) -> None:
     """Row r of an M-row product is bit for bit the same for M = r+1..5: a partials buffer
-    indexed with the wrong row or slice stride would mix rows here."""
-    run, ref, x, b, _ = case(kind, 5, 4, seed=9)
+    or a tile counter indexed with the wrong row or slice stride would mix rows here."""
+    run, ref, x, b, _ = case(kind, 5, 4, seed=9, reduce=reduce)
     full = run(x, b)
     assert_matches(full, x, ref, b)
     for m in range(1, 5):
@@ -76,12 +82,26 @@ def test_split_rows_do_not_depend_on_the_row_count(kind: str) -> None:
 
 
 @needs_triton
+def test_the_last_slice_reduction_leaves_its_counters_zeroed() -> None:
+    """Every tile's counter is back at 0 after a launch, so the next launch (a graph replay)
+    finds its tiles' last slice again: the same result twice, and the buffer all zeros."""
+    for kind in ("Q6_K/factored", "fp8"):
+        run, ref, x, b, _ = case(kind, 3, 4, seed=4, reduce="last")
+        first = run(x, b)
+        assert_matches(first, x, ref, b)
+        assert torch.equal(run(x, b), first)
+        counters = triton_split.tile_counters(x.device, 1)
+        assert counters.numel() >= triton_split.MIN_COUNTERS
+        assert not counters.any()
+
+
+@needs_triton
 def test_split_k_from_the_defaults_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """A split in GEMV_DEFAULTS reaches the kernel through quant_linear (gemv_config keeps it
     when it caps the K step to the weight's K)."""
     calls: list[int] = []
-    real = triton_gemv.split_plan
-    monkeypatch.setattr(triton_gemv, "split_plan",
+    real = triton_split.split_plan
+    monkeypatch.setattr(triton_split, "split_plan",
                         lambda *a: calls.append(real(*a)[0]) or real(*a))
     monkeypatch.setattr(linear, "use_triton", lambda x: True)
     monkeypatch.setitem(triton_gemv.GEMV_DEFAULTS, "q4",
@@ -118,6 +138,8 @@ def test_a_bad_split_k_is_refused() -> None:
     with pytest.raises(ValueError, match="split_k -1"):
         fp8_gemv(torch.randn(1, 200, device=w8.weight.device), w8.weight, w8.scale,
                  config=QGemvConfig(16, 32, 1, split_k=-1))
+    with pytest.raises(ValueError, match="split_reduce 'atomic'"):
+        qgemv(x, w, config=QGemvConfig(16, 64, 1, split_k=2, split_reduce="atomic"))
 
 
 @skip_unless_rerun_needed(TRITON_HERE)

@@ -32,13 +32,7 @@ import torch
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
 from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
-from sgl.backend.quant.triton_split import (
-    gemv_program,
-    new_partials,
-    reduce_partials,
-    split_plan,
-    store_rows,
-)
+from sgl.backend.quant.triton_split import finish_split, gemv_program, split_launch, store_rows
 
 __all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "fp8_dequant", "fp8_gemm", "fp8_gemv"]
 
@@ -59,12 +53,12 @@ def e4m3_f32_sext(b):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    X, W, SCALE, B, Y, P,
+    X, W, SCALE, B, Y, P, CNT,
     N, K, SLICE_K,
     stride_xm, stride_wn, stride_ym, stride_ps,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
-    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr,
+    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
     if SPLIT == 1:
@@ -98,8 +92,8 @@ def _fp8_gemv_kernel(
     if DECODE != 0:
         y = y * 1.329227995784916e36  # 2^120: the bit tricks' values are the weights / 2^120
     y = y * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
-    store_rows(y, B, Y, P, row, pid_s, offs_n, mask_n, N, stride_ym, stride_ps, HAS_BIAS,
-               SPLIT)
+    store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
+               stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
 
 
 def fp8_gemv(
@@ -120,20 +114,20 @@ def fp8_gemv(
         mode = FP8_DECODES[cfg.fp8_decode]
         w = weight.view(torch.uint8) if mode == 1 else weight.view(torch.int8) if mode == 2 \
             else weight
-        split, slice_k = split_plan(cdiv(k, cfg.block_k), cfg.split_k, cfg.block_k)
-        grid, rows_first = row_grid(m, cdiv(n, cfg.block_n))
-        partials = new_partials(split, y)  # [split, M, N] float32 (y itself when unsplit)
-        _fp8_gemv_kernel[(*grid, split)](
-            x2, w, scale, bias if bias is not None else scale, y, partials,
-            n, k, slice_k,
+        n_blocks = cdiv(n, cfg.block_n)
+        grid, rows_first = row_grid(m, n_blocks)
+        sk = split_launch(y, cdiv(k, cfg.block_k), cfg.block_k, n_blocks, cfg.split_k,
+                          cfg.split_reduce)
+        _fp8_gemv_kernel[(*grid, sk.split)](
+            x2, w, scale, bias if bias is not None else scale, y, sk.partials, sk.counters,
+            n, k, sk.slice_units,
             x2.stride(0), weight.stride(0), y.stride(0), m * n,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
-            ROWS_FIRST=rows_first, SPLIT=split, num_warps=cfg.num_warps,
+            ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        if split > 1:
-            reduce_partials(partials, bias, y)
+        finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 

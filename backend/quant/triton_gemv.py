@@ -37,13 +37,7 @@ from typing import NamedTuple
 import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
-from sgl.backend.quant.triton_split import (
-    gemv_program,
-    new_partials,
-    reduce_partials,
-    split_plan,
-    store_rows,
-)
+from sgl.backend.quant.triton_split import finish_split, gemv_program, split_launch, store_rows
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["GEMV_DEFAULTS", "QGemvConfig", "gemv_config", "groups_per_block", "int8_f32",
@@ -60,6 +54,7 @@ class QGemvConfig(NamedTuple):
     num_stages: int = 3  # Triton's software pipelining depth of the K loop
     fp8_decode: str = "bits"  # FP8 only: "bits" | "sext" | "cvt" (quant/triton_fp8.py)
     split_k: int = 1  # K slices (a third grid axis, quant/triton_split.py); 1: no split
+    split_reduce: str = "kernel"  # who adds the slices: "kernel" (a second one) | "last"
 
 
 # The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
@@ -209,13 +204,13 @@ def _words_dot(raw, x_ptrs, mask_g, BITS: tl.constexpr, GBYTES: tl.constexpr,
 
 @triton.jit
 def _qgemv_kernel(
-    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y, P,
+    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y, P, CNT,
     N, G, SLICE_G,
     stride_xm, stride_cn, stride_ym, stride_ps,
     BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     EVEN_G: tl.constexpr, EVEN: tl.constexpr, MAGIC: tl.constexpr, WORDS: tl.constexpr,
-    LANES: tl.constexpr, ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr,
+    LANES: tl.constexpr, ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
     if SPLIT == 1:
@@ -254,8 +249,8 @@ def _qgemv_kernel(
         else:
             part, xsum = _bytes_dot(raw, x_ptrs, mask_g, BITS, GBYTES, EVEN_G, MAGIC)
         acc += part * s + z * xsum[None, :]
-    store_rows(tl.sum(acc, axis=1), B, Y, P, row, pid_s, offs_n, mask_n, N, stride_ym,
-               stride_ps, HAS_BIAS, SPLIT)
+    store_rows(tl.sum(acc, axis=1), B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N),
+               offs_n, mask_n, N, stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
 
 
 def qgemv(
@@ -271,27 +266,27 @@ def qgemv(
     if m and n:
         cfg = config or gemv_config("q4" if w.bits == 4 else "q8", n, k, gs)
         block_g, groups = groups_per_block(cfg.block_k, gs), k // gs
-        split, slice_g = split_plan(cdiv(groups, block_g), cfg.split_k, block_g)
         gbytes = gs // 2 if w.bits == 4 else gs
         # (every group's bytes are a multiple of 4 and rows start 4-aligned: int32 views)
         codes = w.codes.view(torch.int32) if cfg.words else w.codes.view(torch.uint8)
         sup_s, sup_z, sup = scale_args(w)
-        grid, rows_first = row_grid(m, cdiv(n, cfg.block_n))
-        partials = new_partials(split, y)  # [split, M, N] float32 (y itself when unsplit)
-        _qgemv_kernel[(*grid, split)](
+        n_blocks = cdiv(n, cfg.block_n)
+        grid, rows_first = row_grid(m, n_blocks)
+        sk = split_launch(y, cdiv(groups, block_g), block_g, n_blocks, cfg.split_k,
+                          cfg.split_reduce)
+        _qgemv_kernel[(*grid, sk.split)](
             x2, codes, w.scale, w.zero, sup_s, sup_z,
-            bias if bias is not None else sup_s, y, partials,
-            n, groups, slice_g,
+            bias if bias is not None else sup_s, y, sk.partials, sk.counters,
+            n, groups, sk.slice_units,
             x2.stride(0), codes.stride(0), y.stride(0), m * n,
             BITS=w.bits, GROUP=gs, GBYTES=gbytes, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
             EVEN_G=groups % block_g == 0, EVEN=n % cfg.block_n == 0 and groups % block_g == 0,
             MAGIC=cfg.magic, WORDS=cfg.words, LANES=gbytes // 4 if cfg.words else gbytes,
-            ROWS_FIRST=rows_first, SPLIT=split, num_warps=cfg.num_warps,
+            ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        if split > 1:
-            reduce_partials(partials, bias, y)
+        finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 
