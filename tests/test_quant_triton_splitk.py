@@ -1,12 +1,17 @@
 """Split-K in the one-row kernels (`QGemvConfig.split_k`, backend/quant/triton_split.py): the
 GEMV of every GGUF format (plain and factored scales) and FP8's, at 1, 2 and 4 slices, against
 dequantize-then-matmul; odd N, a ragged last K step and uneven slices; 1..5 rows; the slice
-plan; a bad split_k refused. Helpers and the bound: tests/test_quant_triton.py; the
+plan; a bad split_k refused; the kernels compiled for sm_90 without a GPU. Helpers and the bound: tests/test_quant_triton.py; the
 interpreter set-up: tests/triton_interp.py (without CUDA these run interpreted, on the CPU;
 tests/test_quant_gpu.py has the 8B shapes, determinism and graph replay on the device).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +23,7 @@ from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imp
 )
 from test_quant_triton import FMTS, K_QUANTS, assert_matches, fp8_weight, inputs, qweight
 
+from sgl.backend.kernels import triton_compat
 from sgl.backend.quant import linear, triton_fp8, triton_gemv, triton_split
 from sgl.backend.quant.triton_fp8 import fp8_gemv
 from sgl.backend.quant.triton_gemv import QGemvConfig, qgemv
@@ -140,6 +146,19 @@ def test_a_bad_split_k_is_refused() -> None:
                  config=QGemvConfig(16, 32, 1, split_k=-1))
     with pytest.raises(ValueError, match="split_reduce 'atomic'"):
         qgemv(x, w, config=QGemvConfig(16, 64, 1, split_k=2, split_reduce="atomic"))
+
+
+@pytest.mark.skipif(not triton_compat.HAS_TRITON, reason="triton missing")
+def test_the_gemv_kernels_compile_for_hopper() -> None:
+    """The compiled path, which the interpreter never takes: the GEMVs (split, both
+    reductions, bytes and words, FP8) and the reduction compile to sm_90 PTX and a cubin, and
+    the one-launch reduction's PTX orders store, barrier, atomic, L2 reads
+    (tests/triton_compile_check.py, in a child without TRITON_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("triton_compile_check.py")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 @skip_unless_rerun_needed(TRITON_HERE)
