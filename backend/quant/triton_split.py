@@ -19,9 +19,11 @@ pool at capture and keeps its address on every replay.
   before it reads back all SPLIT partials (past L1) and adds them in slice order, as the
   kernel does: the same bits whichever slice finishes last. It then puts the counter back
   to 0, so the next launch finds it so. The counters are one zeroed buffer per device and
-  stream (`tile_counters`, grown outside a capture as a rule: the engine and the bench run
-  every shape eagerly before capturing it; a buffer replaced while a graph holds the old one
-  stays alive), kernels on one stream run one after another, so no two launches share one.
+  stream (`tile_counters`): kernels on one stream run one after another, so no two launches
+  use a counter at once. A buffer is made on first use, which the engine's capture makes
+  during its eager warm-up on the capture stream; made inside a capture it is the graph's
+  memory plus a captured zeroing (harmless: it is zero then anyway); a buffer outgrown while
+  a graph may hold it is kept alive.
 
 A slice is a whole number of the kernel's K steps and `split_plan` never makes an empty one
 (5 steps asked in 4 slices become 3 slices of 2, 2 and 1 steps), so only the last slice of
