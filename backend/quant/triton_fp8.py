@@ -121,7 +121,7 @@ def fp8_gemv(
         _fp8_gemv_kernel[(*grid, sk.split)](
             x2, w, scale, bias if bias is not None else scale, y, sk.partials, sk.counters,
             n, k, sk.slice_units,
-            x2.stride(0), weight.stride(0), y.stride(0), m * n,
+            x2.stride(0), weight.stride(0), y.stride(0), sk.slice_stride,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
             ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,

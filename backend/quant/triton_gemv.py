@@ -25,8 +25,9 @@ code bytes in flight (Little's law: ~4 TB/s times ~1 us of latency is ~4 MB acro
 The tiles and flags come from the GEMV_DEFAULTS table (FP8's too: quant/triton_fp8.py). Rows
 of x are a grid axis, the fastest one (`row_grid`: each program re-reads its weight tile, from
 L2; quant/linear.py's CUDA_ROUTES decides which row counts come here). `split_k` > 1 adds a
-third axis of K slices, each program writing float32 partial sums that a second kernel adds
-in a fixed order (quant/triton_split.py): wide tiles (fewer re-reads of x) with a full grid.
+third axis of K slices, each program writing float32 partial sums that a second kernel, or
+the program completing the tile, adds in a fixed order (quant/triton_split.py): wide tiles
+(fewer re-reads of x) with a full grid.
 Configs depend on the shape only: graph-safe, no host sync.
 """
 
@@ -278,7 +279,7 @@ def qgemv(
             x2, codes, w.scale, w.zero, sup_s, sup_z,
             bias if bias is not None else sup_s, y, sk.partials, sk.counters,
             n, groups, sk.slice_units,
-            x2.stride(0), codes.stride(0), y.stride(0), m * n,
+            x2.stride(0), codes.stride(0), y.stride(0), sk.slice_stride,
             BITS=w.bits, GROUP=gs, GBYTES=gbytes, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
             EVEN_G=groups % block_g == 0, EVEN=n % cfg.block_n == 0 and groups % block_g == 0,

@@ -154,6 +154,7 @@ class SplitLaunch(NamedTuple):
     split: int  # K slices: the grid's third axis
     slice_units: int  # K units (groups or weights) per slice, a whole number of steps
     partials: torch.Tensor  # [split, M, N] float32 (y itself, unused, when split == 1)
+    slice_stride: int  # elements between two slices' partials, M * N
     counters: torch.Tensor  # the "last" reduction's tile counters (else a placeholder)
     last: bool  # the last slice of a tile adds them (else reduce_partials after the kernel)
 
@@ -162,15 +163,16 @@ def split_launch(y: torch.Tensor, steps: int, step: int, n_blocks: int, split_k:
                  split_reduce: str) -> SplitLaunch:
     """The split-K side of a launch writing y [M, N] with `n_blocks` blocks of N per row and
     a K loop of `steps` steps of `step` units. Shape-only; the buffers are allocated per call
-    (graph-safe, as y is) except the counters (`tile_counters`)."""
+    (graph-safe, as y is) except the counters (`tile_counters`). Unsplit, the integers are 0:
+    unused, and constant so that they add no variants to Triton's specialization."""
     check_split(split_k, split_reduce)
     split, units = split_plan(steps, split_k, step)
     if split == 1:
-        return SplitLaunch(1, units, y, y, False)
+        return SplitLaunch(1, 0, y, 0, y, False)
     partials = torch.empty(split, *y.shape, device=y.device, dtype=torch.float32)
     last = split_reduce == "last"
     counters = tile_counters(y.device, y.shape[0] * n_blocks) if last else partials
-    return SplitLaunch(split, units, partials, counters, last)
+    return SplitLaunch(split, units, partials, y.numel(), counters, last)
 
 
 def finish_split(launch: SplitLaunch, bias: torch.Tensor | None, y: torch.Tensor) -> None:
