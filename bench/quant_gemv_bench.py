@@ -2,7 +2,8 @@
 Llama-3.1-8B layer shapes, with a sweep of every kernel variant: one command for the device.
 
     python bench/quant_gemv_bench.py [--budget 540] [--rows 1,2,4,16,64,256,1024]
-                                     [--phases base,gemv,gemm] [--kinds q4,fp8,q8g16] [--quick]
+                                     [--phases base,gemv,split,gemm] [--kinds q4,fp8,q8g16]
+                                     [--quick]
 
 Weights per projection (qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down
 4096x14336, LM head 128256x4096): bf16 (cuBLAS, and our bf16 GEMV at one row), Q4 (4-bit
@@ -19,6 +20,12 @@ sweep (Q4's done) and its tiled sweep, 256 rows first:
          scored by the summed time of the shapes in each N class), then the variant flags on
          the best tiles (I2F vs the 2^23 trick, int32 word loads, pipelining depth; FP8: the
          three e4m3 decodes)
+  split  one-row split-K sweep per kind, after `gemv` when both are asked (from the default
+         config when alone): K slices 2/4/8 (2/4 for the large N class) x 16-64 rows per
+         program x K steps of 256/512 x 4/8 warps, with the flags found so far and the
+         one-launch reduction, then on the best the two-launch reduction and other depths.
+         `--phases base,split --rows 1 --budget 240` is the short run (the default and
+         bf16 at one row, then the split grids by kind, q4 first)
   gemm   tiled sweep per kind at 16, 64, 256 and 1,024 rows: tiles and operand order, then
          warps and stages on the best
 Then the routes: per kind and row count the fastest of gemv / gemm / scratch over all five
@@ -93,13 +100,16 @@ def main() -> int:
                     help="seconds for the whole run; sweeps stop there (device calls: 600)")
     ap.add_argument("--rows", default="1,2,4,16,64,256,1024")
     ap.add_argument("--quick", action="store_true", help="small grids (a smoke test)")
-    ap.add_argument("--phases", default="base,gemv,gemm")
+    ap.add_argument("--phases", default="base,gemv,split,gemm")
     ap.add_argument("--kinds", default="q4,fp8,q8g16", help="sweep order of the weight kinds")
     args = ap.parse_args()
     import triton
 
     rows = [int(r) for r in args.rows.split(",")]
     phases = args.phases.split(",")
+    unknown = set(phases) - {"base", "gemv", "split", "gemm"}
+    if unknown:
+        ap.error(f"--phases: unknown {sorted(unknown)}; use base, gemv, split, gemm")
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget)
@@ -111,13 +121,19 @@ def main() -> int:
     # issue's single-stream targets), then the batches everywhere, then the rest by kind.
     if "base" in phases:
         base_phase(ws, [m for m in rows if m == 1], rec, budget)
-    if "gemv" in phases:
-        best[f"gemv_{kinds[0]}"] = gemv_sweep(ws, kinds[0], rec, budget, args.quick)
+    one_row = "gemv" in phases or "split" in phases
+
+    def sweep_one_row(kind: str) -> None:
+        best[f"gemv_{kind}"] = gemv_sweep(ws, kind, rec, budget, args.quick,
+                                          tiles="gemv" in phases, split="split" in phases)
+
+    if one_row:
+        sweep_one_row(kinds[0])
     if "base" in phases:
         base_phase(ws, [m for m in rows if m > 1], rec, budget)
     for i, kind in enumerate(kinds):
-        if "gemv" in phases and i > 0:
-            best[f"gemv_{kind}"] = gemv_sweep(ws, kind, rec, budget, args.quick)
+        if one_row and i > 0:
+            sweep_one_row(kind)
         if "gemm" in phases:
             best[f"gemm_{kind}"] = gemm_sweep(ws, kind, rec, budget, args.quick)
     text = rec.report(best, routes_table(rec, rows))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gemv_bench import SHAPES
-from quant_sweep import LIMIT, SWEEP_ROWS, TABLE_KIND, WEIGHT, nbytes_of
+from quant_sweep import LIMIT, SWEEP_ROWS, TABLE_KIND, WEIGHT, class_of, nbytes_of
 
 KINDS = ("q4", "q8g16", "fp8")
 
@@ -27,6 +27,50 @@ def gemv_table(rec: Any) -> list[str]:
             tb = "" if best is None else f" ({nbytes_of(kind, n, k) / best / 1e6:.2f})"
             cells += [_us(base[0] if base else None), _us(best) + tb]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def class_scores(rec: Any, kind: str, cls: str) -> dict[str, tuple[float, dict[str, Any]]]:
+    """Per one-row GEMV config measured on every shape of N class `cls`: (the weighted time
+    per 8B step of those shapes, the config), keyed by the config's repr."""
+    names = [s for s in SHAPES if class_of(s) == cls]
+    times: dict[str, dict[str, float]] = {}
+    configs: dict[str, dict[str, Any]] = {}
+    for r in rec.rows:
+        if ((r["kind"], r["m"], r["path"]) == (kind, 1, "gemv") and r["config"]
+                and r["us"] is not None and r["shape"] in names):
+            key = repr(sorted(r["config"].items()))
+            times.setdefault(key, {})[r["shape"]] = r["us"]
+            configs[key] = r["config"]
+    return {key: (sum(WEIGHT[s] * t[s] for s in names), configs[key])
+            for key, t in times.items() if len(t) == len(names)}
+
+
+def split_table(rec: Any) -> list[str]:
+    """Split-K against no split, per kind and N class: the best measured config of each
+    (weighted us per 8B step of the class's shapes)."""
+    lines = ["", "## One-row split-K: best unsplit vs best split config per N class (us per "
+             "8B step of the class's shapes; bs/bk/w/split/reduce)", "",
+             "| kind | N class | unsplit | split | split / unsplit |", "|---|---|---|---|---|"]
+
+    def cell(entry: tuple[float, dict[str, Any]] | None) -> str:
+        if entry is None:
+            return "-"
+        c = entry[1]
+        return (f"{entry[0]:.1f} ({c['block_n']}/{c['block_k']}/{c['num_warps']}/"
+                f"{c.get('split_k', 1)}/{c.get('split_reduce', 'kernel')})")
+
+    for kind in KINDS:
+        for cls in LIMIT:
+            scores = list(class_scores(rec, kind, cls).values())
+            plain = min((e for e in scores if e[1].get("split_k", 1) == 1),
+                        key=lambda e: e[0], default=None)
+            split = min((e for e in scores if e[1].get("split_k", 1) > 1),
+                        key=lambda e: e[0], default=None)
+            if plain is None and split is None:
+                continue
+            ratio = f"{split[0] / plain[0]:.2f}" if plain and split else "-"
+            lines.append(f"| {kind} | {cls} | {cell(plain)} | {cell(split)} | {ratio} |")
     return lines
 
 
@@ -102,7 +146,8 @@ def paste_lines(best: dict[str, Any], routes: dict[str, Any]) -> list[str]:
 
 def report(rec: Any, best: dict[str, Any], routes: dict[str, Any]) -> str:
     rows = sorted({r["m"] for r in rec.rows})
-    lines = gemv_table(rec) + rows_table(routes) + per_shape_table(rec, rows)
+    lines = (gemv_table(rec) + split_table(rec) + rows_table(routes)
+             + per_shape_table(rec, rows))
     lines += paste_lines(best, routes)
     return "\n".join(lines)
 

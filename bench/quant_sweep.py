@@ -227,9 +227,36 @@ def gemv_flag_variants(kind: str, base: QGemvConfig) -> list[QGemvConfig]:
     return [base._replace(**f) for f in flags]
 
 
-def gemv_sweep(ws: WeightSet, kind: str, rec: Recorder, budget: Budget,
-               quick: bool) -> dict[str, Any]:
-    """Per N class: the default's score, then the best tiles, then the best flags on them."""
+# Split-K candidates (QGemvConfig.split_k): K slices x wide row tiles x short K steps. The
+# large N class (gate_up, the head) fills the GPU unsplit, so it gets the smaller splits only.
+SPLITS = {"small": (4, 2, 8), "large": (2, 4)}
+
+
+def split_grid(kind: str, cls: str, base: QGemvConfig, quick: bool) -> list[QGemvConfig]:
+    """Split configs with `base`'s flags (decode, conversions, stages), the one-launch
+    reduction ("last"), 16-64 code bytes per thread and step."""
+    bits = {"q4": 4, "q8g16": 8, "fp8": 8}[kind]
+    out = []
+    for split, bn, bk, warps in itertools.product(SPLITS[cls], (32, 16, 64), (512, 256),
+                                                  (4, 8)):
+        per_thread = bn * bk * bits // 8 // (32 * warps)
+        if 16 <= per_thread <= 64:
+            out.append(base._replace(block_n=bn, block_k=bk, num_warps=warps, split_k=split,
+                                     split_reduce="last"))
+    return out[::4] if quick else out
+
+
+def split_variants(base: QGemvConfig) -> list[QGemvConfig]:
+    """The best split config with the two-launch reduction, and other pipelining depths."""
+    return [base._replace(split_reduce="kernel")] + [
+        base._replace(num_stages=s) for s in (2, 4) if s != base.num_stages]
+
+
+def gemv_sweep(ws: WeightSet, kind: str, rec: Recorder, budget: Budget, quick: bool,
+               tiles: bool = True, split: bool = False) -> dict[str, Any]:
+    """Per N class: the default's score; with `tiles` the best unsplit tiles, then the best
+    flags on them; with `split` the split-K grid (with the flags so far), then its variants.
+    `best` is the lowest score of all (the default when nothing beat it)."""
     out: dict[str, Any] = {}
     for cls in ("small", "large"):
         names = [s for s in SHAPES if class_of(s) == cls]
@@ -238,13 +265,21 @@ def gemv_sweep(ws: WeightSet, kind: str, rec: Recorder, budget: Budget,
         n, k = SHAPES[names[0]]
         default = gemv_config(TABLE_KIND[kind], n, 1 << 20, GROUP[kind])
         start = pick(ws, kind, 1, "gemv", [default], names, rec, budget, "gemv")
-        tiles = pick(ws, kind, 1, "gemv", gemv_grid(kind, quick), names, rec, budget, "gemv",
-                     start)
-        if tiles is None:
+        if start is None:  # (out of budget, or the default failed: nothing to compare)
             continue
-        flags = pick(ws, kind, 1, "gemv", gemv_flag_variants(kind, tiles[0]), names, rec,
-                     budget, "gemv", tiles)
-        out[cls] = dict(default=start, best=flags)
+        cur = start  # (pick from a start never returns None)
+
+        def better(configs: list[QGemvConfig], phase: str) -> tuple[Any, float]:
+            return pick(ws, kind, 1, "gemv", configs, names, rec, budget, phase, cur) or cur
+
+        if tiles:
+            cur = better(gemv_grid(kind, quick), "gemv")
+            cur = better(gemv_flag_variants(kind, cur[0]), "gemv")
+        if split:
+            cur = better(split_grid(kind, cls, cur[0], quick), "split")
+            if cur[0].split_k > 1:
+                cur = better(split_variants(cur[0]), "split")
+        out[cls] = dict(default=start, best=cur)
     return out
 
 

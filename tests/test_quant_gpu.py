@@ -8,7 +8,8 @@ On CUDA: the quant_linear dispatcher at the 8B layer shapes on every path (GEMV,
 scratch + cuBLAS) against dequantize-then-matmul, every kernel variant flag (GEMV: magic /
 words; FP8 decodes; tiled: weight_as_a) at those shapes against a bound tight enough to see
 one wrong nibble, the tiled kernel at every row count 1..40 (rows independent of M, bit for
-bit) and on the real model's weights, CUDA-graph replay against eager, and the real default
+bit) and on the real model's weights, the GEMVs' split-K (both reductions, bit for bit
+equal and the same on every run), CUDA-graph replay against eager, and the real default
 model kept quantized on the GPU against the same engine on its dequantized float weights
 (token for token, with the tie rule of test_engine_real), through the scratch path and
 through the tiled kernel.
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 import sgl
 from sgl.backend.layers.linear import Embedding, Linear
 from sgl.backend.model_loader import load_model
-from sgl.backend.quant import QuantizedWeight, linear
+from sgl.backend.quant import QuantizedWeight, linear, triton_gemv
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.install import weight_bytes
@@ -257,6 +258,71 @@ def test_gpu_move_factors_k_quant_scales_exactly() -> None:
         assert torch.equal(dev.to("cpu").scale, host.scale)
 
 
+# Split-K (QGemvConfig.split_k, quant/triton_split.py): slices x reductions on wide tiles.
+SPLIT_CONFIGS = [QGemvConfig(32, 512, 4, split_k=s, split_reduce=r)
+                 for s in (2, 8) for r in ("kernel", "last")]
+
+
+def split_case(kind: str, n: int, k: int, seed: int = 0):
+    """(gemv(x, config) -> y, the float32 reference weight) of a random `kind` weight."""
+    if kind == "fp8":
+        w8 = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
+        return (lambda x, cfg: fp8_gemv(x, w8.weight, w8.scale, config=cfg),
+                w8.dequantize(torch.float32))
+    bits, group = (4, 32) if kind == "q4" else (8, 16)
+    w = random_qweight(n, k, bits, group, seed=seed, factored=True)
+    return (lambda x, cfg: qgemv(x, w, config=cfg)), w.dequantize(dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LAYER_SHAPES + [ODD_SHAPE])
+@pytest.mark.parametrize("kind", ["q4", "q8g16", "fp8"])
+def test_gpu_split_k_gemv_8b_shapes(n: int, k: int, kind: str) -> None:
+    """Both reductions at 2 and 8 slices against the reference (tight bound), one row; the
+    two reductions bit for bit equal (the same partials added in the same order), and the
+    same bits on every run (no float atomics). More rows: the test after the next."""
+    run, ref = split_case(kind, n, k, seed=n)
+    x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+    for i in range(0, len(SPLIT_CONFIGS), 2):
+        by_kernel, by_last = SPLIT_CONFIGS[i], SPLIT_CONFIGS[i + 1]
+        y = run(x, by_kernel)
+        assert_tight(y, x, ref)
+        for _ in range(3):
+            assert torch.equal(run(x, by_last), y), by_last
+            assert torch.equal(run(x, by_kernel), y), by_kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["q4", "fp8"])
+def test_gpu_split_k_last_slice_reduction_under_load(kind: str) -> None:
+    """The one-launch reduction reads the other programs' partials once the tile's counter
+    says they are all stored: on the LM head's 128,256 rows (8,016 tiles x 8 slices racing
+    for their counters), 20 runs each equal bit for bit to the two-launch reduction."""
+    n, k = 128256, 4096
+    run, ref = split_case(kind, n, k, seed=1)
+    x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+    cfg = QGemvConfig(16, 512, 4, split_k=8, split_reduce="kernel")
+    expected = run(x, cfg)
+    assert_tight(expected, x, ref)
+    last = cfg._replace(split_reduce="last")
+    for i in range(20):
+        assert torch.equal(run(x, last), expected), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["q4", "fp8"])
+def test_gpu_split_k_rows_do_not_depend_on_the_row_count(kind: str) -> None:
+    """Row r of an M-row split product is bit for bit the same for M = r+1..5, and M = 5 is
+    within the tight bound."""
+    run, ref = split_case(kind, 4096, 4096, seed=5)
+    x = torch.randn(5, 4096, device=CUDA, dtype=torch.bfloat16)
+    for cfg in SPLIT_CONFIGS:
+        full = run(x, cfg)
+        assert_tight(full, x, ref)
+        for m in range(1, 5):
+            assert torch.equal(run(x[:m], cfg), full[:m]), (cfg, m)
+
+
 TILED_ROUTES = {kind: ((1, "gemv"), (1024, "gemm")) for kind in ("q4", "q8", "fp8")}
 
 
@@ -267,6 +333,12 @@ def test_gpu_quantized_linears_replay_in_cuda_graphs(m: int, tiled: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if tiled:
         monkeypatch.setattr(linear, "CUDA_ROUTES", TILED_ROUTES)
+    assert_replays_equal_eager(m, replays=1)
+
+
+def assert_replays_equal_eager(m: int, replays: int) -> None:
+    """quant_linear on four weights (4-bit plain and factored, 8-bit/16, FP8) captured in one
+    CUDA graph: each replay, on new inputs, gives the eager results bit for bit."""
     weights = [random_qweight(6144, 4096, 4, 32), random_qweight(4096, 4096, 8, 16),
                random_qweight(6144, 4096, 4, 32, factored=True),
                Fp8Weight.quantize(torch.randn(4096, 4096, device=CUDA) * 0.02)]
@@ -276,10 +348,26 @@ def test_gpu_quantized_linears_replay_in_cuda_graphs(m: int, tiled: bool,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = [linear.quant_linear(static_x, w) for w in weights]
-    static_x.copy_(torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16))
-    graph.replay()
-    for w, out in zip(weights, outs):
-        assert torch.equal(out, linear.quant_linear(static_x, w))
+    for _ in range(replays):
+        static_x.copy_(torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16))
+        graph.replay()
+        for w, out in zip(weights, outs):
+            assert torch.equal(out, linear.quant_linear(static_x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("split", ["kernel", "last"])
+def test_gpu_split_k_gemvs_replay_in_cuda_graphs(m: int, split: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above with every GEMV default cutting K into 4 slices: the partials come from the
+    graph's pool; with "last" the tile counters, zeroed again by every launch, serve the next
+    replay (three replays, each equal to eager)."""
+    monkeypatch.setattr(linear, "CUDA_ROUTES", {k: ((2, "gemv"),) for k in ("q4", "q8", "fp8")})
+    for kind in ("q4", "q8", "fp8"):
+        monkeypatch.setitem(triton_gemv.GEMV_DEFAULTS, kind, (
+            (1 << 62, QGemvConfig(32, 512, 4, split_k=4, split_reduce=split)),))
+    assert_replays_equal_eager(m, replays=3)
 
 
 def _model() -> str | None:

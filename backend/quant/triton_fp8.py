@@ -8,7 +8,8 @@ The per-channel scale factors out of a whole output row, so every kernel accumul
 w_fp8 * x in float32 and multiplies by scale[n] once at the end. Weight-only: activations stay
 in x's dtype (no `torch._scaled_mm`, which would quantize them).
 
-Configs: the "fp8" entries of triton_gemv.GEMV_DEFAULTS and triton_gemm.GEMM_DEFAULTS.
+Configs: the "fp8" entries of triton_gemv.GEMV_DEFAULTS and triton_gemm.GEMM_DEFAULTS; the
+GEMV's `split_k` cuts K into slices as the codes' GEMV does (quant/triton_split.py).
 How the GEMV turns e4m3 bytes into float32 is a config switch (`fp8_decode`), since which is
 fastest is a question of instruction rates the device answers (bench/quant_gemv_bench.py):
 - "bits": the byte's sign to bit 31 and exponent|mantissa to bits 20..26, four integer ops
@@ -31,6 +32,7 @@ import torch
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
 from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
+from sgl.backend.quant.triton_split import finish_split, gemv_program, split_launch, store_rows
 
 __all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "fp8_dequant", "fp8_gemm", "fp8_gemv"]
 
@@ -51,24 +53,26 @@ def e4m3_f32_sext(b):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    X, W, SCALE, B, Y,
-    N, K,
-    stride_xm, stride_wn, stride_ym,
+    X, W, SCALE, B, Y, P, CNT,
+    N, K, SLICE_K,
+    stride_xm, stride_wn, stride_ym, stride_ps,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
-    ROWS_FIRST: tl.constexpr,
+    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
 ):
-    if ROWS_FIRST:  # several rows: the programs sharing a weight tile run together
-        row, pid_n = tl.program_id(0), tl.program_id(1)
-    else:
-        pid_n, row = tl.program_id(0), tl.program_id(1)
+    row, pid_n, pid_s = gemv_program(ROWS_FIRST)
+    if SPLIT == 1:
+        k_lo, k_hi = 0, K
+    else:  # this program's K slice: SLICE_K weights (a whole number of steps), the last short
+        k_lo = pid_s * SLICE_K
+        k_hi = tl.minimum(K, k_lo + SLICE_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     mask_n = offs_n < N
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_row = X + row.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         if EVEN_K and EVEN_N:
             w = tl.load(w_ptrs + k0)
@@ -88,9 +92,8 @@ def _fp8_gemv_kernel(
     if DECODE != 0:
         y = y * 1.329227995784916e36  # 2^120: the bit tricks' values are the weights / 2^120
     y = y * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+    store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
+               stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
 
 
 def fp8_gemv(
@@ -111,15 +114,20 @@ def fp8_gemv(
         mode = FP8_DECODES[cfg.fp8_decode]
         w = weight.view(torch.uint8) if mode == 1 else weight.view(torch.int8) if mode == 2 \
             else weight
-        grid, rows_first = row_grid(m, cdiv(n, cfg.block_n))
-        _fp8_gemv_kernel[grid](
-            x2, w, scale, bias if bias is not None else scale, y,
-            n, k,
-            x2.stride(0), weight.stride(0), y.stride(0),
+        n_blocks = cdiv(n, cfg.block_n)
+        grid, rows_first = row_grid(m, n_blocks)
+        sk = split_launch(y, cdiv(k, cfg.block_k), cfg.block_k, n_blocks, cfg.split_k,
+                          cfg.split_reduce)
+        _fp8_gemv_kernel[(*grid, sk.split)](
+            x2, w, scale, bias if bias is not None else scale, y, sk.partials, sk.counters,
+            n, k, sk.slice_units,
+            x2.stride(0), weight.stride(0), y.stride(0), sk.slice_stride,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
-            ROWS_FIRST=rows_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
+        finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 

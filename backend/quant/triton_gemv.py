@@ -24,8 +24,11 @@ code bytes in flight (Little's law: ~4 TB/s times ~1 us of latency is ~4 MB acro
 
 The tiles and flags come from the GEMV_DEFAULTS table (FP8's too: quant/triton_fp8.py). Rows
 of x are a grid axis, the fastest one (`row_grid`: each program re-reads its weight tile, from
-L2; quant/linear.py's CUDA_ROUTES decides which row counts come here). Configs depend on the shape only:
-graph-safe, no host sync.
+L2; quant/linear.py's CUDA_ROUTES decides which row counts come here). `split_k` > 1 adds a
+third axis of K slices, each program writing float32 partial sums that a second kernel, or
+the program completing the tile, adds in a fixed order (quant/triton_split.py): wide tiles
+(fewer re-reads of x) with a full grid.
+Configs depend on the shape only: graph-safe, no host sync.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
+from sgl.backend.quant.triton_split import finish_split, gemv_program, split_launch, store_rows
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["GEMV_DEFAULTS", "QGemvConfig", "gemv_config", "groups_per_block", "int8_f32",
@@ -50,6 +54,8 @@ class QGemvConfig(NamedTuple):
     words: bool = False  # load the codes as int32 words (4 bytes each), unpack with shifts
     num_stages: int = 3  # Triton's software pipelining depth of the K loop
     fp8_decode: str = "bits"  # FP8 only: "bits" | "sext" | "cvt" (quant/triton_fp8.py)
+    split_k: int = 1  # K slices (a third grid axis, quant/triton_split.py); 1: no split
+    split_reduce: str = "kernel"  # who adds the slices: "kernel" (a second one) | "last"
 
 
 # The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
@@ -199,18 +205,20 @@ def _words_dot(raw, x_ptrs, mask_g, BITS: tl.constexpr, GBYTES: tl.constexpr,
 
 @triton.jit
 def _qgemv_kernel(
-    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y,
-    N, G,
-    stride_xm, stride_cn, stride_ym,
+    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y, P, CNT,
+    N, G, SLICE_G,
+    stride_xm, stride_cn, stride_ym, stride_ps,
     BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     EVEN_G: tl.constexpr, EVEN: tl.constexpr, MAGIC: tl.constexpr, WORDS: tl.constexpr,
-    LANES: tl.constexpr, ROWS_FIRST: tl.constexpr,
+    LANES: tl.constexpr, ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
 ):
-    if ROWS_FIRST:  # several rows: the programs sharing a weight tile run together
-        row, pid_n = tl.program_id(0), tl.program_id(1)
-    else:
-        pid_n, row = tl.program_id(0), tl.program_id(1)
+    row, pid_n, pid_s = gemv_program(ROWS_FIRST)
+    if SPLIT == 1:
+        g_lo, g_hi = 0, G
+    else:  # this program's K slice: SLICE_G groups (a whole number of steps), the last short
+        g_lo = pid_s * SLICE_G
+        g_hi = tl.minimum(G, g_lo + SLICE_G)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     offs_i = tl.arange(0, LANES)  # [LANES] code bytes (or int32 words) of one group
@@ -224,7 +232,7 @@ def _qgemv_kernel(
     # [BLOCK_G, LANES]: K of each lane's first (low-nibble) code: bytes 1 apart, words 4
     x_off = offs_g[:, None] * GROUP + offs_i[None, :] * (GBYTES // LANES)
     acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):
+    for g0 in range(g_lo, g_hi, BLOCK_G):
         mask_g = g0 + offs_g < G  # (all true when EVEN_G: only the masked loads read it)
         m2 = mask_n[:, None] & mask_g[None, :]
         if EVEN:  # no tile crosses the N or the G edge: unmasked loads
@@ -242,10 +250,8 @@ def _qgemv_kernel(
         else:
             part, xsum = _bytes_dot(raw, x_ptrs, mask_g, BITS, GBYTES, EVEN_G, MAGIC)
         acc += part * s + z * xsum[None, :]
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if HAS_BIAS:
-        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+    store_rows(tl.sum(acc, axis=1), B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N),
+               offs_n, mask_n, N, stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
 
 
 def qgemv(
@@ -265,18 +271,23 @@ def qgemv(
         # (every group's bytes are a multiple of 4 and rows start 4-aligned: int32 views)
         codes = w.codes.view(torch.int32) if cfg.words else w.codes.view(torch.uint8)
         sup_s, sup_z, sup = scale_args(w)
-        grid, rows_first = row_grid(m, cdiv(n, cfg.block_n))
-        _qgemv_kernel[grid](
+        n_blocks = cdiv(n, cfg.block_n)
+        grid, rows_first = row_grid(m, n_blocks)
+        sk = split_launch(y, cdiv(groups, block_g), block_g, n_blocks, cfg.split_k,
+                          cfg.split_reduce)
+        _qgemv_kernel[(*grid, sk.split)](
             x2, codes, w.scale, w.zero, sup_s, sup_z,
-            bias if bias is not None else sup_s, y,
-            n, groups,
-            x2.stride(0), codes.stride(0), y.stride(0),
+            bias if bias is not None else sup_s, y, sk.partials, sk.counters,
+            n, groups, sk.slice_units,
+            x2.stride(0), codes.stride(0), y.stride(0), sk.slice_stride,
             BITS=w.bits, GROUP=gs, GBYTES=gbytes, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
             EVEN_G=groups % block_g == 0, EVEN=n % cfg.block_n == 0 and groups % block_g == 0,
             MAGIC=cfg.magic, WORDS=cfg.words, LANES=gbytes // 4 if cfg.words else gbytes,
-            ROWS_FIRST=rows_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
+        finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -1,0 +1,72 @@
+"""Compile the one-row GEMV kernels for Hopper (sm_90) without a GPU: Triton's ahead-of-time
+path (ASTSource -> TTIR -> PTX -> cubin through the ptxas its wheel ships). The interpreter
+runs the kernels' Python, not the compiler, so this is what catches a construct that only
+the compiled path rejects, and it shows the PTX of the one-launch split-K reduction: the
+partial stored, a CTA barrier, then the acquire-release atomic, and the partials read back at
+L2 (ld.global.cg).
+
+    python tests/triton_compile_check.py      (TRITON_INTERPRET unset; prints "ok")
+
+Run by tests/test_quant_triton_splitk.py in a child process (its own process has the kernels
+decorated for the interpreter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sgl.backend.quant import triton_fp8, triton_gemv, triton_split
+
+TARGET = GPUTarget("cuda", 90, 32)
+QGEMV_ARGS = {"X": "*bf16", "CODES": "*u8", "SCALE": "*i8", "ZERO": "*i8", "SUP_S": "*fp32",
+              "SUP_Z": "*fp32", "B": "*bf16", "Y": "*bf16", "P": "*fp32", "CNT": "*i32",
+              "N": "i32", "G": "i32", "SLICE_G": "i32", "stride_xm": "i32", "stride_cn": "i32",
+              "stride_ym": "i32", "stride_ps": "i32"}
+FP8_ARGS = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "B": "*bf16", "Y": "*bf16",
+            "P": "*fp32", "CNT": "*i32", "N": "i32", "K": "i32", "SLICE_K": "i32",
+            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ps": "i32"}
+
+
+def ptx(kernel: Any, args: dict[str, str], consts: dict[str, Any]) -> str:
+    signature = {**args, **{name: "constexpr" for name in consts}}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+                              target=TARGET, options={"num_warps": 4, "num_stages": 3})
+    assert compiled.asm.get("cubin"), "no cubin"
+    return compiled.asm["ptx"]
+
+
+def check_last_slice_reduction(code: str) -> None:
+    """A barrier between the partial's store and the counter's atomic; coherent reads after."""
+    lines = code.splitlines()
+    atom = next(i for i, line in enumerate(lines) if "atom.global.gpu.acq_rel.add" in line)
+    store = max(i for i, line in enumerate(lines[:atom]) if "st.global" in line)
+    assert any("bar.sync" in line for line in lines[store:atom]), "no barrier before the atom"
+    assert any("ld.global.cg" in line for line in lines[atom:]), "partials not read at L2"
+
+
+def main() -> None:
+    q4 = dict(BITS=4, GROUP=32, GBYTES=16, SUPER=8, HAS_BIAS=True, BLOCK_N=32, BLOCK_G=16,
+              EVEN_G=True, EVEN=False, MAGIC=False, WORDS=False, LANES=16, ROWS_FIRST=True)
+    q8 = dict(q4, BITS=8, GROUP=16, SUPER=16, BLOCK_G=32, MAGIC=True, WORDS=True, LANES=4)
+    for consts, last in ((dict(q4, SPLIT=4, LAST=True), True),
+                         (dict(q8, SPLIT=2, LAST=False), False)):
+        codes = "*i32" if consts["WORDS"] else "*u8"  # (int32 words: qgemv's view)
+        code = ptx(triton_gemv._qgemv_kernel, {**QGEMV_ARGS, "CODES": codes}, consts)
+        if last:
+            check_last_slice_reduction(code)
+    fp8 = dict(HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, EVEN_N=True, EVEN_K=False, DECODE=0,
+               ROWS_FIRST=False)
+    check_last_slice_reduction(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
+                                   dict(fp8, SPLIT=8, LAST=True)))
+    ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",
+                                      "stride_ps": "i32", "stride_ym": "i32"},
+        dict(HAS_BIAS=True, SPLIT=4, BLOCK=triton_split.REDUCE_BLOCK))
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
