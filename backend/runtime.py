@@ -35,6 +35,9 @@ logger = logging.getLogger("sgl.engine")
 CPU_KV_BYTES_CAP = 2 << 30  # the default CPU pool never takes more than 2 GiB
 CPU_MEM_FRACTION = 0.2
 GPU_MEM_FRACTION = 0.85
+# kv_cache_dtype "auto" on the CPU under a float32 model (docs/benchmarks.md, "Quantized
+# weights on the CPU", gives the fidelity evidence for the choice).
+CPU_AUTO_KV_CACHE_DTYPE = "float16"
 
 
 def resolve_device(config: EngineConfig) -> EngineConfig:
@@ -50,7 +53,25 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     if no_overlap is None:
         no_overlap = not device.startswith("cuda")
     return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
-                          quantization=resolve_quantization(config, device))
+                          quantization=resolve_quantization(config, device),
+                          kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, device,
+                                                                dtype))
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str, dtype: str) -> str:
+    """The KV pool's dtype name for a resolved device and model dtype. A 16-bit pool under a
+    float32 model is a CPU feature: the C ops round on store and widen on read
+    (quant/cpu_ops.c), the torch attention widens on read; the GPU keeps the model's dtype."""
+    kv = {"bf16": "bfloat16"}.get(kv_cache_dtype, kv_cache_dtype)
+    if device.startswith("cuda"):
+        if kv not in ("auto", dtype):
+            raise InvalidConfigError(
+                f"kv_cache_dtype={kv_cache_dtype!r}: on CUDA the KV cache is kept in the model's "
+                f"dtype ({dtype}); use 'auto' (or set dtype)")
+        return dtype
+    if kv == "auto":
+        return CPU_AUTO_KV_CACHE_DTYPE if dtype == "float32" else dtype
+    return kv
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -112,6 +133,7 @@ class Runtime:
         config = resolve_device(config)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = getattr(torch, config.kv_cache_dtype)
         torch.manual_seed(config.random_seed)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -127,7 +149,7 @@ class Runtime:
         self.config = config = resolve_sizes(
             config, device_type=self.device.type, available_bytes=_available_bytes(self.device),
             model_context_length=self.model_config.context_length,
-            kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype))
+            kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.kv_dtype))
         self.context_length = config.context_length
         self._build_engine(config, model)
         self.load_seconds = time.monotonic() - t0
@@ -173,7 +195,7 @@ class Runtime:
 
         mcfg, max_running = self.model_config, config.max_running_requests
         self.kv_pool = KVPool(config.max_total_tokens, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
-                              self.dtype, self.device, page_size=config.page_size)
+                              self.kv_dtype, self.device, page_size=config.page_size)
         self.req_pool = ReqToTokenPool(max_running, config.context_length + config.page_size, self.device)
         allocator = self.kv_pool.allocator
         self.tree = (NoPrefixCache(allocator) if config.disable_radix_cache
@@ -231,12 +253,13 @@ class Runtime:
             return TritonAttentionBackend(self.kernels)
         from sgl.backend.attention.torch_backend import TorchAttentionBackend
 
-        # On the CPU in "auto" mode, decode attention reads the pool in place (cpu_ops.c);
-        # elsewhere on the CPU, decode keys persist between steps in a stage as large as the
-        # pool at most.
+        # On the CPU in "auto" mode under a float32 model, decode attention reads the pool in
+        # place (cpu_ops.c); elsewhere on the CPU, decode keys persist between steps in a
+        # stage as large as the pool at most.
         cpu = device.type == "cpu"
-        return TorchAttentionBackend(stage_positions=pool_slots if cpu else 0,
-                                     fused_cpu=cpu and self.kernels.mode == "auto")
+        return TorchAttentionBackend(
+            stage_positions=pool_slots if cpu else 0, model_dtype=self.dtype,
+            fused_cpu=cpu and self.kernels.mode == "auto" and self.dtype == torch.float32)
 
     # -- services for the facade -------------------------------------------------------------
 
@@ -347,6 +370,7 @@ class Runtime:
         return dict(weights_bytes=self.weights_bytes, kv_bytes_reserved=pool.reserved_bytes,
                     kv_bytes_touched=pool.touched_bytes,
                     kv_bytes_used=kv_used_tokens * pool.bytes_per_slot,
+                    kv_bytes_per_token=pool.bytes_per_slot,
                     decode_stage_bytes=stage_bytes, rss_bytes=rss, peak_rss_bytes=peak)
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 from common import ensure_sgl_importable  # noqa: E402
 
 ensure_sgl_importable()
-from sgl.backend.kernels import gemv  # noqa: E402
+from sgl.backend.kernels import triton_gemv as gemv  # noqa: E402
 
 
 def graph_us(calls: list[Callable[[], Any]], reps: int = 10) -> float:

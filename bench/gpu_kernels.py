@@ -41,6 +41,8 @@ from common import ensure_sgl_importable  # noqa: E402
 ensure_sgl_importable()
 from sgl.backend.kernels import (  # noqa: E402
     activation, attention_decode, attention_extend, kv_store, rmsnorm, rotary, token_bitmask,
+    triton_activation, triton_attention_decode, triton_attention_extend, triton_kv_store,
+    triton_rmsnorm, triton_rotary, triton_token_bitmask,
 )
 
 K = types.SimpleNamespace(
@@ -92,29 +94,29 @@ def pointwise_cases(token_counts: list[int]) -> None:
     for t in token_counts:
         def norm(t: int = t) -> None:
             x, r, w = randn(t, HIDDEN), randn(t, HIDDEN), randn(HIDDEN)
-            got = K.rmsnorm.fused_add_rmsnorm_triton(x, r, w)
+            got = triton_rmsnorm.fused_add_rmsnorm_triton(x, r, w)
             exp = K.rmsnorm.fused_add_rmsnorm_reference(x, r, w)
             err = max(rel_err(got[0], exp[0]), rel_err(got[1], exp[1]))
             record("fused_add_rmsnorm", f"T={t} h={HIDDEN}", err,
-                   bench_ms(lambda: K.rmsnorm.fused_add_rmsnorm_triton(x, r, w)),
+                   bench_ms(lambda: triton_rmsnorm.fused_add_rmsnorm_triton(x, r, w)),
                    bench_ms(lambda: K.rmsnorm.fused_add_rmsnorm_reference(x, r, w)))
 
         def rope(t: int = t) -> None:
             cache = K.rotary.make_cos_sin_cache(8192, HEAD_DIM, 5e5, device=DEV)
             pos = torch.randint(0, 8192, (t,), device=DEV)
             q, k = randn(t, HEADS, HEAD_DIM), randn(t, KV_HEADS, HEAD_DIM)
-            got = K.rotary.rotary_embedding_triton(pos, q, k, cache)
+            got = triton_rotary.rotary_embedding_triton(pos, q, k, cache)
             exp = K.rotary.rotary_embedding_reference(pos, q, k, cache)
             err = max(rel_err(got[0], exp[0]), rel_err(got[1], exp[1]))
             record("rotary (out of place)", f"T={t} H=32/8 D=128", err,
-                   bench_ms(lambda: K.rotary.rotary_embedding_triton(pos, q, k, cache, True)),
+                   bench_ms(lambda: triton_rotary.rotary_embedding_triton(pos, q, k, cache, True)),
                    bench_ms(lambda: K.rotary.rotary_embedding_reference(pos, q, k, cache)))
 
         def silu(t: int = t) -> None:
             x = randn(t, 2 * INTER)
-            err = rel_err(K.activation.silu_and_mul_triton(x),
+            err = rel_err(triton_activation.silu_and_mul_triton(x),
                           K.activation.silu_and_mul_reference(x))
-            ms = bench_ms(lambda: K.activation.silu_and_mul_triton(x))
+            ms = bench_ms(lambda: triton_activation.silu_and_mul_triton(x))
             gbs = 3 * t * INTER * 2 / ms / 1e6
             record("silu_and_mul", f"T={t} I={INTER}", err, ms,
                    bench_ms(lambda: K.activation.silu_and_mul_reference(x)), figure=f"{gbs:.0f} GB/s")
@@ -125,11 +127,11 @@ def pointwise_cases(token_counts: list[int]) -> None:
             k, v = randn(t, KV_HEADS, HEAD_DIM), randn(t, KV_HEADS, HEAD_DIM)
             loc = torch.randperm(slots - 1, device=DEV)[:t] + 1
             kb2, vb2 = kb.clone(), vb.clone()
-            K.kv_store.kv_store_triton(kb, vb, k, v, loc)
+            triton_kv_store.kv_store_triton(kb, vb, k, v, loc)
             K.kv_store.kv_store_reference(kb2, vb2, k, v, loc)
             err = 0.0 if torch.equal(kb, kb2) and torch.equal(vb, vb2) else float("inf")
             record("kv_store", f"T={t} KVH=8 D=128", err,
-                   bench_ms(lambda: K.kv_store.kv_store_triton(kb, vb, k, v, loc)),
+                   bench_ms(lambda: triton_kv_store.kv_store_triton(kb, vb, k, v, loc)),
                    bench_ms(lambda: K.kv_store.kv_store_reference(kb, vb, k, v, loc)))
 
         for name, body in (("rmsnorm", norm), ("rotary", rope), ("silu", silu), ("kv", store)):
@@ -140,10 +142,10 @@ def pointwise_cases(token_counts: list[int]) -> None:
         logits = randn(rows, VOCAB, dtype=torch.float32)
         mask = torch.randint(-(2**31), 2**31 - 1, (rows, words), device=DEV, dtype=torch.int32)
         a, b = logits.clone(), logits.clone()
-        K.bitmask.apply_token_bitmask_triton(a, mask)
+        triton_token_bitmask.apply_token_bitmask_triton(a, mask)
         K.bitmask.apply_token_bitmask_reference(b, mask)
         record("apply_token_bitmask", f"B={rows} V={VOCAB}", 0.0 if torch.equal(a, b) else 1.0,
-               bench_ms(lambda: K.bitmask.apply_token_bitmask_triton(a, mask)),
+               bench_ms(lambda: triton_token_bitmask.apply_token_bitmask_triton(a, mask)),
                bench_ms(lambda: K.bitmask.apply_token_bitmask_reference(b, mask)))
 
     run_case("apply_token_bitmask", "", bitmask)
@@ -183,12 +185,12 @@ def decode_case(batch: int, ctx: int) -> None:
     q = randn(batch, HEADS, HEAD_DIM)
     lens = torch.full((batch,), ctx, device=DEV)
     scale = HEAD_DIM**-0.5
-    splits = K.decode.decode_num_kv_splits(batch, KV_HEADS,
+    splits = triton_attention_decode.decode_num_kv_splits(batch, KV_HEADS,
                                            torch.cuda.get_device_properties(0).multi_processor_count)
     args = (pool.req_to_token, pool.rows, lens, scale)
-    got = K.decode.decode_attention_triton(q, pool.k, pool.v, *args, splits)
+    got = triton_attention_decode.decode_attention_triton(q, pool.k, pool.v, *args, splits)
     err = rel_err(got, K.decode.decode_attention_reference(q, pool.k, pool.v, *args))
-    ms = bench_ms(lambda: K.decode.decode_attention_triton(q, pool.k, pool.v, *args, splits))
+    ms = bench_ms(lambda: triton_attention_decode.decode_attention_triton(q, pool.k, pool.v, *args, splits))
     kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * q.element_size()
     peer = None
     if batch * ctx <= 256 * 4096:
@@ -204,15 +206,15 @@ def decode_graph_case(batch: int, ctx: int) -> None:
     """Capture kv_store + decode in a CUDA graph, then replay with other lengths and slots."""
     pool = make_pool([ctx + 64] * batch)
     scale = HEAD_DIM**-0.5
-    splits = K.decode.decode_num_kv_splits(batch, KV_HEADS,
+    splits = triton_attention_decode.decode_num_kv_splits(batch, KV_HEADS,
                                            torch.cuda.get_device_properties(0).multi_processor_count)
     q, k, v = randn(batch, HEADS, HEAD_DIM), randn(batch, KV_HEADS, HEAD_DIM), randn(batch, KV_HEADS, HEAD_DIM)
     lens = torch.full((batch,), ctx, device=DEV)
     loc = torch.zeros(batch, dtype=torch.long, device=DEV)
 
     def step() -> torch.Tensor:
-        K.kv_store.kv_store_triton(pool.k, pool.v, k, v, loc)
-        return K.decode.decode_attention_triton(q, pool.k, pool.v, pool.req_to_token, pool.rows,
+        triton_kv_store.kv_store_triton(pool.k, pool.v, k, v, loc)
+        return triton_attention_decode.decode_attention_triton(q, pool.k, pool.v, pool.req_to_token, pool.rows,
                                                 lens, scale, splits)
 
     stream = torch.cuda.Stream()
@@ -248,9 +250,9 @@ def extend_case(batch: int, prefix: int, new: int) -> None:
     t = lambda v: torch.tensor(v, device=DEV)  # noqa: E731
     args = (pool.req_to_token, pool.rows, t([seq] * batch), t([prefix] * batch),
             t([new] * batch), t([b * new for b in range(batch)]), HEAD_DIM**-0.5, new)
-    got = K.extend.extend_attention_triton(q, pool.k, pool.v, *args)
+    got = triton_attention_extend.extend_attention_triton(q, pool.k, pool.v, *args)
     err = rel_err(got, K.extend.extend_attention_reference(q, pool.k, pool.v, *args))
-    ms = bench_ms(lambda: K.extend.extend_attention_triton(q, pool.k, pool.v, *args))
+    ms = bench_ms(lambda: triton_attention_extend.extend_attention_triton(q, pool.k, pool.v, *args))
     # Causal FLOPs: query i attends prefix + i + 1 keys; 4 flops per (q, k, dim): QK and PV.
     keys = batch * (new * prefix + new * (new + 1) / 2)
     tflops = 4 * keys * HEADS * HEAD_DIM / ms / 1e9

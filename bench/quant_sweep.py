@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from gemv_bench import SHAPES, graph_us
 
-from sgl.backend.kernels import gemv
+from sgl.backend.kernels import triton_gemv as gemv
 from sgl.backend.quant import linear
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.fp8 import Fp8Weight

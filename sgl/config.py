@@ -34,9 +34,13 @@ ENV_OPTIONS: dict[str, str] = {
     "SGL_DTYPE": "dtype",
     "SGL_DEBUG_INTEGRITY": "debug_integrity",
     "SGL_KERNELS": "kernels",
+    "SGL_KV_CACHE_DTYPE": "kv_cache_dtype",
     "SGL_NUM_THREADS": "num_threads",
     "SGL_CACHE_DIR": "cache_dir",
 }
+# kv_cache_dtype values: SGLang's ("bf16" is its short name) plus the two float formats.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "float32")
+_KV_NOT_BUILT = ("fp8_e4m3", "fp8_e5m2", "fp8", "fp4_e2m1", "int8")  # SGLang's, not built here
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -67,6 +71,10 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
     mem_fraction_static: float | None = None  # share of free memory for weights + KV pool
     page_size: int = 1
+    # The KV pool's element type (SGLang's option; its names "bf16"/"bfloat16", plus
+    # "float16" and "float32"). "auto": on the CPU under a float32 model the runtime's
+    # CPU_AUTO_KV_CACHE_DTYPE, else the model's dtype; CUDA keeps the model's (no other).
+    kv_cache_dtype: str = "auto"
 
     # -- scheduling -----------------------------------------------------------------------
     chunked_prefill_size: int | None = None  # per-step prompt-token budget; -1 disables chunking
@@ -186,6 +194,11 @@ class EngineConfig:
                  "'gguf' with a GGUF file, or 'none'")
         if self.page_size < 1:
             fail("page_size", "must be >= 1")
+        if self.kv_cache_dtype in _KV_NOT_BUILT:
+            fail("kv_cache_dtype", f"sgl keeps no KV cache in {self.kv_cache_dtype}: use one of "
+                 f"{list(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         for name in ("max_total_tokens", "max_running_requests", "context_length",
                      "max_prefill_tokens", "cuda_graph_max_bs", "num_threads", "max_n",
                      "max_top_logprobs_num", "max_stop_strings", "max_stop_string_len",

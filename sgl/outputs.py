@@ -172,6 +172,7 @@ class EngineStats:
     kv_bytes_reserved: int = 0  # KV pool capacity (CPU: address space, not memory)
     kv_bytes_touched: int = 0  # KV pool memory ever written (CPU grows on demand; GPU: all)
     kv_bytes_used: int = 0  # KV slots in use now (requests + radix cache)
+    kv_bytes_per_token: int = 0  # one token's K and V in every layer (kv_cache_dtype's size)
     decode_stage_bytes: int = 0  # CPU decode stage (dense copies of running requests' KV)
     rss_bytes: int = 0  # the process's resident memory now (0 where unknown)
     peak_rss_bytes: int = 0  # ... and its peak since the process started

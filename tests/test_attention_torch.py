@@ -103,11 +103,13 @@ def naive_attention(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor,
 
 def _run_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads: int,
               mode: ForwardMode, dtype: torch.dtype = torch.float32, fused: bool = False,
-              head_dim: int = 16) -> None:
+              head_dim: int = 16, kv_dtype: torch.dtype | None = None) -> None:
+    """`kv_dtype`: the pool's dtype when it differs from the model's (`dtype`)."""
     torch.manual_seed(0)
     layer = 1
+    kv_dtype = kv_dtype or dtype
     total, longest = sum(prefix_lens) + sum(new_lens), max(map(sum, zip(prefix_lens, new_lens)))
-    pool = FakePool(2, max(1024, 2 * total), kv_heads, head_dim, dtype=dtype,
+    pool = FakePool(2, max(1024, 2 * total), kv_heads, head_dim, dtype=kv_dtype,
                     max_context=max(512, longest + 1))
     backend = TorchAttentionBackend(fused_cpu=fused)
     assert backend.fused_cpu == (fused and cpu_ops.likely_available())
@@ -116,8 +118,8 @@ def _run_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads:
     for b, (prefix, n) in enumerate(zip(prefix_lens, new_lens)):
         slots = pool.alloc(prefix)
         pool.req_to_token[b + 1, :prefix] = slots.int()
-        kp = torch.randn(prefix, kv_heads, head_dim).to(dtype)
-        vp = torch.randn(prefix, kv_heads, head_dim).to(dtype)
+        kp = torch.randn(prefix, kv_heads, head_dim).to(kv_dtype)
+        vp = torch.randn(prefix, kv_heads, head_dim).to(kv_dtype)
         pool.k_buffer[layer][slots], pool.v_buffer[layer][slots] = kp, vp
         seqs_k.append(kp)
         seqs_v.append(vp)
@@ -133,13 +135,13 @@ def _run_case(prefix_lens: list[int], new_lens: list[int], heads: int, kv_heads:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b, (prefix, n) in enumerate(zip(prefix_lens, new_lens)):
         rows = slice(int(fb.extend_start[b]), int(fb.extend_start[b]) + n)
-        k_seq = torch.cat([seqs_k[b], k[rows]])
-        v_seq = torch.cat([seqs_v[b], v[rows]])
+        k_seq = torch.cat([seqs_k[b], k[rows].to(kv_dtype)])  # (as stored: rounded)
+        v_seq = torch.cat([seqs_v[b], v[rows].to(kv_dtype)])
         expected = naive_attention(q[rows], k_seq, v_seq, prefix, scale)
         torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol)
     # The new k/v landed in the pool at out_cache_loc.
-    torch.testing.assert_close(pool.k_buffer[layer][fb.out_cache_loc], k)
-    torch.testing.assert_close(pool.v_buffer[layer][fb.out_cache_loc], v)
+    assert torch.equal(pool.k_buffer[layer][fb.out_cache_loc], k.to(kv_dtype))
+    assert torch.equal(pool.v_buffer[layer][fb.out_cache_loc], v.to(kv_dtype))
     # And the output is the kernels' torch references' (what the Triton kernels are tested
     # against) on the same pool: one reference for attention, batched here through SDPA.
     kb, vb = pool.k_buffer[layer], pool.v_buffer[layer]
@@ -185,6 +187,17 @@ def test_extend_with_prefix_and_decode_rows(heads: int, kv_heads: int, fused: bo
 def test_bfloat16_decode_and_extend(fused: bool) -> None:
     _run_case([3, 20], [1, 1], 6, 2, ForwardMode.DECODE, torch.bfloat16, fused=fused)
     _run_case([3, 0, 20], [4, 6, 1], 6, 2, ForwardMode.EXTEND, torch.bfloat16, fused=fused)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fused", FUSED)
+def test_16_bit_pool_under_float32_queries(kv_dtype: torch.dtype, fused: bool) -> None:
+    """kv_cache_dtype on the CPU: K/V stored rounded to 16 bits, read widened (exact), so
+    attention over the stored values keeps float32's tolerance on every path (the fused C
+    ops, SDPA over gathered keys, extend)."""
+    for mode, prefixes, news in ((ForwardMode.DECODE, [5, 0, 17, 40], [1, 1, 1, 1]),
+                                 (ForwardMode.EXTEND, [9, 0, 30, 4], [6, 5, 1, 1])):
+        _run_case(prefixes, news, 6, 2, mode, fused=fused, head_dim=64, kv_dtype=kv_dtype)
 
 
 def test_prepare_metadata_is_reused_across_layers() -> None:

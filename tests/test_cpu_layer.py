@@ -94,9 +94,9 @@ def _prefill(model: torch.nn.Module, pool: FakePool, prompts: list[list[int]]) -
     model(fb)
 
 
-def _pool(model: torch.nn.Module) -> FakePool:
+def _pool(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> FakePool:
     attn = model.model.layers[0].self_attn
-    return FakePool(len(model.model.layers), 2048, attn.num_kv_heads, attn.head_dim)
+    return FakePool(len(model.model.layers), 2048, attn.num_kv_heads, attn.head_dim, dtype=dtype)
 
 
 @pytest.fixture(params=[1, 3])
@@ -108,12 +108,16 @@ def threads(request: pytest.FixtureRequest) -> Any:
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama-tied", "llama-8bit", "qwen2-bias"])
-def test_one_call_step_equals_the_op_path_bitwise(name: str, threads: int) -> None:
+def test_one_call_step_equals_the_op_path_bitwise(name: str, threads: int,
+                                                  kv_dtype: torch.dtype) -> None:
+    """Also over a 16-bit pool (kv_cache_dtype): both paths round on store and widen on
+    read with the same C functions."""
     model = tiny_quantized(name)
     assert isinstance(model.model.cpu_decode, cpu_layer.CpuDecodeStep)
     model.model.cpu_decode.thread_choice.threads = lambda cap: cap  # (no timing trial)
-    pool = _pool(model)
+    pool = _pool(model, kv_dtype)
     lengths = [5, 37, 12]
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]

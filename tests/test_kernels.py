@@ -15,6 +15,7 @@ run every op as the engine does, through the Triton and the reference KernelSet.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -40,11 +41,13 @@ from sgl.backend.kernels import (
     rmsnorm,
     rotary,
     token_bitmask,
+    triton_attention_decode,
     triton_compat,
+    triton_rmsnorm,
 )
 from sgl.errors import InvalidConfigError
 
-TRITON_HERE = triton_runs_here(attention_decode._decode_stage1)
+TRITON_HERE = triton_runs_here(triton_attention_decode._decode_stage1)
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
 IMPLS = ["reference", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -59,6 +62,10 @@ def impl(request: pytest.FixtureRequest) -> str:
 
 
 def op(module: Any, name: str, impl: str) -> Callable[..., Any]:
+    """`<name>_<impl>`: the reference from the op's module, the Triton kernel from the
+    `triton_<module>` beside it."""
+    if impl == "triton":
+        module = importlib.import_module(module.__name__.replace(".kernels.", ".kernels.triton_"))
     return getattr(module, f"{name}_{impl}")
 
 
@@ -371,12 +378,12 @@ def test_kernel_set_triton_mode_off_cuda_needs_the_interpreter() -> None:
     if not triton_compat.HAS_TRITON:
         with pytest.raises(InvalidConfigError, match="needs the `triton` package"):
             dispatch.resolve_kernels("triton", DEVICE, torch.float32)
-    elif DEVICE.type == "cpu" and not triton_compat.is_interpreted(rmsnorm._rmsnorm_kernel):
+    elif DEVICE.type == "cpu" and not triton_compat.is_interpreted(triton_rmsnorm._rmsnorm_kernel):
         with pytest.raises(InvalidConfigError, match="TRITON_INTERPRET=1"):
             dispatch.resolve_kernels("triton", DEVICE, torch.float32)
     else:
         ks = dispatch.resolve_kernels("triton", DEVICE, torch.float32)
-        assert ks.rmsnorm is rmsnorm.rmsnorm_triton and ks.attention == "triton"
+        assert ks.rmsnorm is triton_rmsnorm.rmsnorm_triton and ks.attention == "triton"
 
 
 def _agree_case(op: str, ks: dispatch.KernelSet) -> list[torch.Tensor]:
@@ -457,7 +464,7 @@ def test_gpu_attention_realistic(batch: int, context: int) -> None:
     pool = make_pool([context] * batch, kv_heads, head_dim, 16, torch.bfloat16, g)
     lens = torch.full((batch,), context, device=DEVICE)
     q = randn(batch, heads, head_dim, dtype=torch.bfloat16, g=g)
-    splits = attention_decode.decode_num_kv_splits(batch, kv_heads)
+    splits = triton_attention_decode.decode_num_kv_splits(batch, kv_heads)
     args = (pool.req_to_token, pool.rows, lens, head_dim**-0.5)
     expected = attention_decode.decode_attention_reference(q, pool.k, pool.v, *args)
     kernels = dispatch.resolve_kernels("triton", DEVICE, torch.bfloat16)

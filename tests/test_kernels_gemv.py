@@ -1,4 +1,4 @@
-"""The decode GEMV (backend/kernels/gemv.py) against its reference, F.linear.
+"""The decode GEMV (backend/kernels/triton_gemv.py) against its reference, F.linear.
 
 Same arrangement as tests/test_kernels.py: without CUDA the Triton kernel runs under Triton's
 interpreter (tests/triton_interp.py), in process when this module is the first to import
@@ -20,7 +20,8 @@ from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imp
     triton_runs_here,
 )
 
-from sgl.backend.kernels import dispatch, gemv
+from sgl.backend.kernels import dispatch
+from sgl.backend.kernels import triton_gemv as gemv
 
 TRITON_HERE = triton_runs_here(gemv._gemv_kernel)
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)

@@ -110,17 +110,59 @@ def test_uncovered_inputs_fall_back_to_the_reference() -> None:
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
 
 
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _rounding_cases() -> torch.Tensor:
+    """float32 values where rounding to 16 bits is delicate: exact halfway points between
+    two float16 / bfloat16 neighbours (ties to even, both ways), float16 subnormals and
+    overflow, bfloat16's carry into the exponent, signed zero, infinities."""
+    tie_f16 = [1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, -(2.0 + 2.0 ** -10)]
+    tie_bf16 = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(3.0 + 2.0 ** -7)]
+    odd = [2.0 ** -20, -3e-6, 6.1e-5, 65504.0, 65520.0, 70000.0, -1e9, 1.9921875 + 2 ** -9,
+           0.0, -0.0, float("inf"), float("-inf"), 1e-40, 3.4e38]
+    return torch.tensor(tie_f16 + tie_bf16 + odd, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_kv_store_rounds_to_16_bits_exactly_as_torch(dtype: torch.dtype,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C store into a 16-bit pool (F16C for float16, round-to-nearest-even for bfloat16)
+    writes the bits of the reference's `.to(dtype)`, on random rows and delicate values."""
+    assert cpu_ops.kv_dtype_supported(dtype)
+    tokens, kv_heads, head_dim = 6, 3, 20  # rows of 60: the 8-wide loop and its tail
+    gen = _gen(7)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen) * 10
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen) / 10
+    cases = _rounding_cases()
+    k.view(-1)[:cases.numel()] = cases
+    v.view(-1)[-cases.numel():] = cases.flip(0)
+    loc = torch.tensor([9, 2, 31, 5, 17, 1])
+    got_k = torch.zeros(40, kv_heads, head_dim, dtype=dtype)
+    got_v = torch.zeros_like(got_k)
+    ref_k, ref_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
+    with monkeypatch.context() as patch:  # the C store itself, not a fallback
+        patch.setattr(cpu_ops, "kv_store_reference", None)
+        cpu_ops.kv_store(got_k, got_v, k, v, loc)
+    kv_store_reference(ref_k, ref_v, k, v, loc)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16  # compare bits: -0.0, inf
+    assert torch.equal(got_k.view(bits), ref_k.view(bits))
+    assert torch.equal(got_v.view(bits), ref_v.view(bits))
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 72, 128, 16, 20])
-def test_decode_attention_matches_a_float64_reference(head_dim: int) -> None:
+def test_decode_attention_matches_a_float64_reference(head_dim: int, dtype: torch.dtype) -> None:
     """Head sizes of every path of the kernel: 64 (registers, constant trip count), 72 and
     128 (64-wide chunks plus a remainder), 16 (one chunk), 20 (not a multiple of 8: the
     plain loop); lengths that are and are not multiples of the 4-key blocks; 3 query heads
-    per KV head, keys at scattered slots, one request's query row chosen by q_rows."""
+    per KV head, keys at scattered slots, one request's query row chosen by q_rows. A 16-bit
+    pool is read widened to float32 (exact), so the float32 tolerance holds for every dtype."""
     gen = _gen(head_dim)
     heads, kv_heads, lens = 6, 2, [1, 3, 4, 37]
     slots = sum(lens) + 8
-    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
-    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
     order = torch.randperm(slots - 1, generator=gen) + 1
     table = torch.zeros(len(lens), max(lens), dtype=torch.int32)
     start = 0

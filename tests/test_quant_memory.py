@@ -86,7 +86,8 @@ async def test_engine_stats_report_memory(kernels: str) -> None:
             if busy is None and seen >= 8:
                 busy = engine.stats()  # mid-decode: the request holds KV and a stage row
     assert busy is not None
-    assert idle.weights_bytes > 0 and idle.kv_bytes_reserved >= 100_000 * 2 * 2 * 3 * 64 * 4
+    assert idle.weights_bytes > 0 and idle.kv_bytes_per_token == 2 * 2 * 3 * 64 * 2  # float16
+    assert idle.kv_bytes_reserved >= 100_000 * idle.kv_bytes_per_token
     assert idle.kv_bytes_touched < idle.kv_bytes_reserved // 100  # grows on demand
     assert busy.kv_bytes_used > 0 and busy.kv_bytes_touched >= busy.kv_bytes_used
     if kernels == "auto" and cpu_ops.available():

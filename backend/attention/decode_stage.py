@@ -52,10 +52,14 @@ class StagePlan:
 
 
 class DecodeStage:
-    def __init__(self, max_positions: int) -> None:
+    def __init__(self, max_positions: int, model_dtype: torch.dtype | None = None) -> None:
         # Budget: rows x capacity never exceeds the pool's slot count (at most doubling the
         # KV memory); a step that would need more runs without the stage.
         self.max_positions = max_positions
+        # The stage holds keys in the attention's compute dtype: the pool's, promoted with the
+        # model's (a float32 model over a 16-bit pool stages float32: widened once, on copy-in,
+        # not on every read). None: the pool's dtype.
+        self.model_dtype = model_dtype
         self.k: list[torch.Tensor] = []  # per layer [rows_cap, kv_heads, capacity, head_dim]
         self.v: list[torch.Tensor] = []
         self.slots = torch.empty(0, 0, dtype=torch.int64)  # [rows_cap, capacity]; -1: empty
@@ -125,11 +129,12 @@ class DecodeStage:
         self._layers_done += 1
         if plan.copy_slots.numel():
             head_dim = k.shape[-1]
-            k.view(-1, head_dim).index_copy_(
-                0, plan.copy_index, k_buffer.index_select(0, plan.copy_slots).view(-1, head_dim))
-            v.view(-1, head_dim).index_copy_(
-                0, plan.copy_index, v_buffer.index_select(0, plan.copy_slots).view(-1, head_dim))
+            k_new = k_buffer.index_select(0, plan.copy_slots).view(-1, head_dim).to(k.dtype)
+            v_new = v_buffer.index_select(0, plan.copy_slots).view(-1, head_dim).to(v.dtype)
+            k.view(-1, head_dim).index_copy_(0, plan.copy_index, k_new)
+            v.view(-1, head_dim).index_copy_(0, plan.copy_index, v_new)
         batch, length = q.shape[0], plan.max_len
+        q = q.to(k.dtype)  # (the stage's dtype is the compute dtype: a no-op in the engine)
         if plan.in_order:
             q_rows = q
         else:
@@ -165,8 +170,10 @@ class DecodeStage:
         shape = (rows, like.shape[1], cap, like.shape[2])
         self.k, self.v = [], []  # release the old stage before allocating the new one
         # zeros, not empty: padding keys are masked, but NaN garbage would still poison SDPA
-        self.k = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(num_layers)]
+        dtype = like.dtype if self.model_dtype is None else torch.promote_types(self.model_dtype,
+                                                                                 like.dtype)
+        self.k = [torch.zeros(shape, dtype=dtype, device=like.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=like.device) for _ in range(num_layers)]
         self.slots = torch.full((rows, cap), -1, dtype=torch.int64)
         self.row_of.clear()
         return True

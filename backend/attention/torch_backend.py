@@ -19,12 +19,16 @@ Per step, `prepare` splits the requests in two groups and builds their gather in
   mask is aligned bottom-right (new query i sits at position prefix + i and sees keys
   0 .. prefix + i).
 
-Softmax and accumulation run in float32 inside SDPA for every input dtype.
+Softmax and accumulation run in float32 inside SDPA for every input dtype. A pool in a
+narrower dtype than the model's (a 16-bit KV cache under a float32 model: `kv_cache_dtype`)
+is widened as it is read, so attention computes in the wider of the two dtypes; widening
+float16 or bfloat16 to float32 is exact.
 
-With `fused_cpu` (the CPU engine in kernel mode "auto", float32 KV, the C library built) the
-single-token rows run `cpu_ops.decode_attention` instead: one C call per layer that reads each
-request's keys in place from the pool through its req_to_token row (no gather, no padded
-block, no stage memory), and new K/V rows are stored by `cpu_ops.kv_store`. Otherwise, with
+With `fused_cpu` (the CPU engine in kernel mode "auto" under a float32 model, a float32,
+float16 or bfloat16 pool, the C library built) the single-token rows run
+`cpu_ops.decode_attention` instead: one C call per layer that reads each request's keys in
+place from the pool through its req_to_token row (no gather, no padded block, no stage
+memory), and new K/V rows are stored by `cpu_ops.kv_store`. Otherwise, with
 `stage_positions > 0` (the CPU engine) the single-token rows read their keys from a
 `DecodeStage`, which keeps the padded block from one step to the next and copies in only what
 changed (decode_stage.py); without it (the reference, and on GPUs) the block is gathered anew.
@@ -85,16 +89,20 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, stage_positions: int = 0, fused_cpu: bool = False) -> None:
+    def __init__(self, stage_positions: int = 0, fused_cpu: bool = False,
+                 model_dtype: torch.dtype | None = None) -> None:
         # stage_positions: the DecodeStage's budget in token positions (0: no stage), used
-        # where the fused path does not apply; fused_cpu: use cpu_ops where it applies.
-        self.stage = DecodeStage(stage_positions) if stage_positions > 0 else None
+        # where the fused path does not apply; fused_cpu: use cpu_ops where it applies (a
+        # float32 model); model_dtype: the stage's compute dtype with the pool's (None: the pool's).
+        self.stage = DecodeStage(stage_positions, model_dtype) if stage_positions > 0 else None
         self.fused_cpu = fused_cpu and cpu_ops.likely_available()
 
     def _fused(self, fb: ForwardBatch) -> bool:
-        """The fused CPU path serves this pool (float32 on the CPU, int32 table)."""
+        """The fused CPU path serves this pool (on the CPU, in a dtype the C ops take: float32,
+        float16 or bfloat16; int32 table)."""
         like = fb.kv_pool.k_buffer[0]
-        return (self.fused_cpu and like.device.type == "cpu" and like.dtype == torch.float32
+        return (self.fused_cpu and like.device.type == "cpu"
+                and cpu_ops.kv_dtype_supported(like.dtype)
                 and like.is_contiguous() and fb.req_to_token.dtype == torch.int32
                 and fb.req_to_token.is_contiguous() and cpu_ops.available())
 
@@ -222,13 +230,16 @@ class TorchAttentionBackend(AttentionBackend):
         decode = meta.decode
         assert isinstance(decode, _FusedDecodeRows)
         cpu_ops.kv_store(k_buffer, v_buffer, k, v, fb.out_cache_loc)
+        dtype = q.dtype
         if not cpu_ops.decode_attention_supported(q, k_buffer, fb.req_to_token):
-            q = q.float().contiguous()  # (a model whose q is not a plain [T, heads, d] view)
+            # (a model whose q is not a plain float32 [T, heads, d] view: the C op reads a
+            # float32 copy; the engine takes this path for float32 models only)
+            q = q.float().contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)  # [T, heads, head_dim]
         cpu_ops.decode_attention(q, k_buffer, v_buffer, fb.req_to_token, decode.table_rows,
                                  decode.lens, scale, decode.rows, out)
         self._attend_extends(q, k_buffer, v_buffer, meta.extends, scale, out)
-        return out
+        return out.to(dtype)
 
     def _attend_extends(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                         extends: list[_ExtendRequest], scale: float, out: torch.Tensor) -> None:
@@ -248,8 +259,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [B, heads, head_dim]
         batch, heads, head_dim = q.shape
         kv_heads = k_buffer.shape[1]
+        compute = torch.promote_types(q.dtype, k_buffer.dtype)
         # [B, kv_heads, G, head_dim]: the G query heads of a KV head become G queries of it
-        qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(k_buffer.dtype)
+        qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(compute)
         if meta.stage is not None:
             assert self.stage is not None
             out = self.stage.attend(layer_id, qg, k_buffer, v_buffer, meta.stage, scale)
@@ -271,6 +283,7 @@ class TorchAttentionBackend(AttentionBackend):
             head_major = (kv_heads, batch, meta.max_len, head_dim)
             k = meta.k_out.view(head_major).transpose(0, 1)  # [B, kvh, L, d]
             v = meta.v_out.view(head_major).transpose(0, 1)  # [B, kvh, L, d]
+        k, v = k.to(compute), v.to(compute)  # (no-ops unless the pool is narrower)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return out.reshape(batch, heads, head_dim).to(q.dtype)  # [B, heads, head_dim]
 
@@ -284,9 +297,11 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [n, heads, head_dim]
         # Batched 4-D inputs: with 3-D ones SDPA takes its unfused math path on the CPU
         # (scores materialized, several times slower).
+        compute = torch.promote_types(q.dtype, k_buffer.dtype)
         k = k_buffer.index_select(0, req.slots).transpose(0, 1)[None]  # [1, kv_heads, L, head_dim]
         v = v_buffer.index_select(0, req.slots).transpose(0, 1)[None]  # [1, kv_heads, L, head_dim]
-        qh = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, n, head_dim]
+        k, v = k.to(compute), v.to(compute)
+        qh = q.transpose(0, 1)[None].to(compute)  # [1, heads, n, head_dim]
         gqa = q.shape[1] != k.shape[1]
         if req.causal_mask is None:
             out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,

@@ -38,7 +38,7 @@ import torch
 
 from sgl.backend.attention.base import AttentionBackend
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
-from sgl.backend.kernels.attention_decode import decode_num_kv_splits
+from sgl.backend.kernels.triton_attention_decode import decode_num_kv_splits
 from sgl.backend.kernels.dispatch import KernelSet
 
 

@@ -3,9 +3,11 @@
     kernels = resolve_kernels(mode, device, dtype)   # the runtime, once per engine
     kernels.rmsnorm(x, weight, eps)                  # the layers and the attention backend
 
-Every op has a pure-torch `<op>_reference` and a Triton `<op>_triton` of the same signature in
-its module under `sgl.backend.kernels` (the linear op: `gemv.gemv_reference`, which is
-`F.linear`, and `gemv.linear_triton`). tests/test_kernels*.py compare every Triton kernel
+Every op has a pure-torch `<op>_reference` in its module under `sgl.backend.kernels` and a
+Triton `<op>_triton` of the same signature in `triton_<op>.py` beside it (the linear op:
+`gemv.gemv_reference`, which is `F.linear`, and `triton_gemv.linear_triton`). The Triton
+modules are imported only when a set picks them (or `_require_triton` checks them), so an
+engine on the CPU never imports Triton. tests/test_kernels*.py compare every Triton kernel
 against its reference, under Triton's interpreter when there is no GPU.
 
 `mode` is the `SGL_KERNELS` setting (the engine config's `kernels`). The runtime reads it and
@@ -28,6 +30,7 @@ passes it here; this module never reads the environment:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -45,10 +48,18 @@ from sgl.backend.kernels import (
     rotary,
     token_bitmask,
 )
-from sgl.backend.kernels.triton_compat import HAS_TRITON, is_interpreted
 from sgl.errors import InvalidConfigError
 
 _HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None
+
+
+@functools.cache
+def has_triton() -> bool:
+    """Whether the `triton` package imports. It imports it (~0.2 s, ~70 MB): ask only where a
+    CUDA device is in play, so that a CPU engine never pays for it."""
+    from sgl.backend.kernels import triton_compat
+
+    return triton_compat.HAS_TRITON
 
 Mode = Literal["auto", "reference", "triton"]
 MODES: tuple[str, ...] = ("auto", "reference", "triton")
@@ -95,7 +106,7 @@ def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -
     if normalized == "triton":
         _require_triton(device)
     use_triton = normalized == "triton" or (
-        normalized == "auto" and device.type == "cuda" and HAS_TRITON)
+        normalized == "auto" and device.type == "cuda" and has_triton())
     ops = _triton_ops() if use_triton else _reference_ops()
     if normalized == "auto" and device.type == "cpu" and _HAS_XGRAMMAR:
         # Same layout and rule as the reference, about twice as fast on the CPU.
@@ -117,11 +128,14 @@ def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -
 
 
 def _require_triton(device: torch.device) -> None:
-    if not HAS_TRITON:
+    if not has_triton():
         raise InvalidConfigError(
             "kernels='triton' (SGL_KERNELS) needs the `triton` package: install it, or use "
             "'auto' or 'reference'")
-    if device.type != "cuda" and not is_interpreted(rmsnorm._rmsnorm_kernel):
+    from sgl.backend.kernels import triton_rmsnorm
+    from sgl.backend.kernels.triton_compat import is_interpreted
+
+    if device.type != "cuda" and not is_interpreted(triton_rmsnorm._rmsnorm_kernel):
         raise InvalidConfigError(
             f"kernels='triton' on device {str(device)!r} runs Triton's interpreter, which needs "
             "TRITON_INTERPRET=1 set before sgl's kernels are imported; or use 'auto' or "
@@ -144,18 +158,29 @@ def _reference_ops() -> dict[str, Callable[..., Any]]:
 
 
 def _triton_ops() -> dict[str, Callable[..., Any]]:
+    from sgl.backend.kernels import (
+        triton_activation,
+        triton_attention_decode,
+        triton_attention_extend,
+        triton_gemv,
+        triton_kv_store,
+        triton_rmsnorm,
+        triton_rotary,
+        triton_token_bitmask,
+    )
+
     return {
-        "rmsnorm": rmsnorm.rmsnorm_triton,
-        "fused_add_rmsnorm": rmsnorm.fused_add_rmsnorm_triton,
-        "silu_and_mul": activation.silu_and_mul_triton,
-        "rotary_embedding": rotary.rotary_embedding_triton,
-        "linear": gemv.linear_triton,
-        "kv_store": kv_store.kv_store_triton,
-        "decode_attention": attention_decode.decode_attention_triton,
-        "extend_attention": attention_extend.extend_attention_triton,
+        "rmsnorm": triton_rmsnorm.rmsnorm_triton,
+        "fused_add_rmsnorm": triton_rmsnorm.fused_add_rmsnorm_triton,
+        "silu_and_mul": triton_activation.silu_and_mul_triton,
+        "rotary_embedding": triton_rotary.rotary_embedding_triton,
+        "linear": triton_gemv.linear_triton,
+        "kv_store": triton_kv_store.kv_store_triton,
+        "decode_attention": triton_attention_decode.decode_attention_triton,
+        "extend_attention": triton_attention_extend.extend_attention_triton,
         # Our own small kernel rather than xgrammar's on CUDA: same layout and rule, one fewer
         # dependency on the GPU path, and `indices` stays a device tensor (no host list).
-        "apply_token_bitmask": token_bitmask.apply_token_bitmask_triton,
+        "apply_token_bitmask": triton_token_bitmask.apply_token_bitmask_triton,
     }
 
 
@@ -167,8 +192,10 @@ def apply_token_bitmask(
     """The "auto" bitmask kernel for logits' device: the default of code built without a
     KernelSet (tests, `grammar.apply_bitmask`). The engine's sampler gets its KernelSet's
     `apply_token_bitmask` instead, so SGL_KERNELS reaches the grammar mask."""
-    if logits.device.type == "cuda" and HAS_TRITON:
-        fn = token_bitmask.apply_token_bitmask_triton
+    if logits.device.type == "cuda" and has_triton():
+        from sgl.backend.kernels.triton_token_bitmask import apply_token_bitmask_triton
+
+        fn = apply_token_bitmask_triton
     elif logits.device.type == "cpu" and _HAS_XGRAMMAR:
         fn = token_bitmask.apply_token_bitmask_xgrammar
     else:
@@ -176,4 +203,4 @@ def apply_token_bitmask(
     fn(logits, bitmask, indices)
 
 
-__all__ = ["KernelSet", "MODES", "Mode", "apply_token_bitmask", "resolve_kernels"]
+__all__ = ["KernelSet", "MODES", "Mode", "apply_token_bitmask", "has_triton", "resolve_kernels"]

@@ -36,14 +36,15 @@ typedef struct {
   sgl_qweight qkv, o, gate_up, down;
   const float* input_norm;
   const float* post_norm;
-  float* k_cache;  // this layer's pool buffers [slots, kv_heads, head_dim]
-  float* v_cache;
+  void* k_cache;  // this layer's pool buffers [slots, kv_heads, head_dim] of kv_kind
+  void* v_cache;
 } sgl_layer;
 
 typedef struct {
   int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
   int64_t rope_half;       // rotate the first 2 * rope_half features of each head
   float eps, attn_scale;
+  int64_t kv_kind;          // the pool's elements (cpu_ops.c: KV_F32, KV_F16, KV_BF16)
   const float* rope_cache;  // [positions, 2 * rope_half]: cos | sin
   const float* final_norm;
   const sgl_layer* layers;
@@ -61,12 +62,12 @@ void sgl_rmsnorm(const float* x, const float* r, const float* w, float eps, int6
 void sgl_silu_mul(const float* x, int64_t T, int64_t I, float* out);
 void sgl_rope(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t D,
               const int64_t* positions, const float* cache, int64_t half);
-void sgl_kv_store(float* kbuf, float* vbuf, const float* k, int64_t k_stride, const float* v,
-                  int64_t v_stride, const int64_t* loc, int64_t T, int64_t W);
+void sgl_kv_store(void* kbuf, void* vbuf, const float* k, int64_t k_stride, const float* v,
+                  int64_t v_stride, const int64_t* loc, int64_t T, int64_t W, int kind);
 int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows, int64_t B,
-                    int64_t heads, int64_t kvh, int64_t D, const float* kbuf, const float* vbuf,
+                    int64_t heads, int64_t kvh, int64_t D, const void* kbuf, const void* vbuf,
                     const int32_t* table, int64_t table_stride, const int64_t* table_rows,
-                    const int64_t* lens, float scale, float* out, int threads);
+                    const int64_t* lens, float scale, float* out, int threads, int kind);
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
   int64_t m = a > b ? a : b;
@@ -198,9 +199,11 @@ static int layer_step(team_t* team, const sgl_model* m, const sgl_layer* L, int 
   }
   project(team, &L->qkv, h, T, qkv, xsum, xp);  // [T, q | k | v]
   sgl_rope(qkv, T, qkv_w, m->heads + m->kv_heads, D, positions, m->rope_cache, m->rope_half);
-  sgl_kv_store(L->k_cache, L->v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, out_loc, T, kv);
+  sgl_kv_store(L->k_cache, L->v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, out_loc, T, kv,
+               (int)m->kv_kind);
   if (sgl_decode_attn(qkv, qkv_w, NULL, T, m->heads, m->kv_heads, D, L->k_cache, L->v_cache,
-                      table, table_stride, table_rows, lens, m->attn_scale, attn, 1))
+                      table, table_stride, table_rows, lens, m->attn_scale, attn, 1,
+                      (int)m->kv_kind))
     return -1;
   project(team, &L->o, attn, T, x, xsum, xp);  // [T, H]
   sgl_rmsnorm(x, residual, L->post_norm, m->eps, T, H, h, residual);

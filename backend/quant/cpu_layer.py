@@ -17,7 +17,8 @@ the model's op path runs instead, unchanged:
   CPU kernel's plain layout, no per-head q/k norm (Qwen3 takes the op path), one eps;
 - the step (checked by `run`): a DECODE batch of at most `MAX_ROWS` rows (above it the op
   path's projections dequantize and use BLAS, a different summation) on the torch attention
-  backend's fused CPU path (float32 pool, int32 table), the C library loaded.
+  backend's fused CPU path (a float32, float16 or bfloat16 pool, int32 table), the C
+  library loaded.
 
 The scratch (~35 KB per row for SmolLM2) is allocated once per model for `MAX_ROWS` rows.
 One step at a time per model: the engine's forward passes are serialized.
@@ -33,7 +34,7 @@ import torch
 
 from sgl.backend.attention.torch_backend import TorchAttentionBackend
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
-from sgl.backend.quant import cpu_kernel
+from sgl.backend.quant import cpu_kernel, cpu_ops
 from sgl.backend.quant.cpu_threads import ThreadChoice
 from sgl.backend.quant.linear import GEMV_MAX_ROWS
 from sgl.backend.quant.weight import QuantizedWeight
@@ -59,7 +60,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("head_dim", _I64), ("inter", _I64), ("rope_half", _I64), ("eps", _F),
-                ("attn_scale", _F), ("rope_cache", _P), ("final_norm", _P),
+                ("attn_scale", _F), ("kv_kind", _I64), ("rope_cache", _P), ("final_norm", _P),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -150,19 +151,22 @@ class CpuDecodeStep:
         inter = layers[0].mlp.gate_up_proj.out_features // 2
         desc = _Model(len(layers), norms[0].weight.shape[0], first.num_heads, first.num_kv_heads,
                       first.head_dim, inter, cache.shape[-1] // 2, norms[0].eps, first.scale,
-                      cache.data_ptr(), model.norm.weight.data_ptr(), None)
+                      0, cache.data_ptr(), model.norm.weight.data_ptr(), None)
         return cls(model, structs, desc, pointees)
 
     def _bind_pool(self, pool: Any) -> bool:
         """Point the layer structs at `pool`'s buffers (once per pool); False when the pool is
-        not float32 [slots, kv_heads, head_dim] on the CPU."""
+        not [slots, kv_heads, head_dim] on the CPU in a dtype the C ops take."""
         key = (id(pool), pool.k_buffer[0].data_ptr())
         if key == self._pool_key:
             return True
         desc, buffers = self._desc, (*pool.k_buffer, *pool.v_buffer)
-        if (len(pool.k_buffer) != desc.num_layers or not _f32(*buffers)
+        dtype = pool.k_buffer[0].dtype
+        if (len(pool.k_buffer) != desc.num_layers or not cpu_ops.kv_dtype_supported(dtype)
+                or not all(b.dtype == dtype and b.is_cpu and b.is_contiguous() for b in buffers)
                 or pool.k_buffer[0].shape[1:] != (desc.kv_heads, desc.head_dim)):
             return False
+        desc.kv_kind = cpu_ops.kv_kind(dtype)
         for layer, k, v in zip(self._layers, pool.k_buffer, pool.v_buffer):
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
         self._pool_key, self._pool = key, pool

@@ -5,9 +5,13 @@
 //   sgl_rmsnorm       (x [+ r]) -> normed, and the sum              (RMSNorm, fused residual add)
 //   sgl_silu_mul      [T, 2I] gate|up -> [T, I] silu(gate) * up
 //   sgl_rope          rotate-half RoPE of T rows of `heads` heads, in place
-//   sgl_kv_store      k, v rows -> their pool slots
+//   sgl_kv_store      k, v rows -> their pool slots (rounded to the pool's 16 bits, if so)
 //   sgl_decode_attn   one query row per request against its KV, read in place from the pool
 //                     through the request's row of req_to_token (no gather, no padded copy)
+//
+// The KV pool holds float32, float16 or bfloat16 (`kind`, KV_*): the store rounds to nearest
+// even as torch's `.to()` does (F16C for float16), and attention widens each element back to
+// float32 as it reads it (exact for both 16-bit formats), so all arithmetic stays float32.
 //
 // Every op has the torch reference it is tested against (tests/test_quant_cpu_ops.py).
 #include <immintrin.h>
@@ -111,23 +115,79 @@ void sgl_rope(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t D,
   }
 }
 
-// k, v: T rows of W floats (strides k_stride, v_stride) -> rows loc[t] of the pool buffers
-// [slots, W].
-void sgl_kv_store(float* kbuf, float* vbuf, const float* k, int64_t k_stride, const float* v,
-                  int64_t v_stride, const int64_t* loc, int64_t T, int64_t W) {
-  for (int64_t t = 0; t < T; t++) {
-    memcpy(kbuf + loc[t] * W, k + t * k_stride, sizeof(float) * (size_t)W);
-    memcpy(vbuf + loc[t] * W, v + t * v_stride, sizeof(float) * (size_t)W);
+// The pool's element kinds (cpu_ops.py's _KV_KINDS).
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+// F16C for the float16 conversions: every AVX2 CPU has it (cpu_ops.py checks before it hands
+// a float16 pool here); float32 and bfloat16 pools never execute an F16C instruction.
+#define KV __attribute__((target("avx2,fma,f16c")))
+
+// float32 -> bfloat16 bits, rounded to nearest even; a NaN becomes torch's quiet NaN 0x7FC0.
+INLINE uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// W floats -> W pool elements of `kind` at dst.
+KV INLINE void store_row(void* dst, const float* src, int64_t W, int kind) {
+  if (kind == KV_F32) {
+    memcpy(dst, src, sizeof(float) * (size_t)W);
+  } else if (kind == KV_F16) {
+    uint16_t* d = (uint16_t*)dst;
+    int64_t i = 0;
+    for (; i + 8 <= W; i += 8)
+      _mm_storeu_si128((__m128i*)(d + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < W; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+  } else {
+    uint16_t* d = (uint16_t*)dst;
+    for (int64_t i = 0; i < W; i++) d[i] = to_bf16(src[i]);
   }
 }
 
-AVX2 INLINE float dot(const float* a, const float* b, int64_t D) {
+// 8 pool elements from element index i, as floats (exact).
+KV INLINE __m256 kv_load8(const void* base, int64_t i, int kind) {
+  if (kind == KV_F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + i)));
+  if (kind == KV_BF16) {
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps((const float*)base + i);
+}
+
+KV INLINE float kv_load1(const void* base, int64_t i, int kind) {
+  if (kind == KV_F16) return _cvtsh_ss(((const uint16_t*)base)[i]);
+  if (kind == KV_BF16) {
+    uint32_t u = (uint32_t)((const uint16_t*)base)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  return ((const float*)base)[i];
+}
+
+// k, v: T rows of W floats (strides k_stride, v_stride) -> rows loc[t] of the pool buffers
+// [slots, W] of element `kind`.
+KV void sgl_kv_store(void* kbuf, void* vbuf, const float* k, int64_t k_stride, const float* v,
+                     int64_t v_stride, const int64_t* loc, int64_t T, int64_t W, int kind) {
+  size_t esize = kind == KV_F32 ? 4 : 2;
+  for (int64_t t = 0; t < T; t++) {
+    store_row((char*)kbuf + (size_t)(loc[t] * W) * esize, k + t * k_stride, W, kind);
+    store_row((char*)vbuf + (size_t)(loc[t] * W) * esize, v + t * v_stride, W, kind);
+  }
+}
+
+// q . K[i .. i + D) in dot order: 8-wide FMA chain, then the scalar tail.
+KV INLINE float dot_kv(const float* q, const void* kbuf, int64_t i0, int64_t D, int kind) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= D; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load8(kbuf, i0 + i, kind), acc);
   float s = hsum8(acc);
-  for (; i < D; i++) s += a[i] * b[i];
+  for (; i < D; i++) s += q[i] * kv_load1(kbuf, i0 + i, kind);
   return s;
 }
 
@@ -149,16 +209,17 @@ AVX2 INLINE void softmax(float* s, int64_t n) {
 }
 
 // Scores of keys [j0, j0 + 4) for query g: four dot products side by side (four independent
-// FMA chains instead of one latency-bound chain), each summed in dot()'s order (same bits).
-AVX2 INLINE void scores4(const float* qg, const float* const* kp, int64_t D, float scale,
-                         float* out) {
+// FMA chains instead of one latency-bound chain), each summed in dot_kv's order (same bits).
+// ki: the keys' first element indices in the pool buffer.
+KV INLINE void scores4(const float* qg, const void* kbuf, const int64_t* ki, int64_t D,
+                       float scale, float* out, int kind) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < D; i += 8) {
     __m256 qv = _mm256_loadu_ps(qg + i);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[0] + i), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[1] + i), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[2] + i), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[3] + i), a3);
+    a0 = _mm256_fmadd_ps(qv, kv_load8(kbuf, ki[0] + i, kind), a0);
+    a1 = _mm256_fmadd_ps(qv, kv_load8(kbuf, ki[1] + i, kind), a1);
+    a2 = _mm256_fmadd_ps(qv, kv_load8(kbuf, ki[2] + i, kind), a2);
+    a3 = _mm256_fmadd_ps(qv, kv_load8(kbuf, ki[3] + i, kind), a3);
   }
   out[0] = hsum8(a0) * scale, out[1] = hsum8(a1) * scale;
   out[2] = hsum8(a2) * scale, out[3] = hsum8(a3) * scale;
@@ -166,22 +227,23 @@ AVX2 INLINE void scores4(const float* qg, const float* const* kp, int64_t D, flo
 
 // acc [w floats, w <= 64, a multiple of 8] = sum over j of p[j] * V_j, the accumulator held
 // in registers across the keys (each element summed in key order, as an axpy per key would).
-AVX2 INLINE void weighted_sum(const float* p, int64_t len, const float* vbuf, const int32_t* row,
-                              int64_t stride, int64_t off, int64_t w, float* acc) {
+KV INLINE void weighted_sum(const float* p, int64_t len, const void* vbuf, const int32_t* row,
+                            int64_t stride, int64_t off, int64_t w, float* acc, int kind) {
   __m256 a[8];
   for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
   if (w == 64) {  // (the common head size: a constant trip count keeps a[] in registers)
     for (int64_t j = 0; j < len; j++) {
-      const float* vp = vbuf + (int64_t)row[j] * stride + off;
+      int64_t vi = (int64_t)row[j] * stride + off;
       __m256 pj = _mm256_set1_ps(p[j]);
-      for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vp + 8 * v), a[v]);
+      for (int v = 0; v < 8; v++)
+        a[v] = _mm256_fmadd_ps(pj, kv_load8(vbuf, vi + 8 * v, kind), a[v]);
     }
   } else {
     for (int64_t j = 0; j < len; j++) {
-      const float* vp = vbuf + (int64_t)row[j] * stride + off;
+      int64_t vi = (int64_t)row[j] * stride + off;
       __m256 pj = _mm256_set1_ps(p[j]);
       for (int v = 0; v < w / 8; v++)
-        a[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vp + 8 * v), a[v]);
+        a[v] = _mm256_fmadd_ps(pj, kv_load8(vbuf, vi + 8 * v, kind), a[v]);
     }
   }
   for (int v = 0; v < w / 8; v++) _mm256_storeu_ps(acc + 8 * v, a[v]);
@@ -189,71 +251,92 @@ AVX2 INLINE void weighted_sum(const float* p, int64_t len, const float* vbuf, co
 
 // One (request, KV head) task with D a multiple of 8: the same arithmetic as attend_one (bit
 // for bit), reordered for the core: keys four at a time, the output accumulated in registers.
-AVX2 static void attend_one8(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
-                             int64_t D, const float* kbuf, const float* vbuf, const int32_t* row,
-                             int64_t len, float scale, float* scores) {
+KV INLINE void attend_one8(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
+                           int64_t D, const void* kbuf, const void* vbuf, const int32_t* row,
+                           int64_t len, float scale, float* scores, int kind) {
   const int64_t stride = kvh * D, off = h * D;
   int64_t j = 0;
   for (; j + 4 <= len; j += 4) {
-    const float* kp[4];
-    for (int r = 0; r < 4; r++) kp[r] = kbuf + (int64_t)row[j + r] * stride + off;
+    int64_t ki[4];
+    for (int r = 0; r < 4; r++) ki[r] = (int64_t)row[j + r] * stride + off;
     float s4[4];
     for (int64_t g = 0; g < G; g++) {
-      scores4(q + g * D, kp, D, scale, s4);
+      scores4(q + g * D, kbuf, ki, D, scale, s4, kind);
       for (int r = 0; r < 4; r++) scores[g * len + j + r] = s4[r];
     }
   }
   for (; j < len; j++) {
-    const float* kp = kbuf + (int64_t)row[j] * stride + off;
-    for (int64_t g = 0; g < G; g++) scores[g * len + j] = dot(q + g * D, kp, D) * scale;
+    int64_t ki = (int64_t)row[j] * stride + off;
+    for (int64_t g = 0; g < G; g++)
+      scores[g * len + j] = dot_kv(q + g * D, kbuf, ki, D, kind) * scale;
   }
   for (int64_t g = 0; g < G; g++) {
     softmax(scores + g * len, len);
     for (int64_t i = 0; i < D; i += 64)
       weighted_sum(scores + g * len, len, vbuf, row, stride, off + i, D - i < 64 ? D - i : 64,
-                   out + g * D + i);
+                   out + g * D + i, kind);
   }
 }
 
 // One (request, KV head) task: the G = heads / kv_heads query heads that share KV head h.
-// One (request, KV head) task: the G = heads / kv_heads query heads that share KV head h.
-AVX2 static void attend_one(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
-                            int64_t D, const float* kbuf, const float* vbuf, const int32_t* row,
-                            int64_t len, float scale, float* work) {
+KV INLINE void attend_one(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
+                          int64_t D, const void* kbuf, const void* vbuf, const int32_t* row,
+                          int64_t len, float scale, float* work, int kind) {
   float* scores = work;        // [G, len]
   float* acc = work + G * len;  // [G, D]
   for (int64_t j = 0; j < len; j++) {
-    const float* kp = kbuf + ((int64_t)row[j] * kvh + h) * D;
-    for (int64_t g = 0; g < G; g++) scores[g * len + j] = dot(q + g * D, kp, D) * scale;
+    int64_t ki = ((int64_t)row[j] * kvh + h) * D;
+    for (int64_t g = 0; g < G; g++)
+      scores[g * len + j] = dot_kv(q + g * D, kbuf, ki, D, kind) * scale;
   }
   for (int64_t g = 0; g < G; g++) softmax(scores + g * len, len);
   memset(acc, 0, sizeof(float) * (size_t)(G * D));
   for (int64_t j = 0; j < len; j++) {
-    const float* vp = vbuf + ((int64_t)row[j] * kvh + h) * D;
+    int64_t vi = ((int64_t)row[j] * kvh + h) * D;
     for (int64_t g = 0; g < G; g++) {
-      __m256 p = _mm256_set1_ps(scores[g * len + j]);
+      float pj = scores[g * len + j];
+      __m256 p = _mm256_set1_ps(pj);
       float* a = acc + g * D;
       int64_t i = 0;
       for (; i + 8 <= D; i += 8)
-        _mm256_storeu_ps(a + i,
-                         _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + i), _mm256_loadu_ps(a + i)));
-      for (; i < D; i++) a[i] += scores[g * len + j] * vp[i];
+        _mm256_storeu_ps(
+            a + i, _mm256_fmadd_ps(p, kv_load8(vbuf, vi + i, kind), _mm256_loadu_ps(a + i)));
+      for (; i < D; i++) a[i] += pj * kv_load1(vbuf, vi + i, kind);
     }
   }
   memcpy(out, acc, sizeof(float) * (size_t)(G * D));
+}
+
+// One task, specialized per element kind (the kind a compile-time constant in each call).
+KV INLINE void attend_task(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
+                           int64_t D, const void* kbuf, const void* vbuf, const int32_t* row,
+                           int64_t len, float scale, float* work, int kind) {
+#define SGL_ATTEND(K)                                                                 \
+  if (D % 8 == 0)                                                                     \
+    attend_one8(q, out, G, kvh, h, D, kbuf, vbuf, row, len, scale, work, K);          \
+  else                                                                                \
+    attend_one(q, out, G, kvh, h, D, kbuf, vbuf, row, len, scale, work, K);
+  if (kind == KV_F16) {
+    SGL_ATTEND(KV_F16)
+  } else if (kind == KV_BF16) {
+    SGL_ATTEND(KV_BF16)
+  } else {
+    SGL_ATTEND(KV_F32)
+  }
+#undef SGL_ATTEND
 }
 
 // Decode attention of B requests, one query row each.
 //   q: rows q_rows[b] (or b when q_rows is NULL), stride q_stride floats, [heads, D] each;
 //   out: the same rows of a [*, heads, D] contiguous tensor;
 //   KV of request b: positions [0, lens[b]) at slots table[table_rows[b] * table_stride + j]
-//   of the pool buffers [slots, kv_heads, D].
+//   of the pool buffers [slots, kv_heads, D] of element `kind`.
 // Returns 0, or -1 when a work buffer could not be allocated.
-AVX2 int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows, int64_t B,
-                         int64_t heads, int64_t kvh, int64_t D, const float* kbuf,
-                         const float* vbuf, const int32_t* table, int64_t table_stride,
-                         const int64_t* table_rows, const int64_t* lens, float scale, float* out,
-                         int threads) {
+KV int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows, int64_t B,
+                       int64_t heads, int64_t kvh, int64_t D, const void* kbuf,
+                       const void* vbuf, const int32_t* table, int64_t table_stride,
+                       const int64_t* table_rows, const int64_t* lens, float scale, float* out,
+                       int threads, int kind) {
   int64_t G = heads / kvh, max_len = 0, total = 0;
   for (int64_t b = 0; b < B; b++) {
     max_len = lens[b] > max_len ? lens[b] : max_len;
@@ -274,13 +357,8 @@ AVX2 int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows
       if (work == NULL) continue;
       int64_t b = task / kvh, h = task % kvh;
       int64_t qr = q_rows ? q_rows[b] : b;
-      const float* qh = q + qr * q_stride + h * G * D;
-      float* oh = out + (qr * heads + h * G) * D;
-      const int32_t* row = table + table_rows[b] * table_stride;
-      if (D % 8 == 0)
-        attend_one8(qh, oh, G, kvh, h, D, kbuf, vbuf, row, lens[b], scale, work);
-      else
-        attend_one(qh, oh, G, kvh, h, D, kbuf, vbuf, row, lens[b], scale, work);
+      attend_task(q + qr * q_stride + h * G * D, out + (qr * heads + h * G) * D, G, kvh, h, D,
+                  kbuf, vbuf, table + table_rows[b] * table_stride, lens[b], scale, work, kind);
     }
     free(work);
   }

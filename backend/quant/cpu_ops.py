@@ -10,11 +10,17 @@ The norm, activation, rotary and KV-store ops have the signatures of the kernel 
 do not cover (another dtype, non-contiguous layouts, rotary out of place) go to the torch
 reference, so a caller never needs to check. `decode_attention` is the torch attention
 backend's single-token path (attention/torch_backend.py).
+
+The KV pool may hold float32, float16 or bfloat16 (`kv_dtype_supported`): `kv_store` rounds
+the float32 k/v rows to nearest even exactly as the reference's `.to()` does, and
+`decode_attention` widens each stored element back to float32 as it reads it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -26,11 +32,13 @@ from sgl.backend.kernels.rotary import rotary_embedding_reference
 from sgl.backend.quant import cpu_kernel
 
 __all__ = ["available", "decode_attention", "decode_attention_supported", "fused_add_rmsnorm",
-           "kernel_set_ops", "kv_store",
+           "kernel_set_ops", "kv_dtype_supported", "kv_kind", "kv_store",
            "likely_available", "rmsnorm", "rotary_embedding", "silu_and_mul"]
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _F32 = torch.float32
+# The pool element kinds of cpu_ops.c (KV_F32, KV_F16, KV_BF16).
+_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -38,9 +46,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.sgl_rmsnorm.argtypes = [_P, _P, _P, _F, _I64, _I64, _P, _P]
     lib.sgl_silu_mul.argtypes = [_P, _I64, _I64, _P]
     lib.sgl_rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64]
-    lib.sgl_kv_store.argtypes = [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64]
+    lib.sgl_kv_store.argtypes = [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _INT]
     lib.sgl_decode_attn.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P,
-                                    _P, _F, _P, _INT]
+                                    _P, _F, _P, _INT, _INT]
     lib.sgl_decode_attn.restype = _INT
     for name in ("sgl_rmsnorm", "sgl_silu_mul", "sgl_rope", "sgl_kv_store"):
         getattr(lib, name).restype = None
@@ -130,17 +138,43 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q, k
 
 
+@functools.cache
+def _has_f16c() -> bool:
+    """The CPU converts float16 in hardware (every AVX2 CPU does; checked, not assumed)."""
+    try:
+        return "f16c" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def kv_dtype_supported(dtype: torch.dtype) -> bool:
+    """Whether the C store and attention take a pool of this dtype."""
+    return dtype in _KV_KINDS and (dtype != torch.float16 or _has_f16c())
+
+
+def kv_kind(dtype: torch.dtype) -> int:
+    """cpu_ops.c's element kind of a pool dtype (`kv_dtype_supported` first)."""
+    return _KV_KINDS[dtype]
+
+
+def _kv_pool_ok(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    return (k_buffer.dtype == v_buffer.dtype and kv_dtype_supported(k_buffer.dtype)
+            and k_buffer.is_cpu and v_buffer.is_cpu and k_buffer.is_contiguous()
+            and v_buffer.is_contiguous())
+
+
 def kv_store(k_buffer: torch.Tensor, v_buffer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out_cache_loc: torch.Tensor) -> None:
-    if not (_cpu_f32(k_buffer, v_buffer, k, v) and k_buffer.is_contiguous()
-            and v_buffer.is_contiguous() and _heads_layout(k) and _heads_layout(v)
+    if not (_cpu_f32(k, v) and _kv_pool_ok(k_buffer, v_buffer)
+            and _heads_layout(k) and _heads_layout(v)
             and k.shape == v.shape and k.shape[1:] == k_buffer.shape[1:] == v_buffer.shape[1:]
             and out_cache_loc.dtype == torch.int64 and out_cache_loc.is_contiguous()):
         kv_store_reference(k_buffer, v_buffer, k, v, out_cache_loc)
         return
     width = k.shape[1] * k.shape[2]
     _lib().sgl_kv_store(k_buffer.data_ptr(), v_buffer.data_ptr(), k.data_ptr(), k.stride(0),
-                        v.data_ptr(), v.stride(0), out_cache_loc.data_ptr(), k.shape[0], width)
+                        v.data_ptr(), v.stride(0), out_cache_loc.data_ptr(), k.shape[0], width,
+                        _KV_KINDS[k_buffer.dtype])
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -151,7 +185,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
     q [T, heads, D] (heads contiguous, rows may be strided); request b's query is row
     `q_rows[b]` (b when None), its keys the first `lens[b]` slots of
-    `req_to_token[table_rows[b]]`; buffers [slots, kv_heads, D]. Returns `out` [T, heads, D]
+    `req_to_token[table_rows[b]]`; buffers [slots, kv_heads, D] in any dtype of
+    `kv_dtype_supported` (widened to float32 as read). Returns `out` [T, heads, D]
     with those rows written (a new tensor when `out` is None). The caller checks the
     layouts (`decode_attention_supported`).
     """
@@ -163,7 +198,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         q.data_ptr(), q.stride(0), None if q_rows is None else q_rows.data_ptr(), batch, heads,
         k_buffer.shape[1], dim, k_buffer.data_ptr(), v_buffer.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), table_rows.data_ptr(), lens.data_ptr(),
-        scale, out.data_ptr(), torch.get_num_threads())
+        scale, out.data_ptr(), torch.get_num_threads(), _KV_KINDS[k_buffer.dtype])
     if failed:
         raise MemoryError("decode attention: could not allocate its work buffer")
     return out
@@ -171,8 +206,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
 def decode_attention_supported(q: torch.Tensor, k_buffer: torch.Tensor,
                                req_to_token: torch.Tensor) -> bool:
-    """Whether `decode_attention` covers these layouts (float32 CPU pool, int32 table)."""
-    return (_cpu_f32(q, k_buffer) and _heads_layout(q) and k_buffer.is_contiguous()
+    """Whether `decode_attention` covers these layouts (float32 q; a CPU pool of a
+    `kv_dtype_supported` dtype; int32 table)."""
+    return (_cpu_f32(q) and kv_dtype_supported(k_buffer.dtype) and k_buffer.is_cpu
+            and _heads_layout(q) and k_buffer.is_contiguous()
             and req_to_token.dtype == torch.int32 and req_to_token.is_contiguous()
             and q.shape[1] % k_buffer.shape[1] == 0 and q.shape[2] == k_buffer.shape[2])
 

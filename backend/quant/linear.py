@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from sgl.backend.kernels.triton_compat import HAS_TRITON
+from sgl.backend.kernels.dispatch import has_triton
 from sgl.backend.quant import cpu_kernel
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight
@@ -65,7 +65,7 @@ SCRATCH_ELEMENTS = 64 << 20
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels serve this product (CUDA tensors, triton installed)."""
-    return x.device.type == "cuda" and HAS_TRITON
+    return x.device.type == "cuda" and has_triton()  # (imports triton: CUDA only)
 
 
 def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,

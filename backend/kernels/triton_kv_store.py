@@ -1,0 +1,63 @@
+"""The Triton kernel of the KV store; `kv_store.py` holds the pure-torch reference it is tested
+against, and the docstring there describes the op.
+
+A module of its own so that a CPU engine, which only ever runs the reference, never imports
+Triton (~0.2 s and ~70 MB): the kernel set imports this module only when it picks the Triton
+kernels (kernels/dispatch.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl.backend.kernels.triton_compat import next_power_of_2, tl, triton
+
+
+@triton.jit
+def _kv_store_kernel(
+    K, V, KBuf, VBuf, Loc,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    num_heads, head_dim, head_dim_v,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # One program per new token: copy its [kv_heads, head_dim] rows of k and v.
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Loc + t).to(tl.int64)  # int64: slot * stride can pass 2**31 in big pools
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < num_heads) & (offs_d < head_dim)
+    k = tl.load(K + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    tl.store(KBuf + slot * stride_kbs + offs_h * stride_kbh + offs_d,
+             k.to(KBuf.dtype.element_ty), mask=mask)
+    offs_dv = tl.arange(0, BLOCK_DV)[None, :]
+    mask_v = (offs_h < num_heads) & (offs_dv < head_dim_v)
+    v = tl.load(V + t * stride_vt + offs_h * stride_vh + offs_dv, mask=mask_v)
+    tl.store(VBuf + slot * stride_vbs + offs_h * stride_vbh + offs_dv,
+             v.to(VBuf.dtype.element_ty), mask=mask_v)
+
+
+def kv_store_triton(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    # The kernel addresses the last dim with unit stride (views from a fused qkv split are).
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
+    head_dim_v = v.shape[-1]
+    _kv_store_kernel[(num_tokens,)](
+        k, v, k_buffer, v_buffer, out_cache_loc,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        num_heads, head_dim, head_dim_v,
+        BLOCK_H=next_power_of_2(num_heads),
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_DV=next_power_of_2(head_dim_v),
+    )

@@ -1,0 +1,86 @@
+"""The Triton kernel of rotary position embedding; `rotary.py` holds the pure-torch reference it
+is tested against, and the docstring there describes the op.
+
+A module of its own so that a CPU engine, which only ever runs the reference, never imports
+Triton (~0.2 s and ~70 MB): the kernel set imports this module only when it picks the Triton
+kernels (kernels/dispatch.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl.backend.kernels.triton_compat import next_power_of_2, tl, triton
+
+
+@triton.jit
+def _rotate_heads(
+    X, Out, t, stride_xt, stride_xh, stride_ot, stride_oh, num_heads, half, cos, sin,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_r = tl.arange(0, BLOCK_R)[None, :]
+    mask = (offs_h < num_heads) & (offs_r < half)
+    x_ptr = X + t * stride_xt + offs_h * stride_xh + offs_r
+    o_ptr = Out + t * stride_ot + offs_h * stride_oh + offs_r
+    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    # Both halves are read before either is written, so Out may alias X (in-place).
+    tl.store(o_ptr, (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + half, (x2 * cos + x1 * sin).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    Pos, Q, K, QOut, KOut, Cache,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
+    num_q_heads, num_k_heads, half,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # One program per token: load its cos/sin row once, rotate all q and k heads with it.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    cos = tl.load(Cache + pos * stride_cache + offs_r, mask=offs_r < half, other=0.0)
+    sin = tl.load(Cache + pos * stride_cache + half + offs_r, mask=offs_r < half, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+    _rotate_heads(Q, QOut, t, stride_qt, stride_qh, stride_qot, stride_qoh, num_q_heads, half,
+                  cos, sin, BLOCK_HQ, BLOCK_R)
+    _rotate_heads(K, KOut, t, stride_kt, stride_kh, stride_kot, stride_koh, num_k_heads, half,
+                  cos, sin, BLOCK_HK, BLOCK_R)
+
+
+def _output_like(x: torch.Tensor, rotary_dim: int, inplace: bool) -> torch.Tensor:
+    if inplace:
+        return x
+    # Dims past rotary_dim are not written by the kernel: start from a copy when there are any.
+    return x.clone() if rotary_dim < x.shape[-1] else torch.empty_like(x)
+
+
+def rotary_embedding_triton(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "head_dim must be contiguous"
+    rotary_dim = cos_sin_cache.shape[-1]
+    half = rotary_dim // 2
+    q_out = _output_like(q, rotary_dim, inplace)
+    k_out = _output_like(k, rotary_dim, inplace)
+    num_tokens = q.shape[0]
+    if num_tokens > 0:
+        _rotary_kernel[(num_tokens,)](
+            positions, q, k, q_out, k_out, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            cos_sin_cache.stride(0),
+            q.shape[1], k.shape[1], half,
+            BLOCK_HQ=next_power_of_2(q.shape[1]),
+            BLOCK_HK=next_power_of_2(k.shape[1]),
+            BLOCK_R=next_power_of_2(half),
+        )
+    return q_out, k_out
