@@ -32,7 +32,8 @@ import torch
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
 from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
-from sgl.backend.quant.triton_split import finish_split, gemv_program, split_launch, store_rows
+from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice, split_launch,
+                                            store_rows)
 
 __all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "fp8_dequant", "fp8_gemm", "fp8_gemv"]
 
@@ -61,11 +62,7 @@ def _fp8_gemv_kernel(
     ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
-    if SPLIT == 1:
-        k_lo, k_hi = 0, K
-    else:  # this program's K slice: SLICE_K weights (a whole number of steps), the last short
-        k_lo = pid_s * SLICE_K
-        k_hi = tl.minimum(K, k_lo + SLICE_K)
+    k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # this program's weights of K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     mask_n = offs_n < N

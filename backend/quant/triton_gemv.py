@@ -38,7 +38,8 @@ from typing import NamedTuple
 import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
-from sgl.backend.quant.triton_split import finish_split, gemv_program, split_launch, store_rows
+from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice, split_launch,
+                                            store_rows)
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["GEMV_DEFAULTS", "QGemvConfig", "gemv_config", "groups_per_block", "int8_f32",
@@ -214,11 +215,7 @@ def _qgemv_kernel(
     LANES: tl.constexpr, ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
-    if SPLIT == 1:
-        g_lo, g_hi = 0, G
-    else:  # this program's K slice: SLICE_G groups (a whole number of steps), the last short
-        g_lo = pid_s * SLICE_G
-        g_hi = tl.minimum(G, g_lo + SLICE_G)
+    g_lo, g_hi = k_slice(pid_s, G, SLICE_G, SPLIT)  # this program's groups of K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     offs_i = tl.arange(0, LANES)  # [LANES] code bytes (or int32 words) of one group

@@ -38,7 +38,7 @@ import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, tl, triton
 
-__all__ = ["MIN_COUNTERS", "REDUCE_BLOCK", "SPLIT_REDUCES", "SplitLaunch", "check_split",
+__all__ = ["MIN_COUNTERS", "REDUCE_BLOCK", "SPLIT_REDUCES", "SplitLaunch", "check_split", "k_slice",
            "finish_split", "gemv_program", "reduce_partials", "split_launch", "split_plan",
            "store_rows", "tile_counters"]
 
@@ -63,6 +63,18 @@ def gemv_program(ROWS_FIRST: tl.constexpr):
     else:
         pid_n, row = tl.program_id(0), tl.program_id(1)
     return row, pid_n, tl.program_id(2)
+
+
+@triton.jit
+def k_slice(pid_s, TOTAL, SLICE, SPLIT: tl.constexpr):
+    """[lo, hi) of K (in the kernel's unit: weights or groups) that slice `pid_s` owns: SLICE
+    per slice (a whole number of K steps), the last one short; everything when unsplit."""
+    if SPLIT == 1:
+        lo, hi = 0, TOTAL
+    else:
+        lo = pid_s * SLICE
+        hi = tl.minimum(TOTAL, lo + SLICE)
+    return lo, hi
 
 
 @triton.jit
