@@ -60,7 +60,11 @@ def test_any_request_fields_give_outputs_or_a_request_error(engine: Any, kwargs:
         assert exc.field, f"no field named for {kwargs}: {exc}"
     else:
         outs = out if isinstance(out, list) else [out]
-        assert outs and all(o.finish_reason in ("length", "stop") for o in outs), (kwargs, outs)
+        # A drawn timeout (JUNK has small floats) may expire on a busy machine before the
+        # default 128 tokens: then the request ends as timed out, which is an answer too.
+        timed_out = kwargs.get("timeout") is not None and all(
+            o.finish_reason == "abort" and "timed out" in (o.error or "") for o in outs)
+        assert outs and (timed_out or all(o.finish_reason in ("length", "stop") for o in outs)), (kwargs, outs)
     assert engine._rt.core.alive
 
 
