@@ -18,11 +18,18 @@
 // maddubs. bits 8 (signed): maddubs(|c|, qx * sign(c)), the sign moved onto the activation.
 // A pair sum stays in int16: 4-bit 2 * 15 * 127, 8-bit 2 * 128 * 127 < 32768.
 //
+// The 32 bytes one instruction takes are a "step": 4-bit, two groups (64 values: their low
+// nibbles, then their high nibbles, so qx of a pair of groups is stored as [g0 0-15, g1 0-15,
+// g0 16-31, g1 16-31] and one 32-byte load of codes serves both); 8-bit/16, two groups; 8-bit/32
+// one. The scales of a step are laid out as 8 floats matching its int32 lanes (a pair: the
+// first group in lanes 0-3), the activation's once per call (d8), the weight's once per tile
+// of features and chunk of rows (on the stack), so the inner loop's float work is one convert,
+// one multiply and one FMA, both with a memory operand.
+//
 // Work is split in the float kernel's blocks of 16 output features (sgl_qlinear_blocks), so
-// the decode step's team (cpu_layer.c) shares it the same way. Within a block the rows go by
-// in tiles of up to 4, each tile against the block's features 2 or 4 at a time: the block's
-// codes (16 * K bytes at most) stay in L1 while every row streams past them, which is what
-// makes a prefill of hundreds of rows compute-bound instead of bandwidth-bound.
+// the decode step's team (cpu_layer.c) shares it the same way. Within a block, chunks of up to
+// 64 rows go past tiles of 2 features (4 for a single row) whose codes stay in L1, 4 rows at
+// a time: a prefill of hundreds of rows is then bound by the multiply-adds, not by bandwidth.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,6 +38,7 @@
 #define INLINE static inline __attribute__((always_inline))
 #define Q8_BLOCK 16  // output features per block: the float kernel's N_BLOCK (cpu_kernel.c)
 #define Q8_ROWS 4    // rows per tile
+#define Q8_CHUNK 64  // rows per chunk (the weight scales of a tile are laid out once per chunk)
 
 int64_t sgl_qlinear_blocks(int64_t N);  // (cpu_kernel.c)
 
@@ -53,10 +61,43 @@ AVX2 INLINE __m256i round8(__m256 v, __m256 id) {
   return _mm256_cvtps_epi32(_mm256_mul_ps(v, id));
 }
 
-// One group of `gs` (16 or 32) floats -> qx (int8), its scale and its exact float sum. The
-// sum adds the 8-lane partial vectors in order, then across lanes (the reference's tolerance
-// covers the order).
-AVX2 INLINE void quantize_group(const float* x, const int gs, int8_t* q, float* d, float* s) {
+
+// Values per step and steps per row (the remainder: one 32- or 16-group, `tail`).
+INLINE int64_t step_values(int bits) { return bits == 4 ? 64 : 32; }
+INLINE int paired(int bits, int gs) { return bits == 4 || gs == 16; }
+
+// The activation buffer (floats): qx [M, K] int8, dx [M, G], d8 [M, S, 8]; sgl_q8_floats.
+typedef struct {
+  int8_t* qx;
+  float* dx;
+  float* d8;
+  int64_t G, S;
+} q8_act;
+
+// Offsets in floats: dx after qx, d8 after dx, each 32-byte aligned relative to buf.
+INLINE int64_t dx_at(int64_t M, int64_t K) { return (M * K + 31) / 32 * 8; }
+INLINE int64_t d8_at(int64_t M, int64_t K, int64_t G) { return dx_at(M, K) + (M * G + 7) / 8 * 8; }
+
+INLINE q8_act act_layout(float* buf, int bits, int gs, int64_t M, int64_t K) {
+  q8_act a;
+  a.G = K / gs;
+  a.S = K / step_values(bits);
+  a.qx = (int8_t*)buf;
+  a.dx = buf + dx_at(M, K);
+  a.d8 = buf + d8_at(M, K, a.G);
+  return a;
+}
+
+// Floats of the activation buffer of M rows (at most M * K for K >= 32: cpu_layer.c's xp).
+int64_t sgl_q8_floats(int bits, int gs, int64_t M, int64_t K) {
+  return d8_at(M, K, K / gs) + M * (K / step_values(bits)) * 8;
+}
+
+// One group of `gs` (16 or 32) floats -> int8 codes, its scale, its exact float sum (the 8-lane
+// partials in order, then across lanes: the reference's tolerance covers the order). `out`
+// gets 16-byte halves at out and out + `second` (natural order: second = 16).
+AVX2 INLINE void quantize_group(const float* x, const int gs, int8_t* out, int64_t second,
+                                float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
@@ -66,90 +107,90 @@ AVX2 INLINE void quantize_group(const float* x, const int gs, int8_t* q, float* 
     sum = _mm256_add_ps(sum, v[i]);
   }
   float dm = hmax8(amax) / 127.0f;
-  float inv = dm != 0.0f ? 1.0f / dm : 0.0f;
-  __m256 id = _mm256_set1_ps(inv);
+  __m256 id = _mm256_set1_ps(dm != 0.0f ? 1.0f / dm : 0.0f);
   *d = dm;
   *s = hsum8(sum);
-  // int32 -> int16 -> int8 packs interleave the 128-bit lanes; the permute restores order.
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  if (gs == 32) {
-    __m256i a = _mm256_packs_epi32(round8(v[0], id), round8(v[1], id));
-    __m256i b = _mm256_packs_epi32(round8(v[2], id), round8(v[3], id));
-    __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
-    _mm256_storeu_si256((__m256i*)q, p);
-  } else {
-    __m256i a = _mm256_packs_epi32(round8(v[0], id), round8(v[1], id));  // [0-3 8-11 | 4-7 12-15]
+  for (int h = 0; h < gs / 16; h++) {  // 16 values -> 16 bytes
+    __m256i a = _mm256_packs_epi32(round8(v[2 * h], id), round8(v[2 * h + 1], id));
     __m128i w = _mm_packs_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    // w's bytes: 0-3 8-11 4-7 12-15 (as int32 lanes: 0, 2, 1, 3)
-    _mm_storeu_si128((__m128i*)q, _mm_shuffle_epi32(w, _MM_SHUFFLE(3, 1, 2, 0)));
+    // w's 4-byte words hold values 0-3, 8-11, 4-7, 12-15
+    _mm_storeu_si128((__m128i*)(out + h * second), _mm_shuffle_epi32(w, _MM_SHUFFLE(3, 1, 2, 0)));
   }
 }
 
-// x [M, K] float32 -> qx [M, K] int8, dx [M, K / gs], xsum [M, K / gs] float32.
-AVX2 void sgl_q8_quantize(const float* x, int64_t M, int64_t K, int gs, int8_t* qx, float* dx,
+// x [M, K] float32 -> the activation buffer `buf` (act_layout) and xsum [M, G].
+AVX2 void sgl_q8_quantize(int bits, int gs, const float* x, int64_t M, int64_t K, float* buf,
                           float* xsum, int threads) {
-  int64_t G = K / gs;
+  const q8_act a = act_layout(buf, bits, gs, M, K);
+  const int64_t G = a.G, S = a.S;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M >= 32)
-  for (int64_t m = 0; m < M; m++)
+  for (int64_t m = 0; m < M; m++) {
     for (int64_t g = 0; g < G; g++) {
-      int64_t i = m * G + g;
+      int64_t i = m * G + g, k = g * gs;
+      // 4-bit pairs: group 2p's halves at +0 and +32, group 2p+1's at +16 and +48
+      int in_pair = bits == 4 && g / 2 < S;
+      int64_t at = in_pair ? (g & ~(int64_t)1) * 32 + (g & 1) * 16 : k;
       if (gs == 32)
-        quantize_group(x + i * 32, 32, qx + i * 32, dx + i, xsum + i);
+        quantize_group(x + m * K + k, 32, a.qx + m * K + at, in_pair ? 32 : 16, a.dx + i, xsum + i);
       else
-        quantize_group(x + i * 16, 16, qx + i * 16, dx + i, xsum + i);
+        quantize_group(x + m * K + k, 16, a.qx + m * K + at, 16, a.dx + i, xsum + i);
     }
-}
-
-// One group's codes of one feature, as bytes in x's order: the unsigned 4-bit codes, or for
-// 8 bits |code| (the sign goes onto the activation, `signed_x`). gs 16 holds two groups.
-AVX2 INLINE __m256i load_codes(const int bits, const void* codes, int64_t off) {
-  if (bits == 4) {
-    __m128i b = _mm_loadu_si128((const __m128i*)((const uint8_t*)codes + off / 2));
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    float* d8 = a.d8 + m * S * 8;
+    const float* dx = a.dx + m * G;
+    for (int64_t p = 0; p < S; p++)
+      for (int j = 0; j < 8; j++) d8[p * 8 + j] = paired(bits, gs) ? dx[2 * p + j / 4] : dx[p];
   }
-  return _mm256_loadu_si256((const __m256i*)((const int8_t*)codes + off));
 }
 
-// 8 int32 partial dot products of (codes c, activations q), 32 bytes each.
-AVX2 INLINE __m256i idot(const int bits, __m256i c, __m256i q) {
-  __m256i prod = bits == 4 ? _mm256_maddubs_epi16(c, q)
-                           : _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(q, c));
-  return _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
+// 8 int32 partial dot products of one step: codes (registers) against the activation bytes at
+// q. 4-bit: c0/c1 the low/high nibbles of two groups, q their pair layout; 8-bit: c0 = |code|,
+// c1 = code (the sign goes onto the activation). Pair sums stay in int16 (4-bit: two of
+// 2 * 15 * 127; 8-bit: 2 * 128 * 127).
+AVX2 INLINE __m256i step_dot(const int bits, __m256i c0, __m256i c1, const int8_t* q) {
+  __m256i p;
+  if (bits == 4)
+    p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i*)q)),
+                         _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i*)(q + 32))));
+  else
+    p = _mm256_maddubs_epi16(c0, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)q), c1));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-// A group's scale as a vector for the 32 values of one step: gs 32 one value, gs 16 the
-// scales of two groups (lanes 0-3 are the first group's int32 partials, 4-7 the second's).
-AVX2 INLINE __m256 bcast(const int gs, const float* p) {
-  if (gs == 32) return _mm256_broadcast_ss(p);
-  return _mm256_set_m128(_mm_broadcast_ss(p + 1), _mm_broadcast_ss(p));
+// Step p's codes of one feature into (c0, c1) as step_dot takes them.
+AVX2 INLINE void step_codes(const int bits, const void* codes, int64_t p, __m256i* c0,
+                            __m256i* c1) {
+  __m256i v = _mm256_loadu_si256((const __m256i*)((const uint8_t*)codes + p * 32));
+  if (bits == 4) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    *c0 = _mm256_and_si256(v, m4);
+    *c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  } else {
+    *c0 = _mm256_sign_epi8(v, v);
+    *c1 = v;
+  }
 }
 
-// The scale term of R rows x F features (feature f's codes `f * K` values after `codes`),
-// summed over K's 32-wide steps below `kend`, into out[r * F + f]. A step is one group, or two
-// for gs 16. Per (row, feature, step): maddubs, madd, convert, and two float ops.
-AVX2 INLINE void tile(const int bits, const int gs, const int R, const int F, const int8_t* qx,
-                      const float* dx, int64_t K, int64_t kend, const void* codes,
-                      const float* scale, float* out) {
-  const int64_t G = K / gs;
-  const int64_t cstride = bits == 4 ? K / 2 : K;  // bytes of codes per feature
+// The scale term of R rows x F features over the S steps: out[r * F + f]. qx, d8: the tile's
+// first row; codes: its first feature (`cstride` bytes per feature); sv [F, S, 8]: the
+// features' scales per step.
+AVX2 INLINE void tile(const int bits, const int R, const int F, const int8_t* qx,
+                      const float* d8, int64_t K, int64_t S, const void* codes, int64_t cstride,
+                      const float* sv, float* out) {
   __m256 acc[Q8_ROWS][4];
   for (int r = 0; r < R; r++)
     for (int f = 0; f < F; f++) acc[r][f] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kend; k += 32) {
-    const int64_t g = k / gs;
-    __m256i c[4];
-    __m256 s[4];
-    for (int f = 0; f < F; f++) {
-      c[f] = load_codes(bits, (const uint8_t*)codes + f * cstride, k);
-      s[f] = bcast(gs, scale + f * G + g);
-    }
+  const int64_t width = step_values(bits);
+  for (int64_t p = 0; p < S; p++) {
+    __m256i c0[4], c1[4];
+    for (int f = 0; f < F; f++)
+      step_codes(bits, (const uint8_t*)codes + f * cstride, p, &c0[f], &c1[f]);
     for (int r = 0; r < R; r++) {
-      __m256i q = _mm256_loadu_si256((const __m256i*)(qx + r * K + k));
-      __m256 d = bcast(gs, dx + r * G + g);
+      const int8_t* q = qx + r * K + p * width;
+      const __m256 d = _mm256_loadu_ps(d8 + (r * S + p) * 8);
       for (int f = 0; f < F; f++) {
-        __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(idot(bits, c[f], q)), s[f]);
-        acc[r][f] = _mm256_fmadd_ps(p, d, acc[r][f]);
+        __m256 v = _mm256_cvtepi32_ps(step_dot(bits, c0[f], c1[f], q));
+        v = _mm256_mul_ps(v, _mm256_loadu_ps(sv + (f * S + p) * 8));
+        acc[r][f] = _mm256_fmadd_ps(v, d, acc[r][f]);
       }
     }
   }
@@ -157,47 +198,41 @@ AVX2 INLINE void tile(const int bits, const int gs, const int R, const int F, co
     for (int f = 0; f < F; f++) out[r * F + f] = hsum8(acc[r][f]);
 }
 
-// The same for one trailing 16-wide group (gs 16 with an odd number of groups), 128-bit.
-AVX2 static float tail16(const int8_t* qx, float dx, const int8_t* codes, float s) {
-  __m128i c = _mm_loadu_si128((const __m128i*)codes);
-  __m128i q = _mm_loadu_si128((const __m128i*)qx);
-  __m128i p = _mm_maddubs_epi16(_mm_sign_epi8(c, c), _mm_sign_epi8(q, c));
-  p = _mm_madd_epi16(p, _mm_set1_epi16(1));
-  p = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
-  p = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(2, 3, 0, 1)));
-  return s * dx * (float)_mm_cvtsi128_si32(p);
-}
+#define TILE3(R, F)                                                     \
+  if (bits == 4) tile(4, R, F, qx, d8, K, S, codes, cstride, sv, out); \
+  else tile(8, R, F, qx, d8, K, S, codes, cstride, sv, out);
 
-// Compile-time R, F and format, so the accumulators live in registers.
-#define TILE_FORMATS(R, F)                                                          \
-  if (bits == 4) tile(4, 32, R, F, qx, dx, K, K, codes, scale, out);                \
-  else if (gs == 32) tile(8, 32, R, F, qx, dx, K, K, codes, scale, out);            \
-  else tile(8, 16, R, F, qx, dx, K, K32, codes, scale, out);
-
-// Rows [m, m + R) against features [n, n + F) (pointers already offset): y without zero terms.
-AVX2 static void run_tile(int bits, int gs, int R, int F, const int8_t* qx, const float* dx,
-                          int64_t K, const void* codes, const float* scale, float* out) {
-  // gs 16: the 32-wide steps cover K32 = K rounded down to 32; an odd last group is added by
-  // tail16 (the caller).
-  const int64_t K32 = K & ~(int64_t)31;
-  if (F == 4) {
+// Compile-time R and F, so the accumulators stay in registers (F 4: one row; F 2: up to 4).
+AVX2 static void run_tile(int bits, int R, int F, const int8_t* qx, const float* d8, int64_t K,
+                          int64_t S, const void* codes, int64_t cstride, const float* sv,
+                          float* out) {
+  if (F == 4) { TILE3(1, 4) return; }
+  if (F == 2) {
     switch (R) {
-      case 1: { TILE_FORMATS(1, 4) break; }
-      default: { TILE_FORMATS(2, 4) break; }
-    }
-  } else if (F == 2) {
-    switch (R) {
-      case 3: { TILE_FORMATS(3, 2) break; }
-      default: { TILE_FORMATS(4, 2) break; }
-    }
-  } else {
-    switch (R) {
-      case 1: { TILE_FORMATS(1, 1) break; }
-      case 2: { TILE_FORMATS(2, 1) break; }
-      case 3: { TILE_FORMATS(3, 1) break; }
-      default: { TILE_FORMATS(4, 1) break; }
+      case 1: { TILE3(1, 2) return; }
+      case 2: { TILE3(2, 2) return; }
+      case 3: { TILE3(3, 2) return; }
+      default: { TILE3(4, 2) return; }
     }
   }
+  switch (R) {
+    case 1: { TILE3(1, 1) return; }
+    case 2: { TILE3(2, 1) return; }
+    case 3: { TILE3(3, 1) return; }
+    default: { TILE3(4, 1) return; }
+  }
+}
+
+// The last group outside the steps (4-bit or 8-bit/16 with an odd number of groups), scalar:
+// codes of that group in x's order are rebuilt from the packed form.
+static int32_t tail_dot(int bits, int gs, const int8_t* q, const void* codes) {
+  int32_t t = 0;
+  for (int i = 0; i < gs; i++) {
+    int c = bits == 4 ? (((const uint8_t*)codes)[i % 16] >> (i < 16 ? 0 : 4)) & 0xF
+                      : ((const int8_t*)codes)[i];
+    t += c * q[i];
+  }
+  return t;
 }
 
 // sum over groups of zero[g] * xsum[g] (the exact zero term of one row and feature).
@@ -211,33 +246,60 @@ AVX2 INLINE float zero_term(const float* z, const float* xs, int64_t G) {
   return t;
 }
 
-// Output features [blk * Q8_BLOCK, ...) of every row, complete (zero term and bias added).
-// The tiles a block is cut into depend only on M and the block, so any split of the blocks
-// over threads gives the same bits.
-AVX2 void sgl_q8_block(int bits, int gs, const int8_t* qx, const float* dx, const float* xsum,
-                       int64_t M, int64_t K, const void* codes, const float* scale,
-                       const float* zero, int64_t N, const float* bias, float* y, int64_t blk) {
-  const int64_t G = K / gs, cstride = bits == 4 ? K / 2 : K;
+// The weight scales of features [n, n + F) per step, as the steps' 8 lanes: sv [F, S, 8].
+static void weight_steps(int bits, int gs, const float* scale, int64_t G, int64_t S, int F,
+                         float* sv) {
+  for (int f = 0; f < F; f++)
+    for (int64_t p = 0; p < S; p++)
+      for (int j = 0; j < 8; j++)
+        sv[(f * S + p) * 8 + j] = paired(bits, gs) ? scale[f * G + 2 * p + j / 4]
+                                                   : scale[f * G + p];
+}
+
+// y for rows [m, m + R) and features [n, n + F) from the tile's scale terms `out`: the
+// trailing group, the zero term, the bias.
+AVX2 static void finish(int bits, int gs, const q8_act* a, const float* xsum, int64_t K,
+                   const void* codes, int64_t cstride, const float* scale, const float* zero,
+                   int64_t N, const float* bias, int64_t m, int R, int64_t n, int F,
+                   const float* out, float* y) {
+  const int64_t G = a->G, k_tail = a->S * step_values(bits);
+  for (int r = 0; r < R; r++)
+    for (int f = 0; f < F; f++) {
+      int64_t row = m + r, feat = n + f;
+      float v = out[r * F + f];
+      if (k_tail < K) {
+        const uint8_t* c = (const uint8_t*)codes + feat * cstride + (bits == 4 ? k_tail / 2 : k_tail);
+        v += scale[feat * G + G - 1] * a->dx[row * G + G - 1] *
+             (float)tail_dot(bits, gs, a->qx + row * K + k_tail, c);
+      }
+      v += zero_term(zero + feat * G, xsum + row * G, G);
+      y[row * N + feat] = v + (bias ? bias[feat] : 0.0f);
+    }
+}
+
+// Output features [blk * Q8_BLOCK, ...) of every row, complete (zero term and bias added), from
+// the activation buffer of sgl_q8_quantize. The tiles depend only on M and the block, so any
+// split of the blocks over threads gives the same bits.
+AVX2 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, int64_t M,
+                       int64_t K, const void* codes, const float* scale, const float* zero,
+                       int64_t N, const float* bias, float* y, int64_t blk) {
+  const q8_act a = act_layout((float*)buf, bits, gs, M, K);
+  const int64_t S = a.S, G = a.G, cstride = bits == 4 ? K / 2 : K;
   const int64_t n0 = blk * Q8_BLOCK, end = n0 + Q8_BLOCK < N ? n0 + Q8_BLOCK : N;
-  const int64_t k_odd = gs == 16 && (G & 1) ? K - 16 : -1;  // a last 16-group outside the tiles
+  float sv[4 * (S > 0 ? S : 1) * 8];
   float out[Q8_ROWS * 4];
-  for (int64_t m = 0; m < M; m += Q8_ROWS) {
-    const int R = (int)(M - m < Q8_ROWS ? M - m : Q8_ROWS);
-    const int wide = R <= 2 ? 4 : 2;
+  for (int64_t m0 = 0; m0 < M; m0 += Q8_CHUNK) {
+    const int64_t rows = M - m0 < Q8_CHUNK ? M - m0 : Q8_CHUNK;
+    const int wide = rows == 1 ? 4 : 2;
     for (int64_t n = n0; n < end;) {
       const int F = end - n >= wide ? wide : 1;
-      run_tile(bits, gs, R, F, qx + m * K, dx + m * G, K, (const uint8_t*)codes + n * cstride,
-               scale + n * G, out);
-      for (int r = 0; r < R; r++)
-        for (int f = 0; f < F; f++) {
-          int64_t row = m + r, feat = n + f;
-          float v = out[r * F + f];
-          if (k_odd >= 0)
-            v += tail16(qx + row * K + k_odd, dx[row * G + G - 1],
-                        (const int8_t*)codes + feat * K + k_odd, scale[feat * G + G - 1]);
-          v += zero_term(zero + feat * G, xsum + row * G, G);
-          y[row * N + feat] = v + (bias ? bias[feat] : 0.0f);
-        }
+      const uint8_t* c = (const uint8_t*)codes + n * cstride;
+      weight_steps(bits, gs, scale + n * G, G, S, F, sv);
+      for (int64_t m = m0; m < m0 + rows; m += Q8_ROWS) {
+        const int R = (int)(m0 + rows - m < Q8_ROWS ? m0 + rows - m : Q8_ROWS);
+        run_tile(bits, R, F, a.qx + m * K, a.d8 + m * S * 8, K, S, c, cstride, sv, out);
+        finish(bits, gs, &a, xsum, K, codes, cstride, scale, zero, N, bias, m, R, n, F, out, y);
+      }
       n += F;
     }
   }
@@ -248,21 +310,19 @@ AVX2 void sgl_q8_block(int bits, int gs, const int8_t* qx, const float* dx, cons
 AVX2 int sgl_q8_linear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
                        const float* scale, const float* zero, int64_t N, const float* bias,
                        float* y, int threads) {
-  int64_t G = K / gs;
-  int8_t* qx = (int8_t*)malloc((size_t)(M * K > 0 ? M * K : 1));
-  float* dx = (float*)malloc(sizeof(float) * (size_t)(M * G > 0 ? 2 * M * G : 2));
-  if (qx == NULL || dx == NULL) {
-    free(qx);
-    free(dx);
+  float* buf = (float*)malloc(sizeof(float) * (size_t)sgl_q8_floats(bits, gs, M, K));
+  float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * (K / gs) + 1));
+  if (buf == NULL || xsum == NULL) {
+    free(buf);
+    free(xsum);
     return -1;
   }
-  float* xsum = dx + M * G;
-  sgl_q8_quantize(x, M, K, gs, qx, dx, xsum, threads);
+  sgl_q8_quantize(bits, gs, x, M, K, buf, xsum, threads);
   int64_t blocks = sgl_qlinear_blocks(N);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t blk = 0; blk < blocks; blk++)
-    sgl_q8_block(bits, gs, qx, dx, xsum, M, K, codes, scale, zero, N, bias, y, blk);
-  free(qx);
-  free(dx);
+    sgl_q8_block(bits, gs, buf, xsum, M, K, codes, scale, zero, N, bias, y, blk);
+  free(buf);
+  free(xsum);
   return 0;
 }

@@ -2,8 +2,9 @@
 
     int8_linear(x [M, K] float32, w, bias [N] | None) -> [M, N] float32       (the C kernel)
     int8_linear_reference(x, w, bias)                                        same, pure torch
-    quantize_rows(x, group_size) -> (qx [M, K] int8, dx [M, G], xsum [M, G])  (C)
-    quantize_rows_reference(x, group_size)                                   same, pure torch
+    quantize_rows(x, bits, group_size) -> (qx [M, K] int8, dx [M, G], xsum [M, G])   (C)
+    quantize_rows_reference(x, group_size)                 same, pure torch, qx in x's order
+    kernel_order(qx, bits, group_size)                     x's order -> the C kernel's order
 
 A projection's input is quantized per group of the weight (32 values, 16 for 16-wide 8-bit
 groups) to int8 with one float32 scale, `dx = max|x| / 127`, rounded to nearest (ties to
@@ -26,7 +27,7 @@ import torch
 from sgl.backend.quant import cpu_kernel
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["declare", "int8_linear", "int8_linear_reference", "quantize_rows",
+__all__ = ["declare", "int8_linear", "int8_linear_reference", "kernel_order", "quantize_rows",
            "quantize_rows_reference"]
 
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -34,8 +35,10 @@ _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def declare(lib: ctypes.CDLL) -> None:
     """Set the C signatures (called once by cpu_kernel when the library loads)."""
-    lib.sgl_q8_quantize.argtypes = [_PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT]
+    lib.sgl_q8_quantize.argtypes = [_INT, _INT, _PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.sgl_q8_quantize.restype = None
+    lib.sgl_q8_floats.argtypes = [_INT, _INT, _I64, _I64]
+    lib.sgl_q8_floats.restype = _I64
     lib.sgl_q8_linear.argtypes = [_INT, _INT, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
                                   _PTR, _INT]
     lib.sgl_q8_linear.restype = _INT
@@ -47,17 +50,32 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def quantize_rows(x: torch.Tensor,
+def quantize_rows(x: torch.Tensor, bits: int,
                   group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 contiguous -> (qx [M, K] int8, dx [M, G], xsum [M, G] float32)."""
+    """x [M, K] float32 contiguous -> the C kernel's quantized input for a `bits`-bit weight:
+    (qx [M, K] int8 in the kernel's order, dx [M, G], xsum [M, G] float32)."""
     m, k = x.shape
     g = k // group_size
-    qx = torch.empty(m, k, dtype=torch.int8)
-    dx = torch.empty(m, g, dtype=torch.float32)
+    lib = _lib()
+    buf = torch.empty(lib.sgl_q8_floats(bits, group_size, m, k), dtype=torch.float32)
     xsum = torch.empty(m, g, dtype=torch.float32)
-    _lib().sgl_q8_quantize(x.data_ptr(), m, k, group_size, qx.data_ptr(), dx.data_ptr(),
-                           xsum.data_ptr(), torch.get_num_threads())
-    return qx, dx, xsum
+    lib.sgl_q8_quantize(bits, group_size, x.data_ptr(), m, k, buf.data_ptr(), xsum.data_ptr(),
+                        torch.get_num_threads())
+    qx = buf.view(torch.int8)[:m * k].view(m, k).clone()
+    dx_at = (m * k + 31) // 32 * 8  # (cpu_int8.c, act_layout)
+    return qx, buf[dx_at:dx_at + m * g].view(m, g).clone(), xsum
+
+
+def kernel_order(qx: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """[M, K] int8 in x's order -> the order the C kernel stores it in: for 4-bit weights each
+    pair of 32-groups as [g0 0-15, g1 0-15, g0 16-31, g1 16-31] (the low and high nibbles of
+    the pair's codes, one load each); an odd last group, and 8-bit weights, unchanged."""
+    if bits != 4:
+        return qx
+    m, k = qx.shape
+    paired = k // 64 * 64
+    head = qx[:, :paired].reshape(m, -1, 2, 2, 16).transpose(2, 3)  # [M, pair, half, group, 16]
+    return torch.cat([head.reshape(m, paired), qx[:, paired:]], dim=1)
 
 
 def quantize_rows_reference(x: torch.Tensor,
