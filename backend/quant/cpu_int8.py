@@ -28,7 +28,7 @@ from sgl.backend.quant import cpu_kernel
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["declare", "int8_linear", "int8_linear_reference", "kernel_order", "quantize_rows",
-           "quantize_rows_reference"]
+           "quantize_rows_reference", "use_int8_activations"]
 
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -114,3 +114,18 @@ def int8_linear_reference(x: torch.Tensor, w: QuantizedWeight,
     scale, zero = w.group_scales()
     y = (idot.float() * dx[:, None, :] * scale[None]).sum(-1) + xsum @ zero.t()  # [M, N]
     return y if bias is None else y + bias
+
+
+def use_int8_activations(model: torch.nn.Module) -> int:
+    """Mark every quantized CPU weight of `model` (Linears, and the tied table whose head runs
+    quant_linear) for integer activations; returns how many. After loading, before the model
+    is described for the one-call decode step (which reads the mark)."""
+    import dataclasses
+
+    marked = 0
+    for module in model.modules():
+        w = getattr(module, "qweight", None)
+        if isinstance(w, QuantizedWeight) and w.codes.device.type == "cpu" and not w.super_groups:
+            module.qweight = dataclasses.replace(w, int8_activations=True)
+            marked += 1
+    return marked

@@ -6,7 +6,9 @@
 `w` is a `QuantizedWeight` (GGUF formats) or an `Fp8Weight` (quant/fp8.py, which has its own
 `fp8_linear` with the same row rule).
 
-CPU: decode and small batches (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the
+CPU, a weight with `int8_activations` (the engine's `activation_quantization="int8"`): every
+row count runs the integer-activation kernel (cpu_int8.c). Otherwise, float activations:
+decode and small batches (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the
 codes: each weight byte is read once per pass of 8 rows. Larger batches (prefill chunks, decode
 steps of many requests) dequantize the weight into float32 and multiply it with BLAS: there
 the multiply-adds, not the weight bytes, decide the time, and BLAS does them far better. A
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 from sgl.backend.kernels.triton_compat import HAS_TRITON
 from sgl.backend.quant import cpu_kernel
+from sgl.backend.quant.cpu_int8 import int8_linear
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight
 
@@ -77,6 +80,9 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, Fp8Weight):
         return fp8_linear(x, w, bias)
+    if (w.int8_activations and x.dtype == torch.float32 and x.device.type == "cpu"
+            and cpu_kernel.available()):
+        return _int8_linear(x, w, bias)
     if (x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS
             and not x.is_cuda and x.is_contiguous() and bias is None and cpu_kernel.available()):
         return cpu_kernel.qlinear(x, w, None)  # a decode step's case, with nothing to convert
@@ -94,6 +100,16 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
         b = None if bias is None else bias.float().contiguous()
         y = cpu_kernel.qlinear(x2, w, b)
     return y.to(x.dtype).view(*lead, w.out_features)
+
+
+def _int8_linear(x: torch.Tensor, w: QuantizedWeight,
+                 bias: torch.Tensor | None) -> torch.Tensor:  # [..., K] -> [..., N]
+    """Every row count on the integer-activation kernel (cpu_int8.c): its tiles keep the
+    codes in cache while prefill rows stream, so there is no BLAS switch."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features).contiguous()  # [M, K]
+    b = None if bias is None else bias.float().contiguous()
+    return int8_linear(x2, w, b).view(*lead, w.out_features)
 
 
 def _tiled_linear(x: torch.Tensor, w: QuantizedWeight,

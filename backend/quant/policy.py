@@ -7,7 +7,7 @@ from __future__ import annotations
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
-__all__ = ["require_gguf_model", "resolve_quantization"]
+__all__ = ["check_activation_quantization", "require_gguf_model", "resolve_quantization"]
 
 
 def resolve_quantization(config: EngineConfig, device: str) -> str:
@@ -54,3 +54,29 @@ def require_gguf_model(config: EngineConfig) -> None:
             f"quantization='gguf' keeps a GGUF file's quantized tensors, but model "
             f"{config.model!r} is a model folder (float weights): use a .gguf file, or "
             "quantization='fp8' (GPU) or 'none'")
+
+
+def check_activation_quantization(config: EngineConfig) -> None:
+    """`activation_quantization="int8"` on a config whose device and quantization are resolved
+    (runtime.resolve_device, resolve_model_source): it needs the CPU, float32 and GGUF weights
+    kept quantized, i.e. a .gguf file or a dummy model with quantization="gguf". Raised before
+    anything loads, rather than silently running the float path."""
+    if config.activation_quantization != "int8":
+        return
+    why = None
+    if config.device != "cpu":
+        why = f"it is a CPU kernel and the device is {config.device!r}: use device='cpu'"
+    elif config.dtype != "float32":
+        why = f"it needs float32 activations (dtype={config.dtype!r})"
+    elif config.quantization != "gguf":
+        why = (f"the weights are not kept quantized (quantization resolves to "
+               f"{config.quantization!r}): use a .gguf model with quantization='gguf' or 'auto'")
+    elif not _is_dummy(config):
+        from sgl.backend.model_loader import resolve_model_path
+
+        path = resolve_model_path(config.model, config.cache_dir)
+        if path.suffix != ".gguf":
+            why = f"model {config.model!r} is a model folder (float weights): use a .gguf file"
+    if why is not None:
+        raise InvalidConfigError(f"activation_quantization='int8': {why}, or "
+                                 "activation_quantization='none'")
