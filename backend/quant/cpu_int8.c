@@ -66,15 +66,17 @@ AVX2 INLINE __m256i round8(__m256 v, __m256 id) {
 INLINE int64_t step_values(int bits) { return bits == 4 ? 64 : 32; }
 INLINE int paired(int bits, int gs) { return bits == 4 || gs == 16; }
 
-// The activation buffer (floats): qx [M, K] int8, dx [M, G], d8 [M, S, 8]; sgl_q8_floats.
+// The activation buffer (floats): qx [M, K] int8, dx [M, G], then per step the 8 lanes of
+// d8 [M, S, 8] (the activation scale of each lane's group) and x8 [M, S, 8] (the group's float
+// sum divided by the lanes it spans, 4 or 8: the 8 lanes of zero * x8 add up to the step's
+// zero term, exactly scaled by a power of two). sgl_q8_floats gives the size.
 typedef struct {
   int8_t* qx;
-  float* dx;
-  float* d8;
+  float *dx, *d8, *x8;
   int64_t G, S;
 } q8_act;
 
-// Offsets in floats: dx after qx, d8 after dx, each 32-byte aligned relative to buf.
+// Offsets in floats, each a multiple of 8 (32 bytes).
 INLINE int64_t dx_at(int64_t M, int64_t K) { return (M * K + 31) / 32 * 8; }
 INLINE int64_t d8_at(int64_t M, int64_t K, int64_t G) { return dx_at(M, K) + (M * G + 7) / 8 * 8; }
 
@@ -85,12 +87,13 @@ INLINE q8_act act_layout(float* buf, int bits, int gs, int64_t M, int64_t K) {
   a.qx = (int8_t*)buf;
   a.dx = buf + dx_at(M, K);
   a.d8 = buf + d8_at(M, K, a.G);
+  a.x8 = a.d8 + M * a.S * 8;
   return a;
 }
 
-// Floats of the activation buffer of M rows (at most M * K for K >= 32: cpu_layer.c's xp).
+// Floats of the activation buffer of M rows: at most 0.8 * M * K + 16 (cpu_layer.c's xp).
 int64_t sgl_q8_floats(int bits, int gs, int64_t M, int64_t K) {
-  return d8_at(M, K, K / gs) + M * (K / step_values(bits)) * 8;
+  return d8_at(M, K, K / gs) + 2 * M * (K / step_values(bits)) * 8;
 }
 
 // One group of `gs` (16 or 32) floats -> int8 codes, its scale, its exact float sum (the 8-lane
@@ -118,6 +121,17 @@ AVX2 INLINE void quantize_group(const float* x, const int gs, int8_t* out, int64
   }
 }
 
+// A per-group row of floats v [G] as step lanes [S, 8], each value times `mul`.
+AVX2 INLINE void lanes(int bits, int gs, const float* v, int64_t S, float mul, float* out) {
+  const __m256 k = _mm256_set1_ps(mul);
+  for (int64_t p = 0; p < S; p++) {
+    __m256 l = paired(bits, gs) ? _mm256_set_m128(_mm_broadcast_ss(v + 2 * p + 1),
+                                                  _mm_broadcast_ss(v + 2 * p))
+                                : _mm256_broadcast_ss(v + p);
+    _mm256_storeu_ps(out + p * 8, _mm256_mul_ps(l, k));
+  }
+}
+
 // x [M, K] float32 -> the activation buffer `buf` (act_layout) and xsum [M, G].
 AVX2 void sgl_q8_quantize(int bits, int gs, const float* x, int64_t M, int64_t K, float* buf,
                           float* xsum, int threads) {
@@ -135,10 +149,8 @@ AVX2 void sgl_q8_quantize(int bits, int gs, const float* x, int64_t M, int64_t K
       else
         quantize_group(x + m * K + k, 16, a.qx + m * K + at, 16, a.dx + i, xsum + i);
     }
-    float* d8 = a.d8 + m * S * 8;
-    const float* dx = a.dx + m * G;
-    for (int64_t p = 0; p < S; p++)
-      for (int j = 0; j < 8; j++) d8[p * 8 + j] = paired(bits, gs) ? dx[2 * p + j / 4] : dx[p];
+    lanes(bits, gs, a.dx + m * G, S, 1.0f, a.d8 + m * S * 8);
+    lanes(bits, gs, xsum + m * G, S, paired(bits, gs) ? 0.25f : 0.125f, a.x8 + m * S * 8);
   }
 }
 
@@ -170,27 +182,43 @@ AVX2 INLINE void step_codes(const int bits, const void* codes, int64_t p, __m256
   }
 }
 
-// The scale term of R rows x F features over the S steps: out[r * F + f]. qx, d8: the tile's
-// first row; codes: its first feature (`cstride` bytes per feature); sv [F, S, 8]: the
-// features' scales per step.
-AVX2 INLINE void tile(const int bits, const int R, const int F, const int8_t* qx,
-                      const float* d8, int64_t K, int64_t S, const void* codes, int64_t cstride,
-                      const float* sv, float* out) {
+// Where a tile's weight scales come from. ONE_ROW: straight from scale [F, G] (a single row:
+// laying them out would cost as much as using them; the zero term is `finish`'s). Else from
+// the lanes sv [F, S, 8], with (Z) the zero term from zv [F, S, 8] against the rows' x8.
+enum { ONE_ROW = 0, LAID = 1, LAID_ZERO = 2 };
+
+// R rows x F features over the S steps: out[r * F + f]. qx, d8, x8: the tile's first row;
+// codes: its first feature (`cstride` bytes per feature).
+AVX2 INLINE void tile(const int bits, const int gs, const int mode, const int R, const int F,
+                      const int8_t* qx, const float* d8, const float* x8, int64_t K, int64_t S,
+                      const void* codes, int64_t cstride, const float* sv, const float* zv,
+                      int64_t G, float* out) {
   __m256 acc[Q8_ROWS][4];
   for (int r = 0; r < R; r++)
     for (int f = 0; f < F; f++) acc[r][f] = _mm256_setzero_ps();
   const int64_t width = step_values(bits);
   for (int64_t p = 0; p < S; p++) {
     __m256i c0[4], c1[4];
-    for (int f = 0; f < F; f++)
+    __m256 s[4];
+    for (int f = 0; f < F; f++) {
       step_codes(bits, (const uint8_t*)codes + f * cstride, p, &c0[f], &c1[f]);
+      if (mode == ONE_ROW)
+        s[f] = paired(bits, gs) ? _mm256_set_m128(_mm_broadcast_ss(sv + f * G + 2 * p + 1),
+                                                  _mm_broadcast_ss(sv + f * G + 2 * p))
+                                : _mm256_broadcast_ss(sv + f * G + p);
+    }
     for (int r = 0; r < R; r++) {
       const int8_t* q = qx + r * K + p * width;
       const __m256 d = _mm256_loadu_ps(d8 + (r * S + p) * 8);
       for (int f = 0; f < F; f++) {
         __m256 v = _mm256_cvtepi32_ps(step_dot(bits, c0[f], c1[f], q));
-        v = _mm256_mul_ps(v, _mm256_loadu_ps(sv + (f * S + p) * 8));
+        v = _mm256_mul_ps(v, mode == ONE_ROW ? s[f] : _mm256_loadu_ps(sv + (f * S + p) * 8));
         acc[r][f] = _mm256_fmadd_ps(v, d, acc[r][f]);
+      }
+      if (mode == LAID_ZERO) {
+        const __m256 xs = _mm256_loadu_ps(x8 + (r * S + p) * 8);
+        for (int f = 0; f < F; f++)
+          acc[r][f] = _mm256_fmadd_ps(_mm256_loadu_ps(zv + (f * S + p) * 8), xs, acc[r][f]);
       }
     }
   }
@@ -198,28 +226,33 @@ AVX2 INLINE void tile(const int bits, const int R, const int F, const int8_t* qx
     for (int f = 0; f < F; f++) out[r * F + f] = hsum8(acc[r][f]);
 }
 
-#define TILE3(R, F)                                                     \
-  if (bits == 4) tile(4, R, F, qx, d8, K, S, codes, cstride, sv, out); \
-  else tile(8, R, F, qx, d8, K, S, codes, cstride, sv, out);
+#define TILE_ARGS qx, d8, x8, K, S, codes, cstride, sv, zv, G, out
+#define TILE_BITS(MODE, R, F)                                      \
+  if (bits == 4) tile(4, 32, MODE, R, F, TILE_ARGS);               \
+  else if (gs == 32) tile(8, 32, MODE, R, F, TILE_ARGS);           \
+  else tile(8, 16, MODE, R, F, TILE_ARGS);
+#define TILE_MODES(R, F)                                                  \
+  if (mode == LAID_ZERO) { TILE_BITS(LAID_ZERO, R, F) } else { TILE_BITS(LAID, R, F) }
 
-// Compile-time R and F, so the accumulators stay in registers (F 4: one row; F 2: up to 4).
-AVX2 static void run_tile(int bits, int R, int F, const int8_t* qx, const float* d8, int64_t K,
-                          int64_t S, const void* codes, int64_t cstride, const float* sv,
-                          float* out) {
-  if (F == 4) { TILE3(1, 4) return; }
-  if (F == 2) {
-    switch (R) {
-      case 1: { TILE3(1, 2) return; }
-      case 2: { TILE3(2, 2) return; }
-      case 3: { TILE3(3, 2) return; }
-      default: { TILE3(4, 2) return; }
-    }
+// Compile-time format, mode, R and F, so the accumulators stay in registers. ONE_ROW: R 1, F 4
+// or 1; otherwise R 1..4, F 2 or 1.
+AVX2 static void run_tile(int bits, int gs, int mode, int R, int F, const int8_t* qx,
+                          const float* d8, const float* x8, int64_t K, int64_t S,
+                          const void* codes, int64_t cstride, const float* sv, const float* zv,
+                          int64_t G, float* out) {
+  if (mode == ONE_ROW) {
+    if (F == 4) { TILE_BITS(ONE_ROW, 1, 4) } else { TILE_BITS(ONE_ROW, 1, 1) }
+    return;
   }
-  switch (R) {
-    case 1: { TILE3(1, 1) return; }
-    case 2: { TILE3(2, 1) return; }
-    case 3: { TILE3(3, 1) return; }
-    default: { TILE3(4, 1) return; }
+  switch (R * 8 + F) {
+    case 8 + 2: { TILE_MODES(1, 2) return; }
+    case 16 + 2: { TILE_MODES(2, 2) return; }
+    case 24 + 2: { TILE_MODES(3, 2) return; }
+    case 32 + 2: { TILE_MODES(4, 2) return; }
+    case 8 + 1: { TILE_MODES(1, 1) return; }
+    case 16 + 1: { TILE_MODES(2, 1) return; }
+    case 24 + 1: { TILE_MODES(3, 1) return; }
+    default: { TILE_MODES(4, 1) return; }
   }
 }
 
@@ -246,35 +279,34 @@ AVX2 INLINE float zero_term(const float* z, const float* xs, int64_t G) {
   return t;
 }
 
-// The weight scales of features [n, n + F) per step, as the steps' 8 lanes: sv [F, S, 8].
-static void weight_steps(int bits, int gs, const float* scale, int64_t G, int64_t S, int F,
-                         float* sv) {
-  for (int f = 0; f < F; f++)
-    for (int64_t p = 0; p < S; p++)
-      for (int j = 0; j < 8; j++)
-        sv[(f * S + p) * 8 + j] = paired(bits, gs) ? scale[f * G + 2 * p + j / 4]
-                                                   : scale[f * G + p];
-}
-
-// y for rows [m, m + R) and features [n, n + F) from the tile's scale terms `out`: the
-// trailing group, the zero term, the bias.
-AVX2 static void finish(int bits, int gs, const q8_act* a, const float* xsum, int64_t K,
-                   const void* codes, int64_t cstride, const float* scale, const float* zero,
-                   int64_t N, const float* bias, int64_t m, int R, int64_t n, int F,
-                   const float* out, float* y) {
+// y for rows [m, m + R) and features [n, n + F) from the tile's sums `out`: the trailing
+// group, the zero terms the tile left out (ONE_ROW: all; otherwise the trailing group's), bias.
+AVX2 static void finish(int bits, int gs, int mode, const q8_act* a, const float* xsum,
+                        int64_t K, const void* codes, int64_t cstride, const float* scale,
+                        const float* zero, int64_t N, const float* bias, int64_t m, int R,
+                        int64_t n, int F, const float* out, float* y) {
   const int64_t G = a->G, k_tail = a->S * step_values(bits);
   for (int r = 0; r < R; r++)
     for (int f = 0; f < F; f++) {
       int64_t row = m + r, feat = n + f;
+      const float *z = zero + feat * G, *xs = xsum + row * G;
       float v = out[r * F + f];
       if (k_tail < K) {
         const uint8_t* c = (const uint8_t*)codes + feat * cstride + (bits == 4 ? k_tail / 2 : k_tail);
         v += scale[feat * G + G - 1] * a->dx[row * G + G - 1] *
              (float)tail_dot(bits, gs, a->qx + row * K + k_tail, c);
       }
-      v += zero_term(zero + feat * G, xsum + row * G, G);
+      if (mode == ONE_ROW) v += zero_term(z, xs, G);
+      else if (k_tail < K) v += z[G - 1] * xs[G - 1];
       y[row * N + feat] = v + (bias ? bias[feat] : 0.0f);
     }
+}
+
+// Any nonzero zero among F features' G groups (Q8_0, Q6_K have none: their tiles skip it).
+static int any_zero(const float* zero, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (zero[i] != 0.0f) return 1;
+  return 0;
 }
 
 // Output features [blk * Q8_BLOCK, ...) of every row, complete (zero term and bias added), from
@@ -286,19 +318,30 @@ AVX2 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, in
   const q8_act a = act_layout((float*)buf, bits, gs, M, K);
   const int64_t S = a.S, G = a.G, cstride = bits == 4 ? K / 2 : K;
   const int64_t n0 = blk * Q8_BLOCK, end = n0 + Q8_BLOCK < N ? n0 + Q8_BLOCK : N;
-  float sv[4 * (S > 0 ? S : 1) * 8];
+  float lanes_s[2 * (S > 0 ? S : 1) * 8], lanes_z[2 * (S > 0 ? S : 1) * 8];
   float out[Q8_ROWS * 4];
   for (int64_t m0 = 0; m0 < M; m0 += Q8_CHUNK) {
     const int64_t rows = M - m0 < Q8_CHUNK ? M - m0 : Q8_CHUNK;
     const int wide = rows == 1 ? 4 : 2;
     for (int64_t n = n0; n < end;) {
       const int F = end - n >= wide ? wide : 1;
+      int mode = ONE_ROW;
+      const float *sv = scale + n * G, *zv = NULL;
+      if (rows > 1) {
+        for (int f = 0; f < F; f++) {
+          lanes(bits, gs, scale + (n + f) * G, S, 1.0f, lanes_s + f * S * 8);
+          lanes(bits, gs, zero + (n + f) * G, S, 1.0f, lanes_z + f * S * 8);
+        }
+        sv = lanes_s, zv = lanes_z;
+        mode = any_zero(zero + n * G, F * G) ? LAID_ZERO : LAID;
+      }
       const uint8_t* c = (const uint8_t*)codes + n * cstride;
-      weight_steps(bits, gs, scale + n * G, G, S, F, sv);
       for (int64_t m = m0; m < m0 + rows; m += Q8_ROWS) {
         const int R = (int)(m0 + rows - m < Q8_ROWS ? m0 + rows - m : Q8_ROWS);
-        run_tile(bits, R, F, a.qx + m * K, a.d8 + m * S * 8, K, S, c, cstride, sv, out);
-        finish(bits, gs, &a, xsum, K, codes, cstride, scale, zero, N, bias, m, R, n, F, out, y);
+        run_tile(bits, gs, mode, R, F, a.qx + m * K, a.d8 + m * S * 8, a.x8 + m * S * 8, K, S,
+                 c, cstride, sv, zv, G, out);
+        finish(bits, gs, mode, &a, xsum, K, codes, cstride, scale, zero, N, bias, m, R, n, F,
+               out, y);
       }
       n += F;
     }
