@@ -200,6 +200,11 @@ AVX2 INLINE void tile(const int bits, const int gs, const int mode, const int R,
   for (int64_t p = 0; p < S; p++) {
     __m256i c0[4], c1[4];
     __m256 s[4];
+    if (mode == ONE_ROW)  // the next tile's codes and scales: F streams are too many for the
+      for (int f = 0; f < F; f++) {  // hardware prefetcher (measured 1.8x on the 8-bit head)
+        _mm_prefetch((const char*)codes + (F + f) * cstride + p * 32, _MM_HINT_T0);
+        if (p * 16 < G) _mm_prefetch((const char*)(sv + (F + f) * G + p * 16), _MM_HINT_T0);
+      }
     for (int f = 0; f < F; f++) {
       step_codes(bits, (const uint8_t*)codes + f * cstride, p, &c0[f], &c1[f]);
       if (mode == ONE_ROW)
