@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cpu_layer import _decode_both_ways, _pool, _prefill, tiny_quantized
 from test_attention_torch import Step
+from test_cpu_layer import _decode_both_ways, _pool, _prefill, tiny_quantized
 from test_quant_kernels import weight
 
 from sgl.backend.quant import FORMATS, QuantizedWeight, cpu_kernel, cpu_layer
@@ -67,7 +67,8 @@ def sum_order_bound(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None)
     codes = w.integer_codes().long().view(w.out_features, k // gs, gs)
     idot = torch.einsum("mgi,ngi->mng", qx.long().abs().view(m, k // gs, gs), codes.abs())
     scale, zero = w.group_scales()
-    terms = (idot.float() * dx[:, None, :] * scale.abs()[None]).sum(-1) + xsum.abs() @ zero.abs().t()
+    terms = ((idot.float() * dx[:, None, :] * scale.abs()[None]).sum(-1)
+             + xsum.abs() @ zero.abs().t())  # [M, N]
     return 1e-5 * (terms + (0 if b is None else b.abs())) + 1e-6
 
 

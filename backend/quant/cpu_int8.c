@@ -201,8 +201,10 @@ AVX2 INLINE void tile(const int bits, const int gs, const int mode, const int R,
   for (int64_t p = 0; p < S; p++) {
     __m256i c0[4], c1[4];
     __m256 s[4];
-    if (mode == ONE_ROW)  // the next tile's codes and scales: F streams are too many for the
-      for (int f = 0; f < F; f++) {  // hardware prefetcher (the 4-bit 1-row tile measured ~1.3x faster)
+    // One row: fetch the next tile's codes and scales ahead; F streams at once are more than
+    // the hardware prefetcher follows (the 4-bit one-row tile measured ~1.3x faster with it).
+    if (mode == ONE_ROW)
+      for (int f = 0; f < F; f++) {
         _mm_prefetch((const char*)codes + (F + f) * cstride + p * 32, _MM_HINT_T0);
         if (p * 16 < G) _mm_prefetch((const char*)(sv + (F + f) * G + p * 16), _MM_HINT_T0);
       }
@@ -298,7 +300,8 @@ AVX2 static void finish(int bits, int gs, int mode, const q8_act* a, const float
       const float *z = zero + feat * G, *xs = xsum + row * G;
       float v = out[r * F + f];
       if (k_tail < K) {
-        const uint8_t* c = (const uint8_t*)codes + feat * cstride + (bits == 4 ? k_tail / 2 : k_tail);
+        const uint8_t* c =
+            (const uint8_t*)codes + feat * cstride + (bits == 4 ? k_tail / 2 : k_tail);
         v += scale[feat * G + G - 1] * a->dx[row * G + G - 1] *
              (float)tail_dot(bits, gs, a->qx + row * K + k_tail, c);
       }
