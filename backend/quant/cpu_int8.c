@@ -30,7 +30,9 @@
 // the decode step's team (cpu_layer.c) shares it the same way. Within a block, chunks of up to
 // 64 rows go past tiles of 2 features (a single row: 4 for 4-bit codes, one for 8-bit, where
 // the product is bound by the bytes) whose codes stay in L1, 4 rows at
-// a time: a prefill of hundreds of rows is then bound by the multiply-adds, not by bandwidth.
+// a time: a prefill of hundreds of rows is then bound by the multiply-adds, not by bandwidth
+// (on the AVX2 VM still slower than BLAS on the dequantized weight, so quant_linear sends
+// products above linear.INT8_MAX_ROWS rows there).
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>

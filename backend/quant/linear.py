@@ -39,17 +39,16 @@ from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES",
-           "cuda_route",
-           "dense_via_scratch", "quant_linear", "quant_linear_reference", "use_triton",
-           "weight_kind"]
+           "cuda_route", "dense_via_scratch", "quant_linear", "quant_linear_reference",
+           "use_triton", "weight_kind"]
 
 # CPU: above this many rows the dequantize-then-BLAS path wins (the C kernel re-reads the
 # weight once per 8 rows).
 GEMV_MAX_ROWS = 16
 # CPU, int8 activations: products of up to this many rows run the integer kernel; larger ones
 # (prefill chunks) take the float path below (dequantize + BLAS), exact, which measured faster
-# there on the 2-core AVX2 VM (docs/benchmarks.md: the int8 kernel 2x BLAS at 16 rows, even
-# at 64, 0.7x at 512).
+# there on the 2-core AVX2 VM (docs/benchmarks.md: the int8 kernel 1.4x the float kernel at
+# 16 rows, 1.1x BLAS at 64, 0.9x at 128, 0.74x at 512).
 INT8_MAX_ROWS = 64
 # Float32 bytes of one dequantized tile of the weight on that path: a weight up to this size
 # is dequantized whole (every layer of a small model), a larger one (an LM head) in tiles of
