@@ -20,7 +20,8 @@ import torch
 from sgl._spec import RequestSpec
 from sgl.backend import gc_freeze
 from sgl.backend.model_source import resolve_model_source
-from sgl.backend.quant.policy import require_gguf_model, resolve_quantization
+from sgl.backend.quant.policy import (check_activation_quantization, require_gguf_model,
+                                      resolve_quantization)
 from sgl.backend.req import Req
 from sgl.backend.spec_text import PieceTable, TextDrafter
 from sgl.backend.speculative import NgramDrafter, SpecConfig
@@ -142,6 +143,7 @@ class Runtime:
         source = resolve_model_source(config)
         if asked_gguf:
             require_gguf_model(source)
+        check_activation_quantization(source)
         model = self._load_model(source)
         if config.context_length and config.context_length > self.model_config.context_length:
             logger.warning("context_length %d exceeds the model's %d; using the model's",
@@ -168,6 +170,10 @@ class Runtime:
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,
             quantization=config.quantization)
+        if config.activation_quantization == "int8":  # (before use_kernels reads the weights)
+            from sgl.backend.quant.cpu_int8 import use_int8_activations
+
+            use_int8_activations(model)
         model.use_kernels(self.kernels)  # CPU: packs the linears for oneDNN in "auto" mode
         from sgl.backend.quant.install import weight_bytes
 

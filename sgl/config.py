@@ -66,6 +66,11 @@ class EngineConfig:
     # weights in `dtype` (a GGUF is dequantized). "auto": "gguf" on the CPU when `dtype` is
     # "auto", else "none" (an explicit dtype asks for float weights; the GPU opts in).
     quantization: Literal["auto", "none", "gguf", "fp8"] = "auto"
+    # CPU, GGUF-quantized weights: "int8" quantizes each projection's input per group of the
+    # weight (32 values, or 16) to int8 with one float32 scale and computes the group dot
+    # products in integers (faster, not exact: outputs differ slightly from the float path).
+    # "none": activations stay float32. Refused where it cannot apply (GPU, float weights).
+    activation_quantization: Literal["none", "int8"] = "none"
 
     # -- memory ---------------------------------------------------------------------------
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
@@ -192,6 +197,8 @@ class EngineConfig:
         if self.quantization == "fp8" and self.device == "cpu":
             fail("quantization", "'fp8' needs a CUDA device (no FP8 kernel on the CPU): use "
                  "'gguf' with a GGUF file, or 'none'")
+        if self.activation_quantization == "int8":
+            self._validate_int8(fail)
         if self.page_size < 1:
             fail("page_size", "must be >= 1")
         if self.kv_cache_dtype in _KV_NOT_BUILT:
@@ -218,6 +225,19 @@ class EngineConfig:
             fail("schedule_conservativeness", "must be > 0")
         self._validate_grammar_limits(fail)
         self._validate_speculative(fail)
+
+    def _validate_int8(self, fail: Any) -> None:
+        # (the resolved device and quantization are checked again at load: quant/policy.py)
+        if self.is_cuda:
+            fail("activation_quantization", "'int8' is a CPU kernel: use device='cpu', or "
+                 "'none' on a GPU")
+        if self.quantization in ("none", "fp8"):
+            fail("activation_quantization", f"'int8' applies to GGUF-quantized weights, but "
+                 f"quantization={self.quantization!r}: use quantization='gguf' (or 'auto') "
+                 "with a .gguf model, or activation_quantization='none'")
+        if self.dtype not in ("auto", "float32"):
+            fail("activation_quantization", f"'int8' needs float32 activations (dtype="
+                 f"{self.dtype!r}): use dtype='auto' or 'float32'")
 
     def _validate_speculative(self, fail: Any) -> None:
         for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size"):

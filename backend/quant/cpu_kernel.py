@@ -35,10 +35,11 @@ from sgl.backend.quant.weight import QuantizedWeight
 
 logger = logging.getLogger("sgl.engine")
 
-# The quantized linear, the fused decode ops (cpu_ops.c, wrapped by cpu_ops.py) and the
-# one-call decode step (cpu_layer.c, cpu_layer.py): one library.
+# The quantized linear, its integer-activation twin (cpu_int8.c, cpu_int8.py), the fused decode
+# ops (cpu_ops.c, wrapped by cpu_ops.py) and the one-call decode step (cpu_layer.c,
+# cpu_layer.py): one library.
 _SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("cpu_kernel.c", "cpu_ops.c", "cpu_layer.c"))
+                 for name in ("cpu_kernel.c", "cpu_int8.c", "cpu_ops.c", "cpu_layer.c"))
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -120,8 +121,9 @@ def _load() -> ctypes.CDLL | None:
     lib.sgl_qlinear.restype = None
     lib.sgl_qdequant.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
     lib.sgl_qdequant.restype = None
-    from sgl.backend.quant import cpu_layer, cpu_ops
+    from sgl.backend.quant import cpu_int8, cpu_layer, cpu_ops
 
+    cpu_int8.declare(lib)
     cpu_ops.declare(lib)
     cpu_layer.declare(lib)
     return lib

@@ -23,13 +23,15 @@
 #include <stdint.h>
 #include <string.h>
 
-// A QuantizedWeight (weight.py) as raw pointers; bias may be NULL.
+// A QuantizedWeight (weight.py) as raw pointers; bias may be NULL. int8: its products
+// quantize their input (cpu_int8.c), `int8_activations`.
 typedef struct {
   int64_t bits, group_size, in_features, out_features;
   const void* codes;
   const float* scale;
   const float* zero;
   const float* bias;
+  int64_t int8;
 } sgl_qweight;
 
 typedef struct {
@@ -57,6 +59,11 @@ int64_t sgl_qlinear_blocks(int64_t N);
 void sgl_qlinear_block(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
                        const void* codes, const float* scale, const float* zero, int64_t N,
                        const float* bias, const float* xsum, float* y, int64_t blk);
+void sgl_q8_quantize(int bits, int gs, const float* x, int64_t M, int64_t K, float* buf,
+                     float* xsum, int threads);
+void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, int64_t M, int64_t K,
+                  const void* codes, const float* scale, const float* zero, int64_t N,
+                  const float* bias, float* y, int64_t blk);
 void sgl_rmsnorm(const float* x, const float* r, const float* w, float eps, int64_t T,
                  int64_t H, float* out, float* sum);
 void sgl_silu_mul(const float* x, int64_t T, int64_t I, float* out);
@@ -91,7 +98,7 @@ static scratch_plan plan_scratch(const sgl_model* m, int64_t rows) {
   p.act = p.gate_up + rows * 2 * m->inter;
   p.xsum = p.act + rows * m->inter;
   p.xp = p.xsum + rows * k_max;  // (group sizes >= 1: K / gs <= K sums per row)
-  p.total = p.xp + rows * k_max;
+  p.total = p.xp + rows * k_max + 16;  // (+16: cpu_int8.c's activation buffer, sgl_q8_floats)
   return p;
 }
 
@@ -126,10 +133,20 @@ typedef struct {
 #define JOB_BITS 20
 #define JOB_MASK ((1ull << JOB_BITS) - 1)
 
+// Block `blk` of y = x @ W^T (+ b) on the input `project` prepared (int8: xp holds it quantized).
+static void block(const sgl_qweight* w, const float* x, const float* xp, const float* xsum,
+                  int64_t T, float* y, int64_t blk) {
+  int bits = (int)w->bits, gs = (int)w->group_size;
+  if (w->int8)
+    sgl_q8_block(bits, gs, xp, xsum, T, w->in_features, w->codes, w->scale, w->zero,
+                 w->out_features, w->bias, y, blk);
+  else
+    sgl_qlinear_block(bits, gs, x, xp, T, w->in_features, w->codes, w->scale, w->zero,
+                      w->out_features, w->bias, xsum, y, blk);
+}
+
 static void run_block(team_t* t, int64_t blk) {
-  const sgl_qweight* w = t->w;
-  sgl_qlinear_block((int)w->bits, (int)w->group_size, t->x, t->xp, t->rows, w->in_features,
-                    w->codes, w->scale, w->zero, w->out_features, w->bias, t->xsum, t->y, blk);
+  block(t->w, t->x, t->xp, t->xsum, t->rows, t->y, blk);
 }
 
 // Claims and runs blocks of the current job until none is left; returns how many it ran.
@@ -163,13 +180,15 @@ static void helper_loop(team_t* t) {
 static void project(team_t* t, const sgl_qweight* w, const float* x, int64_t T, float* y,
                     float* xsum, float* xp) {
   int bits = (int)w->bits, gs = (int)w->group_size;
-  if (bits != 4) xp = NULL;
-  sgl_qlinear_prepare(bits, gs, x, T, w->in_features, xsum, xp);
+  if (w->int8) {
+    sgl_q8_quantize(bits, gs, x, T, w->in_features, xp, xsum, 1);
+  } else {
+    if (bits != 4) xp = NULL;
+    sgl_qlinear_prepare(bits, gs, x, T, w->in_features, xsum, xp);
+  }
   int64_t blocks = sgl_qlinear_blocks(w->out_features);
   if (t == NULL) {
-    for (int64_t b = 0; b < blocks; b++)
-      sgl_qlinear_block(bits, gs, x, xp, T, w->in_features, w->codes, w->scale, w->zero,
-                        w->out_features, w->bias, xsum, y, b);
+    for (int64_t b = 0; b < blocks; b++) block(w, x, xp, xsum, T, y, b);
     return;
   }
   t->w = w, t->x = x, t->xp = xp, t->xsum = xsum, t->y = y, t->rows = T;

@@ -6,7 +6,10 @@
 `w` is a `QuantizedWeight` (GGUF formats) or an `Fp8Weight` (quant/fp8.py, which has its own
 `fp8_linear` with the same row rule).
 
-CPU: decode and small batches (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the
+CPU, a weight with `int8_activations` (the engine's `activation_quantization="int8"`): up to
+`INT8_MAX_ROWS` rows run the integer-activation kernel (cpu_int8.c); more rows, and every
+product of a weight without the mark, keep float activations:
+decode and small batches (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the
 codes: each weight byte is read once per pass of 8 rows. Larger batches (prefill chunks, decode
 steps of many requests) dequantize the weight into float32 and multiply it with BLAS: there
 the multiply-adds, not the weight bytes, decide the time, and BLAS does them far better. A
@@ -31,16 +34,22 @@ import torch.nn.functional as F
 
 from sgl.backend.kernels.dispatch import has_triton
 from sgl.backend.quant import cpu_kernel
+from sgl.backend.quant.cpu_int8 import int8_linear
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES", "cuda_route",
-           "dense_via_scratch", "quant_linear", "quant_linear_reference", "use_triton",
-           "weight_kind"]
+__all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES",
+           "cuda_route", "dense_via_scratch", "quant_linear", "quant_linear_reference",
+           "use_triton", "weight_kind"]
 
 # CPU: above this many rows the dequantize-then-BLAS path wins (the C kernel re-reads the
 # weight once per 8 rows).
 GEMV_MAX_ROWS = 16
+# CPU, int8 activations: products of up to this many rows run the integer kernel; larger ones
+# (prefill chunks) take the float path below (dequantize + BLAS), exact, which measured faster
+# there on the 2-core AVX2 VM (docs/benchmarks.md: the int8 kernel 1.4x the float kernel at
+# 16 rows, 1.1x BLAS at 64, 0.9x at 128, 0.74x at 512).
+INT8_MAX_ROWS = 64
 # Float32 bytes of one dequantized tile of the weight on that path: a weight up to this size
 # is dequantized whole (every layer of a small model), a larger one (an LM head) in tiles of
 # this size. Few tiles per call: each costs two parallel regions, which stall when another
@@ -77,6 +86,9 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, Fp8Weight):
         return fp8_linear(x, w, bias)
+    if (w.int8_activations and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.numel() <= INT8_MAX_ROWS * x.shape[-1] and cpu_kernel.available()):
+        return _int8_linear(x, w, bias)
     if (x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS
             and not x.is_cuda and x.is_contiguous() and bias is None and cpu_kernel.available()):
         return cpu_kernel.qlinear(x, w, None)  # a decode step's case, with nothing to convert
@@ -94,6 +106,15 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
         b = None if bias is None else bias.float().contiguous()
         y = cpu_kernel.qlinear(x2, w, b)
     return y.to(x.dtype).view(*lead, w.out_features)
+
+
+def _int8_linear(x: torch.Tensor, w: QuantizedWeight,
+                 bias: torch.Tensor | None) -> torch.Tensor:  # [..., K] -> [..., N]
+    """Up to INT8_MAX_ROWS rows on the integer-activation kernel (cpu_int8.c)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features).contiguous()  # [M, K]
+    b = None if bias is None else bias.float().contiguous()
+    return int8_linear(x2, w, b).view(*lead, w.out_features)
 
 
 def _tiled_linear(x: torch.Tensor, w: QuantizedWeight,

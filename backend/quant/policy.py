@@ -7,7 +7,7 @@ from __future__ import annotations
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
-__all__ = ["require_gguf_model", "resolve_quantization"]
+__all__ = ["check_activation_quantization", "require_gguf_model", "resolve_quantization"]
 
 
 def resolve_quantization(config: EngineConfig, device: str) -> str:
@@ -16,6 +16,12 @@ def resolve_quantization(config: EngineConfig, device: str) -> str:
     Triton kernels are an opt-in (`quantization="gguf"` or "fp8") until the device figures
     show them no slower than bf16 at batch (docs/architecture.md), and for dummy models,
     whose random weights are float unless quantization is asked for."""
+    resolved = _resolve(config, device)
+    _check_int8(config, device, resolved)
+    return resolved
+
+
+def _resolve(config: EngineConfig, device: str) -> str:
     quantization = config.quantization
     dummy = _is_dummy(config)
     if quantization == "auto":
@@ -54,3 +60,37 @@ def require_gguf_model(config: EngineConfig) -> None:
             f"quantization='gguf' keeps a GGUF file's quantized tensors, but model "
             f"{config.model!r} is a model folder (float weights): use a .gguf file, or "
             "quantization='fp8' (GPU) or 'none'")
+
+
+def _refuse_int8(why: str) -> None:
+    raise InvalidConfigError(f"activation_quantization='int8': {why}, or "
+                             "activation_quantization='none'")
+
+
+def _check_int8(config: EngineConfig, device: str, quantization: str) -> None:
+    """`activation_quantization="int8"` needs the CPU, float32 activations and weights kept
+    quantized; checked on the resolved device and quantization ("auto" may resolve to the
+    GPU or to float weights), before anything loads, rather than silently running floats."""
+    if config.activation_quantization != "int8":
+        return
+    if device != "cpu":
+        _refuse_int8(f"it is a CPU kernel and the device resolves to {device!r}: use "
+                     "device='cpu'")
+    if config.dtype not in ("auto", "float32"):
+        _refuse_int8(f"it needs float32 activations (dtype={config.dtype!r})")
+    if quantization != "gguf":
+        _refuse_int8(f"the weights are not kept quantized (quantization resolves to "
+                     f"{quantization!r}): use a .gguf model with quantization='gguf' or 'auto'")
+
+
+def check_activation_quantization(config: EngineConfig) -> None:
+    """The part of the int8 check that needs the model's path (hub ids resolved): a model
+    folder holds float weights, which "auto" would load unquantized."""
+    if config.activation_quantization != "int8" or _is_dummy(config):
+        return
+    from sgl.backend.model_loader import resolve_model_path
+
+    path = resolve_model_path(config.model, config.cache_dir)
+    if path.suffix != ".gguf":
+        _refuse_int8(f"model {config.model!r} is a model folder (float weights): use a .gguf "
+                     "file")

@@ -47,6 +47,9 @@ class QuantizedWeight:
     super_groups: int = 0
     super_scale: torch.Tensor | None = None  # [N, G / super_groups] float32
     super_zero: torch.Tensor | None = None  # [N, G / super_groups] float32
+    # CPU: products quantize their input to int8 per group (cpu_int8.py), the engine's
+    # `activation_quantization="int8"`; set after loading (cpu_int8.use_int8_activations).
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         # The C kernel reads raw pointers: layouts are checked once here, not per call.
