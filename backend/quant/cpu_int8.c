@@ -37,20 +37,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE static inline __attribute__((always_inline))
+#include "cpu_simd.h"
 #define Q8_BLOCK 16  // output features per block: the float kernel's N_BLOCK (cpu_kernel.c)
 #define Q8_ROWS 4    // rows per tile
 #define Q8_CHUNK 64  // rows per chunk (the weight scales of a tile are laid out once per chunk)
 
 int64_t sgl_qlinear_blocks(int64_t N);  // (cpu_kernel.c)
-
-AVX2 INLINE float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 AVX2 INLINE float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -278,16 +270,6 @@ static int32_t tail_dot(int bits, int gs, const int8_t* q, const void* codes) {
   return t;
 }
 
-// sum over groups of zero[g] * xsum[g] (the exact zero term of one row and feature).
-AVX2 INLINE float zero_term(const float* z, const float* xs, int64_t G) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), acc);
-  float t = hsum8(acc);
-  for (; g < G; g++) t += z[g] * xs[g];
-  return t;
-}
 
 // y for rows [m, m + R) and features [n, n + F) from the tile's sums `out`: the trailing
 // group, the zero terms the tile left out (ONE_ROW: all; otherwise the trailing group's), bias.

@@ -12,21 +12,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE static inline __attribute__((always_inline))
+#include "cpu_simd.h"
 #define MAX_ROWS 8  // rows of x per pass over the weight (accumulators stay in registers)
 #define N_BLOCK 16  // output features per scheduling unit
 
 int sgl_cpu_ok(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-AVX2 INLINE float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // One output feature n, rows [m0, m0 + mc) of x. bits 4: 32-wide groups of nibbles, read
@@ -59,7 +51,7 @@ AVX2 INLINE void row4(const float* xp, int64_t K, int64_t m0, const int mc,
       else acc[m] = _mm256_fmadd_ps(_mm256_add_ps(d, d2), sg, acc[m]);
     }
   }
-  for (int m = 0; m < mc; m++) out[m] = hsum(_mm256_add_ps(acc[m], acc_odd[m]));
+  for (int m = 0; m < mc; m++) out[m] = hsum8(_mm256_add_ps(acc[m], acc_odd[m]));
 }
 
 // The order in which row4 widens a group's 32 codes (see there).
@@ -75,14 +67,7 @@ static void permute4(const float* x, int64_t n, float* xp) {
 AVX2 INLINE void zero_terms(const float* z, const float* xsum, int64_t G, int64_t m0, int mc,
                             float* out) {
   for (int m = 0; m < mc; m++) {
-    const float* xs = xsum + (m0 + m) * G;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), acc);
-    float t = hsum(acc);
-    for (; g < G; g++) t += z[g] * xs[g];
-    out[m] += t;
+    out[m] += zero_term(z, xsum + (m0 + m) * G, G);
   }
 }
 
@@ -103,7 +88,7 @@ AVX2 INLINE void row8(const float* x, int64_t K, int64_t m0, const int mc,
       acc[m] = _mm256_fmadd_ps(d, sg, acc[m]);
     }
   }
-  for (int m = 0; m < mc; m++) out[m] = hsum(acc[m]);
+  for (int m = 0; m < mc; m++) out[m] = hsum8(acc[m]);
 }
 
 // Constant row counts let the compiler keep the accumulators in registers.
@@ -165,7 +150,7 @@ AVX2 static void four_features4(const float* xp, int64_t K, const uint8_t* codes
       acc[f] = _mm256_fmadd_ps(_mm256_add_ps(d, d2), _mm256_broadcast_ss(s + f * G + g), acc[f]);
     }
   }
-  for (int f = 0; f < 4; f++) y[f] = hsum(acc[f]);
+  for (int f = 0; f < 4; f++) y[f] = hsum8(acc[f]);
 }
 
 // Features [n0, end) for one row of 4-bit codes: four at a time, the rest one by one.

@@ -20,15 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE static inline __attribute__((always_inline))
-
-AVX2 INLINE float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#include "cpu_simd.h"
 
 // e^x for 8 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes'
 // coefficients), 2^n built in the exponent bits. Relative error ~1e-7; inputs are clamped to
