@@ -5,6 +5,8 @@
 Engine rows (each in a fresh process, one after the other, so that peak RSS is the row's own):
 - sgl quantized: the CPU default, the GGUF's Q4_1/Q8_0 tensors kept quantized
   (backend/quant/), overlap on and off;
+- sgl quantized with `activation_quantization="int8"` (opt-in: integer dot products on the
+  quantized weights, inputs rounded to int8 per group), no overlap;
 - sgl float32: `quantization="none"`, the weights dequantized to float32 (the former default).
 Each row reports single-stream and batch tok/s, the seconds until the engine was ready, and
 the process's peak RSS after the single stream and then the batch. By default every row
@@ -51,6 +53,8 @@ MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 ENGINES: dict[str, dict[str, object]] = {
     "sgl quantized (overlap)": {"disable_overlap_schedule": False},
     "sgl quantized (no overlap)": {"disable_overlap_schedule": True},
+    "sgl quantized, int8 activations (no overlap)": {"activation_quantization": "int8",
+                                                     "disable_overlap_schedule": True},
     "sgl float32 (no overlap)": {"quantization": "none", "disable_overlap_schedule": True},
 }
 
