@@ -130,7 +130,7 @@ def test_one_call_step_equals_the_op_path_bitwise(name: str, threads: int,
 
 def test_more_rows_than_the_gemv_limit_take_the_op_path() -> None:
     model = tiny_quantized("llama-tied")
-    pool = FakePool(len(model.model.layers), 4096, 2, 16, max_reqs=32)
+    pool = FakePool(len(model.model.layers), 4096, 2, 16, max_reqs=cpu_layer.MAX_ROWS + 1)
     rows = cpu_layer.MAX_ROWS + 1
     _prefill(model, pool, [[i % 96, 3] for i in range(rows)])
     fb = make_forward_batch(pool, TorchAttentionBackend(fused_cpu=True),

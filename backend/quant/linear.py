@@ -43,8 +43,10 @@ __all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", 
            "use_triton", "weight_kind"]
 
 # CPU: above this many rows the dequantize-then-BLAS path wins (the C kernel re-reads the
-# weight once per 8 rows).
-GEMV_MAX_ROWS = 16
+# weight once per 8 rows). Measured on the 2-core AVX2 VM, one layer's four SmolLM2-shaped
+# Q4 projections, 2 threads: C 2.1 / 4.4 / 6.5 / 8.7 ms at 16 / 32 / 48 / 64 rows against
+# 3.1 / 5.7 / 6.6 / 7.7 for dequantize + BLAS. (Also the one-call decode step's row limit.)
+GEMV_MAX_ROWS = 32
 # CPU, int8 activations: products of up to this many rows run the integer kernel; larger ones
 # (prefill chunks) take the float path below (dequantize + BLAS), exact, which measured faster
 # there on the 2-core AVX2 VM (docs/benchmarks.md: the int8 kernel 1.4x the float kernel at
