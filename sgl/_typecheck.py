@@ -44,9 +44,9 @@ def mismatch(value: Any, hint: Any) -> str | None:
         options = [a for a in args if a is not type(None)]
         if value is None and len(options) < len(args):
             return None
-        if any(mismatch(value, a) is None for a in options):
-            return None
         whys = [mismatch(value, a) for a in options]
+        if any(w is None for w in whys):
+            return None
         why = " or ".join(w.removeprefix("must be ") for w in whys if w)
         return f"must be {why}" + (" (or None)" if len(options) < len(args) else "")
     if origin is Literal:

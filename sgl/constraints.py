@@ -379,9 +379,11 @@ _type_schema = functools.lru_cache(maxsize=256)(_walk_type_schema)
 
 def _from_schema(tp: Any, limits: ConstraintLimits) -> ConstraintSpec:
     try:
-        ts = _type_schema(tp)
-    except TypeError:  # unhashable: not cached (a TypeError of the schema itself re-raises)
+        hash(tp)
+    except TypeError:  # unhashable (Annotated with unhashable metadata): walked, not cached
         ts = _walk_type_schema(tp)
+    else:
+        ts = _type_schema(tp)
     source = f"schema {type_name(tp)}"
     limits.check_depth(ts.document, f"the JSON schema of {source}", "schema", depth=ts.depth)
     assert ts.text is not None  # (a document past _WALKABLE_DEPTH was refused just above)
