@@ -222,7 +222,8 @@ class Runtime:
             SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=config.chunked_prefill_size,
                             max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
                             policy=config.schedule_policy, conservativeness=config.schedule_conservativeness,
-                            context_length=config.context_length, eos_token_ids=frozenset(mcfg.eos_token_ids)),
+                            context_length=config.context_length, eos_token_ids=frozenset(mcfg.eos_token_ids),
+                            max_step_rows=self.cuda_graph_sizes[-1] if self.cuda_graph_sizes else 0),
             KVManager(allocator, self.req_pool, self.tree, config.page_size), self.tree,
             self.runner.futures, self.tokenizer, drafter=_drafter(config, self.tokenizer),
         )  # fmt: skip

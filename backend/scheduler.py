@@ -61,6 +61,10 @@ class SchedulerConfig:
     conservativeness: float
     context_length: int
     eos_token_ids: frozenset[int] = frozenset()
+    # The token rows of the largest CUDA decode graph (0: no graphs). A decode step with more
+    # rows (many requests jumping at once) would run eagerly, several times slower, so jumped
+    # tokens beyond it wait for the next steps (`_fit_rows`).
+    max_step_rows: int = 0
 
 
 @dataclass
@@ -152,6 +156,8 @@ class Scheduler(StepUpdate):
         if decoding:
             drafts = [self._draft(r) for r in decoding]
             lens = [_decode_len(r) + len(d) for r, d in zip(decoding, drafts)]
+            if 0 < self.cfg.max_step_rows < sum(lens):
+                lens, drafts = _fit_rows(decoding, lens, drafts, self.cfg.max_step_rows)
             slots = self.kv.extend(decoding, lens)
             assert slots is not None, "room for decode was ensured above"
             locs.append(slots)  # the decoding requests' slots, in `decoding` order
@@ -318,6 +324,28 @@ class Scheduler(StepUpdate):
     def owned_slots(self) -> list[torch.Tensor]:
         """Slots owned by running requests (not by the tree), for the integrity check."""
         return [self.kv.req_slots(r)[r.cached_len :] for r in self.running]
+
+
+def _fit_rows(decoding: list[Req], lens: list[int], drafts: list[tuple[int, ...]],
+              cap: int) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Trim a decode step to `cap` token rows: every request keeps its one row; jumped tokens
+    and drafts fill the rest in running order, and a request that does not fit whole computes
+    what fits of its jumped tokens (the rest stays pending, computed by the next steps exactly
+    as with jump-forward off: the same tokens) and drops its drafts (they follow its last
+    pending token)."""
+    spare = cap - len(decoding)
+    fitted_lens, fitted_drafts = [], []
+    for r, n, d in zip(decoding, lens, drafts):
+        if n - 1 <= spare:
+            fitted_lens.append(n)
+            fitted_drafts.append(d)
+            spare -= n - 1
+        else:
+            k = max(1, min(_decode_len(r), 1 + spare))
+            fitted_lens.append(k)
+            fitted_drafts.append(())
+            spare -= k - 1
+    return fitted_lens, fitted_drafts
 
 
 def _decode_len(r: Req) -> int:

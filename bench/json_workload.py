@@ -1,6 +1,11 @@
 """BENCH.md's `json` workload: constrained decoding and jump-forward on the default model (CPU).
 
-    python bench/json_workload.py [--requests 64] [--concurrency 64] [--repeat 1]
+    python bench/json_workload.py [--requests 64] [--concurrency 64] [--rounds 2] [--device cpu]
+
+`--device cuda` runs the same real-weights workload on the GPU at the engine's defaults (overlap
+on, so the per-part step timings below are not taken: wall time, steps and passes only), e.g.
+`--device cuda --requests 256 --concurrency 256`: where jump-forward's saved steps show at GPU
+batch sizes with a model whose outputs end (random weights write long strings instead).
 
 64 short extraction prompts over 3 Pydantic schemas (tests/extraction_schemas.py; fixed seed),
 generated greedily until the grammar ends (JSON indented by 2 spaces, the engine's default
@@ -48,7 +53,7 @@ from extraction_schemas import Meeting, Person, Product  # noqa: E402
 
 import sgl  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized, float32)"
+MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 
 
 # -- the workload -------------------------------------------------------------------------------
@@ -112,6 +117,10 @@ class Probe:
     execute: list[float] = field(default_factory=list)  # runner._execute (forward + sample)
     process: list[float] = field(default_factory=list)  # scheduler.update (accept, stop checks)
     passes: dict[tuple[str, int], int] = field(default_factory=dict)  # request -> sampled steps
+    # every step's kind and token rows: "graph" (a decode graph replayed: decode rows, jumped
+    # tokens), "eager decode" (past the prompts but too many rows for the largest graph),
+    # "prefill"
+    kinds: list[tuple[str, int]] = field(default_factory=list)
     now: dict[str, float] = field(default_factory=dict)  # the step being timed
 
     def reset(self) -> None:
@@ -119,6 +128,7 @@ class Probe:
                    self.execute, self.process):
             xs.clear()
         self.passes.clear()
+        self.kinds.clear()
 
     def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -131,27 +141,55 @@ class Probe:
         return wrapper
 
 
-def install_probe(engine: sgl.Engine) -> Probe:
-    from sgl.backend import sampler as sampler_mod
-
+def install_probe(engine: sgl.Engine, timing: bool = True) -> Probe:
+    """Counts each request's sampled steps; with `timing`, also times every decode step's parts
+    (which makes the loop synchronous: no overlap)."""
     rt = engine._rt  # noqa: SLF001 - a benchmark may look inside
     probe = Probe()
+    scheduler = rt.scheduler
+    orig_append = scheduler._append  # noqa: SLF001
+
+    def append(r, tok, lp, top):  # noqa: ANN001, ANN202
+        key = (r.rid, r.sample_index)
+        probe.passes[key] = probe.passes.get(key, 0) + 1
+        return orig_append(r, tok, lp, top)
+
+    scheduler._append = append  # noqa: SLF001
+    runner = rt.runner
+    plain_prepare = runner.prepare
+
+    def classify(batch, *args):  # noqa: ANN001, ANN002, ANN202
+        step = plain_prepare(batch, *args)
+        plan = getattr(step, "plan", None)
+        if plan is not None:
+            past = batch.is_decode or all(it.prefix_len >= len(it.req.prompt_ids) for it in batch.items)
+            kind = "graph" if step.graph_bs is not None else "eager decode" if past else "prefill"
+            probe.kinds.append((kind, plan.num_tokens))
+        return step
+
+    runner.prepare = classify
+    if not timing:
+        return probe
     grammar = rt.grammar  # builds the backend now, so the wrapper sees every call
-    runner, scheduler = rt.runner, rt.scheduler
-    orig_launch, orig_update, orig_append = runner.launch, scheduler.update, scheduler._append  # noqa: SLF001
     # Instance attributes shadow the methods: the engine calls self.runner.prepare(...) etc.
     grammar.fill_bitmasks = probe.timed("fill", grammar.fill_bitmasks)
-    sampler_mod.apply_token_bitmask = probe.timed("apply", sampler_mod.apply_token_bitmask)
-    runner.prepare = probe.timed("prepare", runner.prepare)
+    sampler = rt.sampler  # the kernel set's mask op, held by the sampler
+    sampler.apply_token_bitmask = probe.timed("apply", sampler.apply_token_bitmask)
     runner._execute = probe.timed("execute", runner._execute)  # noqa: SLF001
+    timed_prepare, orig_start, orig_update = (probe.timed("prepare", runner.prepare), runner.start,
+                                              scheduler.update)
     launched: list[tuple[float, Any]] = []
 
-    def launch(batch):  # noqa: ANN001, ANN202
+    def prepare(batch, *args):  # noqa: ANN001, ANN002, ANN202
         probe.now.clear()
         t = time.perf_counter()
-        handle = orig_launch(batch)
-        handle.result()  # the loop is synchronous here (overlap off): wait inside the step
+        step = timed_prepare(batch, *args)
         launched.append((t, batch))
+        return step
+
+    def start(step):  # noqa: ANN001, ANN202
+        handle = orig_start(step)
+        handle.result()  # the loop is synchronous here (overlap off): wait inside the step
         return handle
 
     def update(batch, out):  # noqa: ANN001, ANN202
@@ -166,14 +204,8 @@ def install_probe(engine: sgl.Engine) -> Probe:
             for phase in ("fill", "apply", "prepare", "execute"):
                 getattr(probe, phase).append(probe.now.get(phase, 0.0))
 
-    def append(r, tok, lp, top):  # noqa: ANN001, ANN202
-        key = (r.rid, r.sample_index)
-        probe.passes[key] = probe.passes.get(key, 0) + 1
-        return orig_append(r, tok, lp, top)
-
-    runner.launch = launch
+    runner.prepare, runner.start = prepare, start
     scheduler.update = update
-    scheduler._append = append  # noqa: SLF001
     return probe
 
 
@@ -191,6 +223,7 @@ class RunResult:
     passes: list[int]
     rows: float  # mean sampled rows per decode step
     ms: dict[str, float]  # mean milliseconds per decode step, by phase (see PHASES)
+    kinds: dict[str, tuple[int, float]] = field(default_factory=dict)  # kind -> (steps, mean rows)
 
     @property
     def output_tokens(self) -> int:
@@ -227,7 +260,9 @@ def run(engine: sgl.Engine, probe: Probe, name: str, requests, concurrency: int,
               "execute": probe.execute, "apply": probe.apply, "process": probe.process}
     ms = {k: 1e3 * statistics.fmean(v) if v else 0.0 for k, v in series.items()}
     rows = statistics.fmean(probe.decode_rows) if probe.decode_rows else 0.0
-    return RunResult(name, wall, engine.stats().steps - steps0, outputs, passes, rows, ms)
+    kinds = {k: (len(v), statistics.fmean(v)) for k in {k for k, _ in probe.kinds}
+             for v in [[n for kk, n in probe.kinds if kk == k]]}
+    return RunResult(name, wall, engine.stats().steps - steps0, outputs, passes, rows, ms, kinds)
 
 
 def median_run(runs: list[RunResult]) -> RunResult:
@@ -235,7 +270,7 @@ def median_run(runs: list[RunResult]) -> RunResult:
     first = runs[0]
     return RunResult(first.name, statistics.median(r.wall for r in runs), first.steps, first.outputs,
                      first.passes, first.rows,
-                     {k: statistics.median(r.ms[k] for r in runs) for k in PHASES})
+                     {k: statistics.median(r.ms[k] for r in runs) for k in PHASES}, first.kinds)
 
 
 def agreement(a: list[sgl.GenerateOutput], b: list[sgl.GenerateOutput]) -> tuple[int, int]:
@@ -254,14 +289,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds of (off, on, free), interleaved so load drift hits all three; "
                          "times are medians over rounds")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (overlap off, every decode step timed by part) or cuda (the "
+                         "engine's defaults, overlap on: wall time, steps and passes only)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
 
     requests = workload(args.requests)
-    engine = sgl.Engine(disable_overlap_schedule=True)
+    on_cpu = args.device == "cpu"
+    engine = (sgl.Engine(disable_overlap_schedule=True) if on_cpu
+              else sgl.Engine(device=args.device))
     results: dict[str, list[RunResult]] = {"jump off": [], "jump on": [], "free": []}
     try:
-        probe = install_probe(engine)
+        probe = install_probe(engine, timing=on_cpu)
+        sizes = engine._rt.cuda_graph_sizes  # noqa: SLF001
+        print(f"decode graphs: {len(sizes)}, up to {sizes[-1] if sizes else 0} token rows; "
+              f"max running requests {engine._rt.scheduler.cfg.max_running_requests}")  # noqa: SLF001
         # Warm-up: compile the 3 grammars, touch every code path once.
         asyncio.run(_run_waves([lambda m=m, p=p: engine.generate(p, schema=m, max_new_tokens=60, temperature=0)
                                 for m, p in requests[:3]], 3))
@@ -285,8 +328,8 @@ def main() -> None:
     saved_passes = 1 - sum(on.passes) / sum(off.passes)
     saved_steps = 1 - on.steps / off.steps
     mask_ms = off.ms["fill"] + off.ms["apply"]
-    mask_share = mask_ms / free.ms["step"]
-    step_overhead = off.ms["step"] / free.ms["step"] - 1
+    mask_share = mask_ms / free.ms["step"] if on_cpu else 0.0
+    step_overhead = off.ms["step"] / free.ms["step"] - 1 if on_cpu else 0.0
     same, total = agreement(on.outputs, off.outputs)
     same_text = sum(a.text == b.text for a, b in zip(on.outputs, off.outputs))
     print(f"\njump-forward saves {saved_passes:.1%} of per-request forward passes "
@@ -294,15 +337,21 @@ def main() -> None:
           f"({off.steps} -> {on.steps}); target >= 30%")
     print(f"output tokens/s: {on.tok_s:.1f} jump on vs {off.tok_s:.1f} off (x{on.tok_s / off.tok_s:.2f}); "
           f"free decoding of the same token counts {free.tok_s:.1f}")
-    print(f"mask fill + apply: {mask_ms:.2f} ms per decode step = {mask_share:.1%} of the free decode "
-          f"step ({free.ms['step']:.1f} ms at {free.rows:.0f} rows); target <= 10%")
-    print(f"whole constrained decode step vs free: {off.ms['step']:.1f} vs {free.ms['step']:.1f} ms "
-          f"({step_overhead:+.1%}); process {off.ms['process']:.1f} vs {free.ms['process']:.1f} ms")
+    if on_cpu:
+        print(f"mask fill + apply: {mask_ms:.2f} ms per decode step = {mask_share:.1%} of the free "
+              f"decode step ({free.ms['step']:.1f} ms at {free.rows:.0f} rows); target <= 10%")
+        print(f"whole constrained decode step vs free: {off.ms['step']:.1f} vs {free.ms['step']:.1f} "
+              f"ms ({step_overhead:+.1%}); process {off.ms['process']:.1f} vs "
+              f"{free.ms['process']:.1f} ms")
+    for r in (off, on, free):
+        print(f"{r.name} steps by kind (steps, mean token rows): "
+              + ", ".join(f"{k} {n} ({rows:.0f})" for k, (n, rows) in sorted(r.kinds.items())))
     print(f"fields agreeing jump on vs off: {same}/{total} ({same / total:.1%}); "
           f"identical texts {same_text}/{len(on.outputs)}")
 
     figures = {
-        "requests": args.requests, "concurrency": args.concurrency, "rounds": args.rounds,
+        "device": args.device, "requests": args.requests, "concurrency": args.concurrency,
+        "rounds": args.rounds,
         "out_tok_s_jump_on": round(on.tok_s, 2), "out_tok_s_jump_off": round(off.tok_s, 2),
         "out_tok_s_free_same_tokens": round(free.tok_s, 2),
         "engine_steps_on": on.steps, "engine_steps_off": off.steps,
@@ -314,6 +363,7 @@ def main() -> None:
         "mask_share_of_free_decode_step": round(mask_share, 4),
         "constrained_step_overhead": round(step_overhead, 4),
         "field_agreement": round(same / total, 4), "identical_texts": same_text,
+        "step_kinds": {r.name: r.kinds for r in (off, on, free)},
     }
     if not args.no_record:
         record("json_workload", MODEL, f"json: {args.requests} extraction prompts, 3 schemas, "

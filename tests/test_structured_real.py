@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import enum
 import importlib.util
 import json
@@ -597,6 +598,53 @@ def test_jumped_tokens_have_logprobs_from_the_same_pass(engine) -> None:
         assert all(len(top) == 2 for top in out.logprobs.output_top)
     for a, b in zip(on.logprobs.output, off.logprobs.output):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+
+
+def test_step_row_cap_splits_jumps_without_changing_answers(engine) -> None:
+    """A decode step never holds more token rows than the largest CUDA graph (the scheduler's
+    `max_step_rows`; on the GPU, rows beyond it ran eagerly, several times slower): jumped
+    tokens that do not fit are computed by the next steps, like jump-forward off, so the
+    answers are unchanged and only the step count grows. The CPU has no graphs (no cap), so
+    the cap is set here by hand."""
+    cases = UNNAMED_CASES[:3]
+    scheduler = engine._rt.scheduler
+
+    def run(jump: bool) -> tuple[list[list[int]], int]:
+        async def go() -> list[sgl.GenerateOutput]:
+            return await asyncio.gather(*(
+                engine.generate(c.prompt, max_new_tokens=c.max_new_tokens, temperature=0,
+                                jump_forward=jump, **c.options) for c in cases))
+
+        engine.flush_cache()
+        steps = engine.stats().steps
+        outs = asyncio.run(go())
+        return [o.token_ids for o in outs], engine.stats().steps - steps
+
+    off, _ = run(False)
+    on, on_steps = run(True)
+    uncapped = scheduler.cfg
+    scheduler.cfg = dataclasses.replace(uncapped, max_step_rows=len(cases) + 1)
+    try:
+        capped, capped_steps = run(True)
+    finally:
+        scheduler.cfg = uncapped
+    assert on == off and capped == off
+    assert capped_steps > on_steps, "the cap never split a jump: was it applied?"
+
+
+def test_fit_rows_keeps_one_row_per_request() -> None:
+    """`_fit_rows`: whole requests while they fit, then what fits of the next one's jumped
+    tokens (its drafts dropped), and never less than one row per request, even under a cap
+    smaller than the batch."""
+    from types import SimpleNamespace
+
+    from sgl.backend.scheduler import _fit_rows
+
+    reqs = [SimpleNamespace(extend_len=n, jump_forward=True) for n in (3, 4, 1, 5)]
+    lens, drafts = [3, 4 + 2, 1, 5], [(), (7, 8), (), ()]
+    assert _fit_rows(reqs, lens, drafts, 16) == (lens, drafts)  # (never called then: it fits)
+    assert _fit_rows(reqs, lens, drafts, 9) == ([3, 4, 1, 1], [(), (), (), ()])
+    assert _fit_rows(reqs, lens, drafts, 2) == ([1, 1, 1, 1], [(), (), (), ()])
 
 
 def test_overlap_loop_changes_only_speed(runs) -> None:
