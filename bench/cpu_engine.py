@@ -10,7 +10,8 @@ Engine rows (each in a fresh process, one after the other, so that peak RSS is t
 - sgl float32: `quantization="none"`, the weights dequantized to float32 (the former default).
 Each row reports single-stream and batch tok/s, the seconds until the engine was ready, and
 the process's peak RSS after the single stream and then the batch. By default every row
-starts from an empty cache folder (what a first `sgl.Engine()` meets: the float row then
+starts from an empty cache folder (what a first `sgl.Engine()` meets, with the model file
+already on disk: it is found, or downloaded, once before any row; the float row then
 dequantizes the file first, the quantized one compiles its kernel); `--warm-cache` reuses
 one folder, filled by a first untimed load of each kind.
 
@@ -117,7 +118,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, float]:
     single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
     prompts, outs = workload(args.batch)
     t = time.perf_counter()
-    engine = sgl.Engine(**ENGINES[name])
+    engine = sgl.Engine(args.model, **ENGINES[name])
     ready = time.perf_counter() - t
     try:
         s = asyncio.run(sgl_single(engine, single_prompt, args.single_tokens, args.repeats))
@@ -144,13 +145,11 @@ def run_llama_cpp(args: argparse.Namespace) -> dict[str, float]:
 
     from llama_cpp import Llama
 
-    from sgl.backend.model_loader import resolve_model_path
-
     rng = random.Random(1)
     single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
     prompts, outs = workload(args.batch)
     t = time.perf_counter()
-    llm = Llama(model_path=str(resolve_model_path(None)), n_ctx=1024, n_batch=512,
+    llm = Llama(model_path=args.model, n_ctx=1024, n_batch=512,
                 n_threads=torch.get_num_threads(), seed=0, verbose=False)
     ready = time.perf_counter() - t
 
@@ -178,7 +177,7 @@ def run_llama_cpp(args: argparse.Namespace) -> dict[str, float]:
 def spawn(name: str, args: argparse.Namespace, cache: str) -> dict[str, float]:
     """Run `name` in a child process with SGL_CACHE_DIR=cache; its figures."""
     cmd = [sys.executable, __file__, "--one", name, "--single-tokens", str(args.single_tokens),
-           "--batch", str(args.batch), "--repeats", str(args.repeats)]
+           "--batch", str(args.batch), "--repeats", str(args.repeats), "--model", args.model]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SGL_CACHE_DIR": cache})
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
@@ -193,7 +192,13 @@ def main() -> None:
     ap.add_argument("--warm-cache", action="store_true", help="reuse one cache folder (filled first)")
     ap.add_argument("--repeats", type=int, default=3, help="single stream: best of this many runs")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one engine row, print JSON
+    ap.add_argument("--model", help="the GGUF file (default: the embedded default model, found "
+                                    "or downloaded once before any timing)")
     args = ap.parse_args()
+    if args.model is None:  # (outside the rows' fresh cache folders: a download is not a start)
+        from sgl.backend.model_loader import resolve_model_path
+
+        args.model = str(resolve_model_path(None))
     if args.one:
         got = run_llama_cpp(args) if args.one == LLAMA_CPP else run_one(args.one, args)
         print(json.dumps(got))
@@ -205,7 +210,7 @@ def main() -> None:
         if args.warm_cache:  # fill the cache with both kinds, untimed
             for options in ({}, {"quantization": "none"}):
                 os.environ["SGL_CACHE_DIR"] = shared
-                sgl.Engine(**options).close()
+                sgl.Engine(args.model, **options).close()
         names = [*ENGINES, *([LLAMA_CPP] if llama_cpp_available() else [])]
         for name in names:
             cache = shared if args.warm_cache else tempfile.mkdtemp(prefix="sgl-bench-")
