@@ -21,25 +21,39 @@ int sgl_cpu_ok(void) {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+// A group's 16 bytes of nibbles -> its 32 codes as four vectors of 8 int32 lanes in permute4's
+// order: w0 lanes = low nibbles of bytes 0-3 | 8-11, w1 = of bytes 4-7 | 12-15, w2 and w3 the
+// high nibbles of the same bytes. The bytes are broadcast to both 128-bit halves (a load, no
+// shuffle) and one in-lane byte shuffle per pair zero-extends four bytes to each half's dwords:
+// two shuffles per group where widening to int16 and unpacking took five (the shuffle unit
+// was the one-row loop's bottleneck).
+AVX2 INLINE void widen4(const uint8_t* p, __m256i* w0, __m256i* w1, __m256i* w2, __m256i* w3) {
+  const __m256i lo4 = _mm256_set1_epi32(0x0F);
+  const __m256i sel02 = _mm256_setr_epi8(
+      0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+      8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1);
+  const __m256i sel13 = _mm256_setr_epi8(
+      4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1,
+      12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+  __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  __m256i a = _mm256_shuffle_epi8(b, sel02), c = _mm256_shuffle_epi8(b, sel13);
+  *w0 = _mm256_and_si256(a, lo4), *w2 = _mm256_srli_epi32(a, 4);
+  *w1 = _mm256_and_si256(c, lo4), *w3 = _mm256_srli_epi32(c, 4);
+}
+
 // One output feature n, rows [m0, m0 + mc) of x. bits 4: 32-wide groups of nibbles, read
 // against `xp`, x with each group's features permuted into the order the codes widen to
 // (`permute4`): one lane-crossing widen per group instead of four. The zero term is added
 // by the caller (`zero_terms`). bits 8: int8 codes, group_size a multiple of 8.
 AVX2 INLINE void row4(const float* xp, int64_t K, int64_t m0, const int mc,
                       const uint8_t* codes, const float* s, int64_t G, float* out) {
-  const __m256i mask = _mm256_set1_epi16(0x0F);
-  const __m256i zero = _mm256_setzero_si256();
   __m256 acc[MAX_ROWS], acc_odd[MAX_ROWS];  // two chains: groups alternate between them
   for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); acc_odd[m] = _mm256_setzero_ps(); }
   for (int64_t g = 0; g < G; g++) {
-    // 16 bytes -> 16 int16 lanes: low nibbles are codes 0-15, high nibbles codes 16-31;
-    // unpacking with zero (within 128-bit halves) yields int32 codes in permute4's order.
-    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(codes + g * 16)));
-    __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi16(v, 4);
-    __m256 w0 = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(lo, zero));
-    __m256 w1 = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(lo, zero));
-    __m256 w2 = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(hi, zero));
-    __m256 w3 = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(hi, zero));
+    __m256i i0, i1, i2, i3;  // (low nibbles are codes 0-15, high nibbles codes 16-31)
+    widen4(codes + g * 16, &i0, &i1, &i2, &i3);
+    __m256 w0 = _mm256_cvtepi32_ps(i0), w1 = _mm256_cvtepi32_ps(i1);
+    __m256 w2 = _mm256_cvtepi32_ps(i2), w3 = _mm256_cvtepi32_ps(i3);
     __m256 sg = _mm256_broadcast_ss(s + g);
     for (int m = 0; m < mc; m++) {
       const float* xg = xp + (m0 + m) * K + g * 32;
@@ -130,8 +144,6 @@ AVX2 static void feature(int bits, int gs, const float* x, const float* xp, int6
 // and x loads at K = 576). Writes y[n .. n + 3] without the zero term.
 AVX2 static void four_features4(const float* xp, int64_t K, const uint8_t* codes,
                                 const float* s, int64_t G, float* y) {
-  const __m256i mask = _mm256_set1_epi16(0x0F);
-  const __m256i zero = _mm256_setzero_si256();
   const int64_t row = K / 2;
   __m256 acc[4];
   for (int f = 0; f < 4; f++) acc[f] = _mm256_setzero_ps();
@@ -140,13 +152,12 @@ AVX2 static void four_features4(const float* xp, int64_t K, const uint8_t* codes
     __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
     __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
     for (int f = 0; f < 4; f++) {
-      __m256i v = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128((const __m128i*)(codes + f * row + g * 16)));
-      __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi16(v, 4);
-      __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_unpacklo_epi16(lo, zero)), x0);
-      __m256 d2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_unpackhi_epi16(lo, zero)), x1);
-      d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_unpacklo_epi16(hi, zero)), x2, d);
-      d2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_unpackhi_epi16(hi, zero)), x3, d2);
+      __m256i i0, i1, i2, i3;
+      widen4(codes + f * row + g * 16, &i0, &i1, &i2, &i3);
+      __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(i0), x0);
+      __m256 d2 = _mm256_mul_ps(_mm256_cvtepi32_ps(i1), x1);
+      d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i2), x2, d);
+      d2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i3), x3, d2);
       acc[f] = _mm256_fmadd_ps(_mm256_add_ps(d, d2), _mm256_broadcast_ss(s + f * G + g), acc[f]);
     }
   }
