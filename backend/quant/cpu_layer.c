@@ -25,14 +25,15 @@
 #include <string.h>
 
 // A QuantizedWeight (weight.py) as raw pointers; bias may be NULL. int8: its products
-// quantize their input (cpu_int8.c), `int8_activations`.
+// quantize their input (cpu_int8.c), `int8_activations`. f16: scale and zero are float16.
 typedef struct {
   int64_t bits, group_size, in_features, out_features;
   const void* codes;
-  const float* scale;
-  const float* zero;
+  const void* scale;
+  const void* zero;
   const float* bias;
   int64_t int8;
+  int64_t f16;
 } sgl_qweight;
 
 typedef struct {
@@ -58,12 +59,12 @@ void sgl_qlinear_prepare(int bits, int gs, const float* x, int64_t M, int64_t K,
                          float* xp);
 int64_t sgl_qlinear_blocks(int64_t N);
 void sgl_qlinear_block(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
-                       const void* codes, const float* scale, const float* zero, int64_t N,
-                       const float* bias, const float* xsum, float* y, int64_t blk);
+                       const void* codes, const void* scale, const void* zero, int f16,
+                       int64_t N, const float* bias, const float* xsum, float* y, int64_t blk);
 void sgl_q8_quantize(int bits, int gs, const float* x, int64_t M, int64_t K, float* buf,
                      float* xsum, int threads);
 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, int64_t M, int64_t K,
-                  const void* codes, const float* scale, const float* zero, int64_t N,
+                  const void* codes, const void* scale, const void* zero, int f16, int64_t N,
                   const float* bias, float* y, int64_t blk);
 void sgl_rmsnorm(const float* x, const float* r, const float* w, float eps, int64_t T,
                  int64_t H, float* out, float* sum);
@@ -160,10 +161,10 @@ static void block(const sgl_qweight* w, const float* x, const float* xp, const f
   int bits = (int)w->bits, gs = (int)w->group_size;
   if (w->int8)
     sgl_q8_block(bits, gs, xp, xsum, T, w->in_features, w->codes, w->scale, w->zero,
-                 w->out_features, w->bias, y, blk);
+                 (int)w->f16, w->out_features, w->bias, y, blk);
   else
     sgl_qlinear_block(bits, gs, x, xp, T, w->in_features, w->codes, w->scale, w->zero,
-                      w->out_features, w->bias, xsum, y, blk);
+                      (int)w->f16, w->out_features, w->bias, xsum, y, blk);
 }
 
 // work: this thread's attention buffer (sgl_decode_attn_head's `work`).
