@@ -8,15 +8,13 @@
 // The per-group dot products run in float (codes converted in registers, AVX2 + FMA): the
 // result equals dequantize-then-matmul up to float32 summation order. The row sums of x per
 // group, and for 4-bit codes x permuted to the order the codes widen to, are computed once
-// per call. Threads split the output features in blocks of N_BLOCK: the helper team of
-// cpu_team.c, which never makes the caller wait for a thread the OS has not run (dequantize:
-// OpenMP, the libgomp torch loaded). Built at first use by cpu_kernel.py.
+// per call. Threads split the output features (OpenMP: the same
+// libgomp torch loaded, so the same thread pool). Built at first use by cpu_kernel.py.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "cpu_simd.h"
-#include "cpu_team.h"
 #define MAX_ROWS 8  // rows of x per pass over the weight (accumulators stay in registers)
 #define N_BLOCK 16  // output features per scheduling unit
 
@@ -272,24 +270,6 @@ AVX2 void sgl_qlinear_block(int bits, int gs, const float* x, const float* xp, i
   }
 }
 
-// sgl_qlinear_block's arguments, for the helper team (cpu_team.c).
-typedef struct {
-  int bits, gs, f16;
-  const float *x, *xp;
-  int64_t M, K;
-  const void *codes, *scale, *zero;
-  int64_t N;
-  const float *bias, *xsum;
-  float* y;
-} qlinear_job;
-
-static void qlinear_block(const void* ctx, int64_t blk, int worker) {
-  const qlinear_job* j = (const qlinear_job*)ctx;
-  (void)worker;
-  sgl_qlinear_block(j->bits, j->gs, j->x, j->xp, j->M, j->K, j->codes, j->scale, j->zero, j->f16,
-                    j->N, j->bias, j->xsum, j->y, blk);
-}
-
 // x [M, K], y [M, N] float32 row-major; codes/scale/zero as in weight.py (scale and zero
 // float16 when f16, else float32); bias may be NULL. Scratch from the caller: xsum
 // [M * K / gs], and for bits 4 xp [M * K] (NULL for bits 8).
@@ -299,15 +279,9 @@ AVX2 void sgl_qlinear_into(int bits, int gs, const float* x, int64_t M, int64_t 
                            float* xp) {
   sgl_qlinear_prepare(bits, gs, x, M, K, xsum, xp);
   int64_t blocks = sgl_qlinear_blocks(N);
-  sgl_team* team = sgl_team_begin(threads);
-  if (team == NULL) {
-    for (int64_t blk = 0; blk < blocks; blk++)
-      sgl_qlinear_block(bits, gs, x, xp, M, K, codes, scale, zero, f16, N, bias, xsum, y, blk);
-    return;
-  }
-  qlinear_job j = {bits, gs, f16, x, xp, M, K, codes, scale, zero, N, bias, xsum, y};
-  sgl_team_run(team, qlinear_block, &j, blocks);
-  sgl_team_end(team);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t blk = 0; blk < blocks; blk++)
+    sgl_qlinear_block(bits, gs, x, xp, M, K, codes, scale, zero, f16, N, bias, xsum, y, blk);
 }
 
 AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,

@@ -39,12 +39,10 @@ logger = logging.getLogger("sgl.engine")
 # ops (cpu_ops.c, wrapped by cpu_ops.py) and the one-call decode step (cpu_layer.c,
 # cpu_layer.py): one library.
 _SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("cpu_kernel.c", "cpu_int8.c", "cpu_ops.c", "cpu_layer.c",
-                              "cpu_team.c"))
+                 for name in ("cpu_kernel.c", "cpu_int8.c", "cpu_ops.c", "cpu_layer.c"))
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# Included by the sources (their hash key too).
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_team.h"))
+_HEADER = Path(__file__).with_name("cpu_simd.h")  # included by the sources (their hash key too)
 
 
 def _build(target: Path) -> None:
@@ -107,7 +105,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     from sgl.backend.model_loader import cache_dir
 
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"sgl_qlinear-{key}.so"
     try:

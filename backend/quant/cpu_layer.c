@@ -18,11 +18,11 @@
 // layer (about a third of a one-row step on SmolLM2-135M). Nothing here allocates: the
 // scratch comes from the caller, sized for `rows` by sgl_decode_scratch_floats.
 #include <immintrin.h>
+#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include "cpu_team.h"
 
 // A QuantizedWeight (weight.py) as raw pointers; bias may be NULL. int8: its products
 // quantize their input (cpu_int8.c), `int8_activations`. f16: scale and zero are float16.
@@ -112,29 +112,19 @@ int64_t sgl_decode_scratch_floats(const sgl_model* m, int64_t rows) {
   return plan_scratch(m, rows).total;
 }
 
-// Threads of one step: the helper team of cpu_team.c, one session per step. A step is ~150
-// dependent pieces of work (per layer four projections, decode attention and the small ops
-// between them); an OpenMP region or barrier per piece makes every thread wait for the
-// slowest at each of them, which costs a scheduler timeslice whenever another process holds a
-// core (measured 2-20x slower with two threads than one on a shared 2-core VM). Here the
-// calling thread runs the step and publishes each projection's blocks (those of
-// sgl_qlinear_into, so the same bits) and each layer's decode attention as (row, query head)
-// blocks (sgl_decode_attn_head: the same bits as one thread's) to the team; it waits only for
-// blocks a helper has claimed, and at the step's end for nobody.
-typedef struct {
-  sgl_team* team;
-  float* work;  // [workers, work_stride]: each worker's attention buffer
-  int64_t work_stride;
-} crew_t;
-
-// A projection as the team shares it.
-typedef struct {
-  const sgl_qweight* w;
-  const float *x, *xp, *xsum;
-  float* y;
-  int64_t rows;
-} proj_job;
-
+// Threads of one step. A step is ~150 dependent pieces of work (per layer four projections,
+// decode attention and the small ops between them); an OpenMP region or barrier per piece makes every
+// thread wait for the slowest at each of them, which costs a scheduler timeslice whenever
+// another process holds a core (measured 2-20x slower with two threads than one on a shared
+// 2-core VM). Here the step is one parallel region: thread 0 runs the step and publishes each
+// projection's blocks; helpers spin, claim blocks with a CAS and mark them done. Thread 0
+// claims blocks too and waits only for blocks someone else has *claimed*: a helper that is
+// not running claims nothing and delays nothing (its cost is one wait at the region's end).
+// A job is a projection (its blocks of output features) or a layer's decode attention (its
+// blocks are (row, query head) pairs, sgl_decode_attn_head: the same bits as one thread's).
+//
+//   job = (stage << 40) | (blocks << 20) | next_block      one atomic word: a claim is a CAS
+//                                                          on it, so it cannot hit a newer job
 // A layer's decode attention as the team shares it (layer_step's arguments).
 typedef struct {
   const sgl_model* m;
@@ -145,8 +135,25 @@ typedef struct {
   int64_t table_stride;
   const int64_t* table_rows;
   const int64_t* lens;
-  const crew_t* crew;
 } attn_job;
+
+typedef struct {
+  _Atomic uint64_t job;
+  _Atomic int64_t done;  // blocks of the current job finished
+  _Atomic int quit;
+  // The current projection (written by thread 0 before it publishes `job`; read by a helper
+  // only after it claimed a block, and not changed until every claimed block is done).
+  const sgl_qweight* w;
+  const float *x, *xp, *xsum;
+  float* y;
+  int64_t rows;
+  const attn_job* attn;  // non-NULL: the current job is this attention, not a projection
+  float* work;           // thread 0's attention buffer
+  uint64_t stage;
+} team_t;
+
+#define JOB_BITS 20
+#define JOB_MASK ((1ull << JOB_BITS) - 1)
 
 // Block `blk` of y = x @ W^T (+ b) on the input `project` prepared (int8: xp holds it quantized).
 static void block(const sgl_qweight* w, const float* x, const float* xp, const float* xsum,
@@ -160,25 +167,60 @@ static void block(const sgl_qweight* w, const float* x, const float* xp, const f
                       (int)w->f16, w->out_features, w->bias, xsum, y, blk);
 }
 
-static void proj_block(const void* ctx, int64_t blk, int worker) {
-  const proj_job* j = (const proj_job*)ctx;
-  (void)worker;
-  block(j->w, j->x, j->xp, j->xsum, j->rows, j->y, blk);
-}
-
-static void attn_block(const void* ctx, int64_t blk, int worker) {
-  const attn_job* a = (const attn_job*)ctx;
+// work: this thread's attention buffer (sgl_decode_attn_head's `work`).
+static void run_block(team_t* t, int64_t blk, float* work) {
+  const attn_job* a = t->attn;
+  if (a == NULL) {
+    block(t->w, t->x, t->xp, t->xsum, t->rows, t->y, blk);
+    return;
+  }
   const sgl_model* m = a->m;
   int64_t D = m->head_dim, qkv_w = (m->heads + 2 * m->kv_heads) * D;
   sgl_decode_attn_head(a->qkv, qkv_w, blk / m->heads, blk % m->heads, m->heads, m->kv_heads, D,
                        a->L->k_cache, a->L->v_cache, a->table, a->table_stride, a->table_rows,
-                       a->lens, m->attn_scale, a->out, (int)m->kv_kind,
-                       a->crew->work + worker * a->crew->work_stride);
+                       a->lens, m->attn_scale, a->out, (int)m->kv_kind, work);
+}
+
+// Claims and runs blocks of the current job until none is left; returns how many it ran.
+static int64_t claim_blocks(team_t* t, uint64_t stage, float* work) {
+  int64_t ran = 0;
+  for (;;) {
+    uint64_t job = atomic_load_explicit(&t->job, memory_order_acquire);
+    uint64_t next = job & JOB_MASK, blocks = (job >> JOB_BITS) & JOB_MASK;
+    if ((job >> (2 * JOB_BITS)) != stage || next >= blocks) return ran;
+    if (!atomic_compare_exchange_weak_explicit(&t->job, &job, job + 1, memory_order_acq_rel,
+                                               memory_order_relaxed))
+      continue;
+    run_block(t, (int64_t)next, work);
+    atomic_fetch_add_explicit(&t->done, 1, memory_order_release);
+    ran++;
+  }
+}
+
+static void helper_loop(team_t* t, float* work) {
+  while (!atomic_load_explicit(&t->quit, memory_order_acquire)) {
+    uint64_t job = atomic_load_explicit(&t->job, memory_order_acquire);
+    if ((job & JOB_MASK) < ((job >> JOB_BITS) & JOB_MASK))
+      claim_blocks(t, job >> (2 * JOB_BITS), work);
+    else
+      _mm_pause();
+  }
+}
+
+// Publishes the job described in t's fields as `blocks` blocks, runs its share, waits for the
+// blocks the helpers claimed. work: thread 0's attention buffer.
+static void share(team_t* t, int64_t blocks, float* work) {
+  t->stage++;
+  atomic_store_explicit(&t->done, 0, memory_order_relaxed);  // (no helper touches it now)
+  atomic_store_explicit(&t->job, (t->stage << (2 * JOB_BITS)) | ((uint64_t)blocks << JOB_BITS),
+                        memory_order_release);
+  claim_blocks(t, t->stage, work);
+  while (atomic_load_explicit(&t->done, memory_order_acquire) < blocks) _mm_pause();
 }
 
 // y [T, N] = x [T, K] @ W^T (+ b), shared with the helpers; the same blocks, so the same bits,
-// as sgl_qlinear_into. `c` NULL: alone.
-static void project(const crew_t* c, const sgl_qweight* w, const float* x, int64_t T, float* y,
+// as sgl_qlinear_into. `t` NULL: alone.
+static void project(team_t* t, const sgl_qweight* w, const float* x, int64_t T, float* y,
                     float* xsum, float* xp) {
   int bits = (int)w->bits, gs = (int)w->group_size;
   if (w->int8) {
@@ -188,31 +230,31 @@ static void project(const crew_t* c, const sgl_qweight* w, const float* x, int64
     sgl_qlinear_prepare(bits, gs, x, T, w->in_features, xsum, xp);
   }
   int64_t blocks = sgl_qlinear_blocks(w->out_features);
-  if (c == NULL) {
+  if (t == NULL) {
     for (int64_t b = 0; b < blocks; b++) block(w, x, xp, xsum, T, y, b);
     return;
   }
-  proj_job j = {w, x, xp, xsum, y, T};
-  sgl_team_run(c->team, proj_block, &j, blocks);
+  t->w = w, t->x = x, t->xp = xp, t->xsum = xsum, t->y = y, t->rows = T, t->attn = NULL;
+  share(t, blocks, NULL);
 }
 
-// Decode attention of a layer's T rows into a->out: alone, sgl_decode_attn on this thread; in
-// a team, its T * heads (row, head) blocks shared. Returns -1 when a buffer could not be had.
-static int attend(const crew_t* c, attn_job* a, int64_t T) {
+// Decode attention of a layer's T rows into `out`: alone, sgl_decode_attn on this thread; in a
+// team, its T * heads (row, head) blocks shared. Returns -1 when a buffer could not be had.
+static int attend(team_t* t, const attn_job* a, int64_t T) {
   const sgl_model* m = a->m;
   int64_t D = m->head_dim, qkv_w = (m->heads + 2 * m->kv_heads) * D;
-  if (c == NULL)
+  if (t == NULL)
     return sgl_decode_attn(a->qkv, qkv_w, NULL, T, m->heads, m->kv_heads, D, a->L->k_cache,
                            a->L->v_cache, a->table, a->table_stride, a->table_rows, a->lens,
                            m->attn_scale, a->out, 1, (int)m->kv_kind);
-  a->crew = c;
-  sgl_team_run(c->team, attn_block, a, T * m->heads);
+  t->attn = a;
+  share(t, T * m->heads, t->work);
   return 0;
 }
 
 // One decoder layer on T rows. In: x (the previous layer's output; layer 0: the embeddings),
 // residual (layer 0: none). Out: x = the MLP's output, residual = the stream before it.
-static int layer_step(const crew_t* team, const sgl_model* m, const sgl_layer* L, int first, int64_t T,
+static int layer_step(team_t* team, const sgl_model* m, const sgl_layer* L, int first, int64_t T,
                       const float* x_in, float* residual, float* s, const scratch_plan* p,
                       const int64_t* positions, const int64_t* out_loc, const int32_t* table,
                       int64_t table_stride, const int64_t* table_rows, const int64_t* lens) {
@@ -230,7 +272,7 @@ static int layer_step(const crew_t* team, const sgl_model* m, const sgl_layer* L
   sgl_rope(qkv, T, qkv_w, m->heads + m->kv_heads, D, positions, m->rope_cache, m->rope_half);
   sgl_kv_store(L->k_cache, L->v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, out_loc, T, kv,
                (int)m->kv_kind);
-  attn_job job = {m, L, qkv, attn, table, table_stride, table_rows, lens, NULL};
+  attn_job job = {m, L, qkv, attn, table, table_stride, table_rows, lens};
   if (attend(team, &job, T)) return -1;
   project(team, &L->o, attn, T, x, xsum, xp);  // [T, H]
   sgl_rmsnorm(x, residual, L->post_norm, m->eps, T, H, h, residual);
@@ -247,7 +289,7 @@ static int layer_step(const crew_t* team, const sgl_model* m, const sgl_layer* L
 //   table[table_rows[b] * table_stride ...] (its own included); scratch: of
 //   sgl_decode_scratch_floats(m, rows >= T) floats.
 // Returns 0, or -1 when decode attention could not allocate its work buffer.
-static int run_layers(const crew_t* team, const sgl_model* m, int64_t T, const float* x,
+static int run_layers(team_t* team, const sgl_model* m, int64_t T, const float* x,
                       float* residual, float* out, const int64_t* positions,
                       const int64_t* out_loc, const int32_t* table, int64_t table_stride,
                       const int64_t* table_rows, const int64_t* lens, float* scratch) {
@@ -269,18 +311,25 @@ int sgl_decode_step(const sgl_model* m, int64_t T, const float* x, float* residu
   if (threads <= 1)
     return run_layers(NULL, m, T, x, residual, out, positions, out_loc, table, table_stride,
                       table_rows, lens, scratch);
-  sgl_team* team = sgl_team_begin(threads);
-  if (team == NULL)  // (another step holds the team, or no helper thread: alone)
-    return run_layers(NULL, m, T, x, residual, out, positions, out_loc, table, table_stride,
-                      table_rows, lens, scratch);
-  // Each worker's attention buffer: one (row, head) block at a time, the longest row's keys.
+  // Each thread's attention buffer: one (row, head) block at a time, the longest row's keys.
   int64_t max_len = 0;
   for (int64_t b = 0; b < T; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-  crew_t crew = {team, NULL, max_len + m->head_dim};
-  crew.work = (float*)malloc(sizeof(float) * (size_t)(crew.work_stride * sgl_team_workers(team)));
-  int failed = run_layers(crew.work ? &crew : NULL, m, T, x, residual, out, positions, out_loc,
-                          table, table_stride, table_rows, lens, scratch);
-  sgl_team_end(team);
-  free(crew.work);
+  size_t work_bytes = sizeof(float) * (size_t)(max_len + m->head_dim);
+  team_t team = {0};
+  int failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    float* work = (float*)malloc(work_bytes);
+    if (omp_get_thread_num() == 0) {
+      team.work = work;
+      failed = work == NULL ? -1
+                            : run_layers(&team, m, T, x, residual, out, positions, out_loc,
+                                         table, table_stride, table_rows, lens, scratch);
+      atomic_store_explicit(&team.quit, 1, memory_order_release);
+    } else if (work != NULL) {  // (without a buffer a helper sits out: thread 0 runs it all)
+      helper_loop(&team, work);
+    }
+    free(work);
+  }
   return failed;
 }
