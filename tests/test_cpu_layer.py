@@ -6,6 +6,7 @@ Qwen3's q/k norm, more than MAX_ROWS rows, float weights) run the op path."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from sgl.backend.models.registry import get_model_class, resolve_architecture
 from sgl.backend.quant import cpu_kernel, cpu_layer
 from sgl.backend.quant.cpu_threads import ThreadChoice
 from sgl.backend.quant.install import _random_qweight, install_random_quantized
+from sgl.backend.quant.weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
                                 reason="no C compiler or no AVX2/FMA: the op path serves")
@@ -33,6 +35,7 @@ def _config(name: str) -> Any:
     return {
         "llama-tied": LlamaConfig(**TINY, tie_word_embeddings=True),
         "llama-8bit": LlamaConfig(**TINY, tie_word_embeddings=False),
+        "llama-f16": LlamaConfig(**TINY, tie_word_embeddings=False),
         "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=False),
         "qwen3": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
     }[name]
@@ -55,8 +58,22 @@ def tiny_quantized(name: str, seed: int = 0) -> torch.nn.Module:
             for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 n, k = proj.qweight.shape
                 proj.qweight = _random_qweight(n, k, 8, 32, CPU, 100 + i)
+    if name == "llama-f16":  # float16 scale and zero (Q4_0/Q4_1/Q8_0 on the CPU, weight.py)
+        _half_scales(model)
     model.use_kernels(resolve_kernels("auto", CPU, torch.float32))
     return model
+
+
+def _half_scales(model: torch.nn.Module) -> None:
+    """Every quantized weight's scale and zero rounded to float16 values, then kept as
+    float16 (half_scales: exact now)."""
+    for module in model.modules():
+        w = getattr(module, "qweight", None)
+        if isinstance(w, QuantizedWeight):
+            rounded = dataclasses.replace(w, scale=w.scale.half().float(),
+                                          zero=w.zero.half().float())
+            module.qweight = rounded.half_scales()
+            assert module.qweight.f16_scales
 
 
 def _snapshot(pool: FakePool) -> list[torch.Tensor]:
@@ -109,7 +126,7 @@ def threads(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["llama-tied", "llama-8bit", "qwen2-bias"])
+@pytest.mark.parametrize("name", ["llama-tied", "llama-8bit", "qwen2-bias", "llama-f16"])
 def test_one_call_step_equals_the_op_path_bitwise(name: str, threads: int,
                                                   kv_dtype: torch.dtype) -> None:
     """Also over a 16-bit pool (kv_cache_dtype): both paths round on store and widen on
@@ -126,6 +143,26 @@ def test_one_call_step_equals_the_op_path_bitwise(name: str, threads: int,
         reqs = [0, 1, 2] if step < 3 else [1]
         _decode_both_ways(model, pool, [Step(i, lengths[i] + step, [(7 * step + i) % 96])
                                         for i in reqs])
+
+
+def test_float16_scales_give_the_bits_of_float32_ones(threads: int) -> None:
+    """The same weight values with float16 and with float32 scale and zero: the same step."""
+    models = [tiny_quantized("llama-f16") for _ in range(2)]
+    for module in models[1].modules():
+        if isinstance(getattr(module, "qweight", None), QuantizedWeight):
+            module.qweight = module.qweight.float_scales()
+    models[1].use_kernels(resolve_kernels("auto", CPU, torch.float32))
+    outs = []
+    for model in models:
+        model.model.cpu_decode.thread_choice.threads = lambda cap: cap  # (no timing trial)
+        pool = _pool(model)
+        _prefill(model, pool, [[1, 2, 3, 4, 5], [7, 8]])
+        fb = make_forward_batch(pool, TorchAttentionBackend(fused_cpu=True),
+                                [Step(0, 5, [9]), Step(1, 2, [10])], ForwardMode.DECODE)
+        outs.append(model.model.cpu_decode.run(model.model.embed_tokens(fb.input_ids), fb))
+    assert models[0].model.layers[0].mlp.down_proj.qweight.f16_scales
+    assert not models[1].model.layers[0].mlp.down_proj.qweight.f16_scales
+    assert outs[0] is not None and outs[1] is not None and torch.equal(outs[0], outs[1])
 
 
 def test_more_rows_than_the_gemv_limit_take_the_op_path() -> None:

@@ -273,6 +273,7 @@ static int32_t tail_dot(int bits, int gs, const int8_t* q, const void* codes) {
 
 // y for rows [m, m + R) and features [n, n + F) from the tile's sums `out`: the trailing
 // group, the zero terms the tile left out (ONE_ROW: all; otherwise the trailing group's), bias.
+// scale, zero: the tile's F features' [F, G] (float32).
 AVX2 static void finish(int bits, int gs, int mode, const q8_act* a, const float* xsum,
                         int64_t K, const void* codes, int64_t cstride, const float* scale,
                         const float* zero, int64_t N, const float* bias, int64_t m, int R,
@@ -281,15 +282,15 @@ AVX2 static void finish(int bits, int gs, int mode, const q8_act* a, const float
   for (int r = 0; r < R; r++)
     for (int f = 0; f < F; f++) {
       int64_t row = m + r, feat = n + f;
-      const float *z = zero + feat * G, *xs = xsum + row * G;
+      const float *z = zero + f * G, *xs = xsum + row * G;
       float v = out[r * F + f];
       if (k_tail < K) {
         const uint8_t* c =
             (const uint8_t*)codes + feat * cstride + (bits == 4 ? k_tail / 2 : k_tail);
-        v += scale[feat * G + G - 1] * a->dx[row * G + G - 1] *
+        v += scale[f * G + G - 1] * a->dx[row * G + G - 1] *
              (float)tail_dot(bits, gs, a->qx + row * K + k_tail, c);
       }
-      if (mode == ONE_ROW) v += zero_term(z, xs, G);
+      if (mode == ONE_ROW) v += zero_term(z, 0, xs, G);
       else if (k_tail < K) v += z[G - 1] * xs[G - 1];
       y[row * N + feat] = v + (bias ? bias[feat] : 0.0f);
     }
@@ -304,14 +305,17 @@ static int any_zero(const float* zero, int64_t n) {
 
 // Output features [blk * Q8_BLOCK, ...) of every row, complete (zero term and bias added), from
 // the activation buffer of sgl_q8_quantize. The tiles depend only on M and the block, so any
-// split of the blocks over threads gives the same bits.
+// split of the blocks over threads gives the same bits. scale, zero: float16 when f16 (each
+// tile's widened first, group_floats), else float32.
 AVX2 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, int64_t M,
-                       int64_t K, const void* codes, const float* scale, const float* zero,
-                       int64_t N, const float* bias, float* y, int64_t blk) {
+                       int64_t K, const void* codes, const void* scale_in, const void* zero_in,
+                       int f16, int64_t N, const float* bias, float* y, int64_t blk) {
   const q8_act a = act_layout((float*)buf, bits, gs, M, K);
   const int64_t S = a.S, G = a.G, cstride = bits == 4 ? K / 2 : K;
   const int64_t n0 = blk * Q8_BLOCK, end = n0 + Q8_BLOCK < N ? n0 + Q8_BLOCK : N;
+  const int64_t gb = f16 ? 2 : 4;  // bytes per scale or zero
   float lanes_s[2 * (S > 0 ? S : 1) * 8], lanes_z[2 * (S > 0 ? S : 1) * 8];
+  float sbuf[f16 ? 4 * G : 1], zbuf[f16 ? 4 * G : 1];
   float out[Q8_ROWS * 4];
   for (int64_t m0 = 0; m0 < M; m0 += Q8_CHUNK) {
     const int64_t rows = M - m0 < Q8_CHUNK ? M - m0 : Q8_CHUNK;
@@ -320,14 +324,16 @@ AVX2 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, in
     for (int64_t n = n0; n < end;) {
       const int F = end - n >= wide ? wide : 1;
       int mode = ONE_ROW;
-      const float *sv = scale + n * G, *zv = NULL;
+      const float* scale = group_floats((const char*)scale_in + n * G * gb, f16, F * G, sbuf);
+      const float* zero = group_floats((const char*)zero_in + n * G * gb, f16, F * G, zbuf);
+      const float *sv = scale, *zv = NULL;
       if (rows > 1) {
         for (int f = 0; f < F; f++) {
-          lanes(bits, gs, scale + (n + f) * G, S, 1.0f, lanes_s + f * S * 8);
-          lanes(bits, gs, zero + (n + f) * G, S, 1.0f, lanes_z + f * S * 8);
+          lanes(bits, gs, scale + f * G, S, 1.0f, lanes_s + f * S * 8);
+          lanes(bits, gs, zero + f * G, S, 1.0f, lanes_z + f * S * 8);
         }
         sv = lanes_s, zv = lanes_z;
-        mode = any_zero(zero + n * G, F * G) ? LAID_ZERO : LAID;
+        mode = any_zero(zero, F * G) ? LAID_ZERO : LAID;
       }
       const uint8_t* c = (const uint8_t*)codes + n * cstride;
       for (int64_t m = m0; m < m0 + rows; m += Q8_ROWS) {
@@ -345,7 +351,7 @@ AVX2 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, in
 // y [M, N] = x [M, K] @ W^T (+ bias) with x quantized per group (module comment). Threads split
 // the blocks of output features (OpenMP, as sgl_qlinear_into). Returns -1 if out of memory.
 AVX2 int sgl_q8_linear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
-                       const float* scale, const float* zero, int64_t N, const float* bias,
+                       const void* scale, const void* zero, int f16, int64_t N, const float* bias,
                        float* y, int threads) {
   float* buf = (float*)malloc(sizeof(float) * (size_t)sgl_q8_floats(bits, gs, M, K));
   float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * (K / gs) + 1));
@@ -358,7 +364,7 @@ AVX2 int sgl_q8_linear(int bits, int gs, const float* x, int64_t M, int64_t K, c
   int64_t blocks = sgl_qlinear_blocks(N);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t blk = 0; blk < blocks; blk++)
-    sgl_q8_block(bits, gs, buf, xsum, M, K, codes, scale, zero, N, bias, y, blk);
+    sgl_q8_block(bits, gs, buf, xsum, M, K, codes, scale, zero, f16, N, bias, y, blk);
   free(buf);
   free(xsum);
   return 0;

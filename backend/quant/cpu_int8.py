@@ -39,8 +39,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.sgl_q8_quantize.restype = None
     lib.sgl_q8_floats.argtypes = [_INT, _INT, _I64, _I64]
     lib.sgl_q8_floats.restype = _I64
-    lib.sgl_q8_linear.argtypes = [_INT, _INT, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                                  _PTR, _INT]
+    lib.sgl_q8_linear.argtypes = [_INT, _INT, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT, _I64,
+                                  _PTR, _PTR, _INT]
     lib.sgl_q8_linear.restype = _INT
 
 
@@ -95,7 +95,7 @@ def int8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
     y = torch.empty(m, w.out_features, dtype=torch.float32)
     failed = _lib().sgl_q8_linear(
         w.bits, w.group_size, x.data_ptr(), m, w.in_features, w.codes.data_ptr(),
-        w.scale.data_ptr(), w.zero.data_ptr(), w.out_features,
+        w.scale.data_ptr(), w.zero.data_ptr(), int(w.f16_scales), w.out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
     if failed:
         raise MemoryError(f"int8 linear: no memory for the quantized input of {m} rows")

@@ -1,5 +1,7 @@
 // sgl's CPU kernels for QuantizedWeight (backend/quant/weight.py): y = x @ W^T + b with W
-// kept as integer codes and per-group float scale/zero, activations float32.
+// kept as integer codes and per-group float scale/zero (float32, or float16 where that is
+// exact: `f16`; widened to float32 a feature or four at a time, group_floats, so the
+// arithmetic is the same either way), activations float32.
 //
 //   y[m, n] = sum_g scale[n, g] * dot(code[n, g, :], x[m, g, :]) + zero[n, g] * sum(x[m, g, :])
 //
@@ -18,7 +20,28 @@
 
 int sgl_cpu_ok(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+// A group's 16 bytes of nibbles -> its 32 codes as four vectors of 8 int32 lanes in permute4's
+// order: w0 lanes = low nibbles of bytes 0-3 | 8-11, w1 = of bytes 4-7 | 12-15, w2 and w3 the
+// high nibbles of the same bytes. The bytes are broadcast to both 128-bit halves (a load, no
+// shuffle) and one in-lane byte shuffle per pair zero-extends four bytes to each half's dwords:
+// two shuffles per group where widening to int16 and unpacking took five (the shuffle unit
+// was the one-row loop's bottleneck).
+AVX2 INLINE void widen4(const uint8_t* p, __m256i* w0, __m256i* w1, __m256i* w2, __m256i* w3) {
+  const __m256i lo4 = _mm256_set1_epi32(0x0F);
+  const __m256i sel02 = _mm256_setr_epi8(
+      0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+      8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1);
+  const __m256i sel13 = _mm256_setr_epi8(
+      4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1,
+      12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+  __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  __m256i a = _mm256_shuffle_epi8(b, sel02), c = _mm256_shuffle_epi8(b, sel13);
+  *w0 = _mm256_and_si256(a, lo4), *w2 = _mm256_srli_epi32(a, 4);
+  *w1 = _mm256_and_si256(c, lo4), *w3 = _mm256_srli_epi32(c, 4);
 }
 
 // One output feature n, rows [m0, m0 + mc) of x. bits 4: 32-wide groups of nibbles, read
@@ -27,19 +50,13 @@ int sgl_cpu_ok(void) {
 // by the caller (`zero_terms`). bits 8: int8 codes, group_size a multiple of 8.
 AVX2 INLINE void row4(const float* xp, int64_t K, int64_t m0, const int mc,
                       const uint8_t* codes, const float* s, int64_t G, float* out) {
-  const __m256i mask = _mm256_set1_epi16(0x0F);
-  const __m256i zero = _mm256_setzero_si256();
   __m256 acc[MAX_ROWS], acc_odd[MAX_ROWS];  // two chains: groups alternate between them
   for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); acc_odd[m] = _mm256_setzero_ps(); }
   for (int64_t g = 0; g < G; g++) {
-    // 16 bytes -> 16 int16 lanes: low nibbles are codes 0-15, high nibbles codes 16-31;
-    // unpacking with zero (within 128-bit halves) yields int32 codes in permute4's order.
-    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(codes + g * 16)));
-    __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi16(v, 4);
-    __m256 w0 = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(lo, zero));
-    __m256 w1 = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(lo, zero));
-    __m256 w2 = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(hi, zero));
-    __m256 w3 = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(hi, zero));
+    __m256i i0, i1, i2, i3;  // (low nibbles are codes 0-15, high nibbles codes 16-31)
+    widen4(codes + g * 16, &i0, &i1, &i2, &i3);
+    __m256 w0 = _mm256_cvtepi32_ps(i0), w1 = _mm256_cvtepi32_ps(i1);
+    __m256 w2 = _mm256_cvtepi32_ps(i2), w3 = _mm256_cvtepi32_ps(i3);
     __m256 sg = _mm256_broadcast_ss(s + g);
     for (int m = 0; m < mc; m++) {
       const float* xg = xp + (m0 + m) * K + g * 32;
@@ -64,10 +81,10 @@ static void permute4(const float* x, int64_t n, float* xp) {
 }
 
 // sum over groups of zero[n, g] * (sum of x[m]'s group g), for rows [m0, m0 + mc).
-AVX2 INLINE void zero_terms(const float* z, const float* xsum, int64_t G, int64_t m0, int mc,
-                            float* out) {
+AVX2 INLINE void zero_terms(const void* z, int f16, const float* xsum, int64_t G, int64_t m0,
+                            int mc, float* out) {
   for (int m = 0; m < mc; m++) {
-    out[m] += zero_term(z, xsum + (m0 + m) * G, G);
+    out[m] += zero_term(z, f16, xsum + (m0 + m) * G, G);
   }
 }
 
@@ -97,12 +114,11 @@ AVX2 INLINE void row8(const float* x, int64_t K, int64_t m0, const int mc,
   case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; \
   case 7: CALL(7); break; default: CALL(8); break; }
 
+// Output feature n, every row; s: its G scales (float32), z: its G zeros (float16 if f16).
 AVX2 static void feature(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
-                         const void* codes, const float* scale, const float* zero, int64_t n,
+                         const void* codes, const float* s, const void* z, int f16, int64_t n,
                          int64_t N, const float* bias, const float* xsum, int64_t G, float* y) {
   float out[MAX_ROWS];
-  const float* s = scale + n * G;
-  const float* z = zero + n * G;
   for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
     int mc = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
     if (bits == 4) {
@@ -118,7 +134,7 @@ AVX2 static void feature(int bits, int gs, const float* x, const float* xp, int6
 #define CALL8_16(R) row8(x, K, m0, R, c, s, 16, G, out)
       DISPATCH(CALL8_16)
     }
-    zero_terms(z, xsum, G, m0, mc, out);
+    zero_terms(z, f16, xsum, G, m0, mc, out);
     float b = bias ? bias[n] : 0.0f;
     for (int m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] + b;
   }
@@ -130,8 +146,6 @@ AVX2 static void feature(int bits, int gs, const float* x, const float* xp, int6
 // and x loads at K = 576). Writes y[n .. n + 3] without the zero term.
 AVX2 static void four_features4(const float* xp, int64_t K, const uint8_t* codes,
                                 const float* s, int64_t G, float* y) {
-  const __m256i mask = _mm256_set1_epi16(0x0F);
-  const __m256i zero = _mm256_setzero_si256();
   const int64_t row = K / 2;
   __m256 acc[4];
   for (int f = 0; f < 4; f++) acc[f] = _mm256_setzero_ps();
@@ -140,31 +154,75 @@ AVX2 static void four_features4(const float* xp, int64_t K, const uint8_t* codes
     __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
     __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
     for (int f = 0; f < 4; f++) {
-      __m256i v = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128((const __m128i*)(codes + f * row + g * 16)));
-      __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi16(v, 4);
-      __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_unpacklo_epi16(lo, zero)), x0);
-      __m256 d2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_unpackhi_epi16(lo, zero)), x1);
-      d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_unpacklo_epi16(hi, zero)), x2, d);
-      d2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_unpackhi_epi16(hi, zero)), x3, d2);
+      __m256i i0, i1, i2, i3;
+      widen4(codes + f * row + g * 16, &i0, &i1, &i2, &i3);
+      __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(i0), x0);
+      __m256 d2 = _mm256_mul_ps(_mm256_cvtepi32_ps(i1), x1);
+      d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i2), x2, d);
+      d2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i3), x3, d2);
       acc[f] = _mm256_fmadd_ps(_mm256_add_ps(d, d2), _mm256_broadcast_ss(s + f * G + g), acc[f]);
     }
   }
   for (int f = 0; f < 4; f++) y[f] = hsum8(acc[f]);
 }
 
-// Features [n0, end) for one row of 4-bit codes: four at a time, the rest one by one.
-AVX2 static void single_row4(const float* xp, int64_t K, const void* codes, const float* scale,
-                             const float* zero, int64_t n0, int64_t end, const float* bias,
+// Features [n, n + c), c <= 4, for one row of 4-bit codes: four together (c = 4), else one by
+// one. s: their [c, G] scales (float32), z: their zeros (float16 if f16).
+AVX2 static void single_row4(const float* xp, int64_t K, const void* codes, const float* s,
+                             const void* z, int f16, int64_t n, int64_t c, const float* bias,
                              const float* xsum, int64_t G, float* y) {
-  int64_t n = n0;
-  for (; n + 4 <= end; n += 4)
-    four_features4(xp, K, (const uint8_t*)codes + n * (K / 2), scale + n * G, G, y + n);
-  for (; n < end; n++)
-    row4(xp, K, 0, 1, (const uint8_t*)codes + n * (K / 2), scale + n * G, G, y + n);
-  for (n = n0; n < end; n++) {
-    zero_terms(zero + n * G, xsum, G, 0, 1, y + n);
-    if (bias) y[n] += bias[n];
+  const uint8_t* first = (const uint8_t*)codes + n * (K / 2);
+  if (c == 4)
+    four_features4(xp, K, first, s, G, y + n);
+  else
+    for (int64_t f = 0; f < c; f++) row4(xp, K, 0, 1, first + f * (K / 2), s + f * G, G, y + n + f);
+  for (int64_t f = 0; f < c; f++) {
+    zero_terms((const char*)z + f * G * group_bytes(f16), f16, xsum, G, 0, 1, y + n + f);
+    if (bias) y[n + f] += bias[n + f];
+  }
+}
+
+// One row of x, 8-bit codes in groups of GS: four output features [n, n + 4) side by side,
+// each with row8's arithmetic for one row (so the same bits). One feature alone is a chain of
+// dependent FMAs (the group's dot, then the accumulator: latency-bound, ~14 GB/s on the tied
+// head at two threads); four interleaved chains keep the FMA units busy. Writes y[0 .. 3]
+// without the zero term.
+AVX2 INLINE void four_features8(const float* x, int64_t K, const int8_t* codes, const float* s,
+                                const int GS, int64_t G, float* y) {
+  __m256 acc[4];
+  for (int f = 0; f < 4; f++) acc[f] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m256 d[4];
+    for (int f = 0; f < 4; f++) {
+      d[f] = _mm256_setzero_ps();
+      _mm_prefetch((const char*)codes + (8 + f) * K + g * GS, _MM_HINT_T0);
+    }
+    for (int v = 0; v < GS; v += 8) {
+      __m256 xv = _mm256_loadu_ps(x + g * GS + v);
+      for (int f = 0; f < 4; f++) {
+        __m128i q = _mm_loadl_epi64((const __m128i*)(codes + f * K + g * GS + v));
+        d[f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), xv, d[f]);
+      }
+    }
+    for (int f = 0; f < 4; f++) acc[f] = _mm256_fmadd_ps(d[f], _mm256_set1_ps(s[f * G + g]), acc[f]);
+  }
+  for (int f = 0; f < 4; f++) y[f] = hsum8(acc[f]);
+}
+
+// Features [n, n + 4) of one row of 8-bit codes, complete: as `feature` computes each (its
+// zero term, then its bias or +0.0f), four at a time.
+AVX2 static void single_row8(int gs, const float* x, int64_t K, const void* codes,
+                             const float* s, const void* z, int f16, int64_t n,
+                             const float* bias, const float* xsum, int64_t G, float* y) {
+  float out[4];
+  const int8_t* first = (const int8_t*)codes + n * K;
+  if (gs == 32)  // (constant group sizes: the inner loop unrolls)
+    four_features8(x, K, first, s, 32, G, out);
+  else
+    four_features8(x, K, first, s, 16, G, out);
+  for (int f = 0; f < 4; f++) {
+    zero_terms((const char*)z + f * G * group_bytes(f16), f16, xsum, G, 0, 1, out + f);
+    y[n + f] = out[f] + (bias ? bias[n + f] : 0.0f);
   }
 }
 
@@ -183,55 +241,69 @@ AVX2 void sgl_qlinear_prepare(int bits, int gs, const float* x, int64_t M, int64
 
 int64_t sgl_qlinear_blocks(int64_t N) { return (N + N_BLOCK - 1) / N_BLOCK; }
 
-// Output features [blk * N_BLOCK, ...) of every row: the unit threads share out. How a block
-// groups its features (fours, then one by one) depends only on the block, so any split of the
-// blocks over threads gives the same bits.
+// Output features [blk * N_BLOCK, ...) of every row: the unit threads share out, four
+// features at a time (their float16 scales widened together, group_floats). How a
+// block groups its features (one row of 4-bit codes: fours, then one by one) depends only on
+// the block, so any split of the blocks over threads gives the same bits.
 AVX2 void sgl_qlinear_block(int bits, int gs, const float* x, const float* xp, int64_t M,
-                            int64_t K, const void* codes, const float* scale, const float* zero,
-                            int64_t N, const float* bias, const float* xsum, float* y,
+                            int64_t K, const void* codes, const void* scale, const void* zero,
+                            int f16, int64_t N, const float* bias, const float* xsum, float* y,
                             int64_t blk) {
-  int64_t G = K / gs;
+  int64_t G = K / gs, gb = group_bytes(f16);
   int64_t end = (blk + 1) * N_BLOCK < N ? (blk + 1) * N_BLOCK : N;
-  if (bits == 4 && M == 1) {
-    single_row4(xp, K, codes, scale, zero, blk * N_BLOCK, end, bias, xsum, G, y);
-    return;
+  float sbuf[f16 ? 4 * G : 1];
+  for (int64_t n = blk * N_BLOCK; n < end; n += 4) {
+    int64_t c = end - n < 4 ? end - n : 4;
+    const float* s = group_floats((const char*)scale + n * G * gb, f16, c * G, sbuf);
+    const char* z = (const char*)zero + n * G * gb;
+    if (bits == 4 && M == 1) {
+      single_row4(xp, K, codes, s, z, f16, n, c, bias, xsum, G, y);
+      continue;
+    }
+    if (bits == 8 && M == 1 && c == 4) {
+      single_row8(gs, x, K, codes, s, z, f16, n, bias, xsum, G, y);
+      continue;
+    }
+    for (int64_t f = 0; f < c; f++)
+      feature(bits, gs, x, xp, M, K, codes, s + f * G, z + f * G * gb, f16, n + f, N, bias,
+              xsum, G, y);
   }
-  for (int64_t n = blk * N_BLOCK; n < end; n++)
-    feature(bits, gs, x, xp, M, K, codes, scale, zero, n, N, bias, xsum, G, y);
 }
 
-// x [M, K], y [M, N] float32 row-major; codes/scale/zero as in weight.py; bias may be NULL.
-// Scratch from the caller: xsum [M * K / gs], and for bits 4 xp [M * K] (NULL for bits 8).
+// x [M, K], y [M, N] float32 row-major; codes/scale/zero as in weight.py (scale and zero
+// float16 when f16, else float32); bias may be NULL. Scratch from the caller: xsum
+// [M * K / gs], and for bits 4 xp [M * K] (NULL for bits 8).
 AVX2 void sgl_qlinear_into(int bits, int gs, const float* x, int64_t M, int64_t K,
-                           const void* codes, const float* scale, const float* zero, int64_t N,
-                           const float* bias, float* y, int threads, float* xsum, float* xp) {
+                           const void* codes, const void* scale, const void* zero, int f16,
+                           int64_t N, const float* bias, float* y, int threads, float* xsum,
+                           float* xp) {
   sgl_qlinear_prepare(bits, gs, x, M, K, xsum, xp);
   int64_t blocks = sgl_qlinear_blocks(N);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t blk = 0; blk < blocks; blk++)
-    sgl_qlinear_block(bits, gs, x, xp, M, K, codes, scale, zero, N, bias, xsum, y, blk);
+    sgl_qlinear_block(bits, gs, x, xp, M, K, codes, scale, zero, f16, N, bias, xsum, y, blk);
 }
 
 AVX2 void sgl_qlinear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
-                      const float* scale, const float* zero, int64_t N, const float* bias,
-                      float* y, int threads) {
+                      const void* scale, const void* zero, int f16, int64_t N,
+                      const float* bias, float* y, int threads) {
   int64_t G = K / gs;
   float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * G > 0 ? M * G : 1));
   float* xp = bits == 4 ? (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1)) : NULL;
-  sgl_qlinear_into(bits, gs, x, M, K, codes, scale, zero, N, bias, y, threads, xsum, xp);
+  sgl_qlinear_into(bits, gs, x, M, K, codes, scale, zero, f16, N, bias, y, threads, xsum, xp);
   free(xsum);
   free(xp);
 }
 
 // out [N, K] float32 = the dequantized weight (the prefill path: then one float matmul).
-void sgl_qdequant(int bits, int gs, const void* codes, const float* scale, const float* zero,
-                  int64_t N, int64_t K, float* out, int threads) {
+AVX2 void sgl_qdequant(int bits, int gs, const void* codes, const void* scale, const void* zero,
+                       int f16, int64_t N, int64_t K, float* out, int threads) {
   int64_t G = K / gs;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n++) {
     float* o = out + n * K;
     for (int64_t g = 0; g < G; g++) {
-      float s = scale[n * G + g], z = zero[n * G + g];
+      float s = group_float(scale, f16, n * G + g), z = group_float(zero, f16, n * G + g);
       if (bits == 4) {
         const uint8_t* c = (const uint8_t*)codes + n * (K / 2) + g * 16;
         for (int i = 0; i < 16; i++) {

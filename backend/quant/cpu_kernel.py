@@ -83,7 +83,7 @@ def start_build() -> None:
 
 @functools.cache
 def likely_available() -> bool:
-    """Whether the library should build here (x86-64, a C compiler, AVX2 and FMA listed),
+    """Whether the library should build here (x86-64, a C compiler, AVX2, FMA and F16C listed),
     decided without building it; `available()` is the answer."""
     if _resolved:
         return _resolved[0] is not None
@@ -93,7 +93,7 @@ def likely_available() -> bool:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return True  # (not Linux: the build and its CPU check decide)
-    return "avx2" in flags and "fma" in flags
+    return "avx2" in flags and "fma" in flags and "f16c" in flags  # (every AVX2 CPU has F16C)
 
 
 def _compiler() -> str | None:
@@ -117,10 +117,10 @@ def _load() -> ctypes.CDLL | None:
         return None
     if not lib.sgl_cpu_ok():
         return None
-    lib.sgl_qlinear.argtypes = [_INT, _INT, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR,
-                                _INT]
+    lib.sgl_qlinear.argtypes = [_INT, _INT, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT, _I64, _PTR,
+                                _PTR, _INT]
     lib.sgl_qlinear.restype = None
-    lib.sgl_qdequant.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
+    lib.sgl_qdequant.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _INT, _I64, _I64, _PTR, _INT]
     lib.sgl_qdequant.restype = None
     from sgl.backend.quant import cpu_int8, cpu_layer, cpu_ops
 
@@ -141,7 +141,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> t
     m = x.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.float32)
     lib.sgl_qlinear(w.bits, w.group_size, x.data_ptr(), m, w.in_features, w.codes.data_ptr(),
-                    w.scale.data_ptr(), w.zero.data_ptr(), w.out_features,
+                    w.scale.data_ptr(), w.zero.data_ptr(), int(w.f16_scales), w.out_features,
                     None if bias is None else bias.data_ptr(), y.data_ptr(),
                     torch.get_num_threads())
     return y
@@ -158,5 +158,5 @@ def dequantize(w: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
     out = torch.empty(n, w.in_features, dtype=torch.float32)
     lib.sgl_qdequant(w.bits, w.group_size, w.codes[start].data_ptr() if n else 0,
                      w.scale[start].data_ptr() if n else 0, w.zero[start].data_ptr() if n else 0,
-                     n, w.in_features, out.data_ptr(), torch.get_num_threads())
+                     int(w.f16_scales), n, w.in_features, out.data_ptr(), torch.get_num_threads())
     return out

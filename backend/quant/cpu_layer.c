@@ -21,17 +21,19 @@
 #include <omp.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 // A QuantizedWeight (weight.py) as raw pointers; bias may be NULL. int8: its products
-// quantize their input (cpu_int8.c), `int8_activations`.
+// quantize their input (cpu_int8.c), `int8_activations`. f16: scale and zero are float16.
 typedef struct {
   int64_t bits, group_size, in_features, out_features;
   const void* codes;
-  const float* scale;
-  const float* zero;
+  const void* scale;
+  const void* zero;
   const float* bias;
   int64_t int8;
+  int64_t f16;
 } sgl_qweight;
 
 typedef struct {
@@ -57,12 +59,12 @@ void sgl_qlinear_prepare(int bits, int gs, const float* x, int64_t M, int64_t K,
                          float* xp);
 int64_t sgl_qlinear_blocks(int64_t N);
 void sgl_qlinear_block(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
-                       const void* codes, const float* scale, const float* zero, int64_t N,
-                       const float* bias, const float* xsum, float* y, int64_t blk);
+                       const void* codes, const void* scale, const void* zero, int f16,
+                       int64_t N, const float* bias, const float* xsum, float* y, int64_t blk);
 void sgl_q8_quantize(int bits, int gs, const float* x, int64_t M, int64_t K, float* buf,
                      float* xsum, int threads);
 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, int64_t M, int64_t K,
-                  const void* codes, const float* scale, const float* zero, int64_t N,
+                  const void* codes, const void* scale, const void* zero, int f16, int64_t N,
                   const float* bias, float* y, int64_t blk);
 void sgl_rmsnorm(const float* x, const float* r, const float* w, float eps, int64_t T,
                  int64_t H, float* out, float* sum);
@@ -75,6 +77,10 @@ int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows, int
                     int64_t heads, int64_t kvh, int64_t D, const void* kbuf, const void* vbuf,
                     const int32_t* table, int64_t table_stride, const int64_t* table_rows,
                     const int64_t* lens, float scale, float* out, int threads, int kind);
+void sgl_decode_attn_head(const float* q, int64_t q_stride, int64_t b, int64_t hq, int64_t heads,
+                          int64_t kvh, int64_t D, const void* kbuf, const void* vbuf,
+                          const int32_t* table, int64_t table_stride, const int64_t* table_rows,
+                          const int64_t* lens, float scale, float* out, int kind, float* work);
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
   int64_t m = a > b ? a : b;
@@ -106,17 +112,31 @@ int64_t sgl_decode_scratch_floats(const sgl_model* m, int64_t rows) {
   return plan_scratch(m, rows).total;
 }
 
-// Threads of one step. A step is ~150 dependent pieces of work (per layer four projections
-// and the small ops between them); an OpenMP region or barrier per projection makes every
+// Threads of one step. A step is ~150 dependent pieces of work (per layer four projections,
+// decode attention and the small ops between them); an OpenMP region or barrier per piece makes every
 // thread wait for the slowest at each of them, which costs a scheduler timeslice whenever
 // another process holds a core (measured 2-20x slower with two threads than one on a shared
 // 2-core VM). Here the step is one parallel region: thread 0 runs the step and publishes each
 // projection's blocks; helpers spin, claim blocks with a CAS and mark them done. Thread 0
 // claims blocks too and waits only for blocks someone else has *claimed*: a helper that is
 // not running claims nothing and delays nothing (its cost is one wait at the region's end).
+// A job is a projection (its blocks of output features) or a layer's decode attention (its
+// blocks are (row, query head) pairs, sgl_decode_attn_head: the same bits as one thread's).
 //
 //   job = (stage << 40) | (blocks << 20) | next_block      one atomic word: a claim is a CAS
 //                                                          on it, so it cannot hit a newer job
+// A layer's decode attention as the team shares it (layer_step's arguments).
+typedef struct {
+  const sgl_model* m;
+  const sgl_layer* L;
+  const float* qkv;
+  float* out;
+  const int32_t* table;
+  int64_t table_stride;
+  const int64_t* table_rows;
+  const int64_t* lens;
+} attn_job;
+
 typedef struct {
   _Atomic uint64_t job;
   _Atomic int64_t done;  // blocks of the current job finished
@@ -127,6 +147,8 @@ typedef struct {
   const float *x, *xp, *xsum;
   float* y;
   int64_t rows;
+  const attn_job* attn;  // non-NULL: the current job is this attention, not a projection
+  float* work;           // thread 0's attention buffer
   uint64_t stage;
 } team_t;
 
@@ -139,18 +161,28 @@ static void block(const sgl_qweight* w, const float* x, const float* xp, const f
   int bits = (int)w->bits, gs = (int)w->group_size;
   if (w->int8)
     sgl_q8_block(bits, gs, xp, xsum, T, w->in_features, w->codes, w->scale, w->zero,
-                 w->out_features, w->bias, y, blk);
+                 (int)w->f16, w->out_features, w->bias, y, blk);
   else
     sgl_qlinear_block(bits, gs, x, xp, T, w->in_features, w->codes, w->scale, w->zero,
-                      w->out_features, w->bias, xsum, y, blk);
+                      (int)w->f16, w->out_features, w->bias, xsum, y, blk);
 }
 
-static void run_block(team_t* t, int64_t blk) {
-  block(t->w, t->x, t->xp, t->xsum, t->rows, t->y, blk);
+// work: this thread's attention buffer (sgl_decode_attn_head's `work`).
+static void run_block(team_t* t, int64_t blk, float* work) {
+  const attn_job* a = t->attn;
+  if (a == NULL) {
+    block(t->w, t->x, t->xp, t->xsum, t->rows, t->y, blk);
+    return;
+  }
+  const sgl_model* m = a->m;
+  int64_t D = m->head_dim, qkv_w = (m->heads + 2 * m->kv_heads) * D;
+  sgl_decode_attn_head(a->qkv, qkv_w, blk / m->heads, blk % m->heads, m->heads, m->kv_heads, D,
+                       a->L->k_cache, a->L->v_cache, a->table, a->table_stride, a->table_rows,
+                       a->lens, m->attn_scale, a->out, (int)m->kv_kind, work);
 }
 
 // Claims and runs blocks of the current job until none is left; returns how many it ran.
-static int64_t claim_blocks(team_t* t, uint64_t stage) {
+static int64_t claim_blocks(team_t* t, uint64_t stage, float* work) {
   int64_t ran = 0;
   for (;;) {
     uint64_t job = atomic_load_explicit(&t->job, memory_order_acquire);
@@ -159,20 +191,31 @@ static int64_t claim_blocks(team_t* t, uint64_t stage) {
     if (!atomic_compare_exchange_weak_explicit(&t->job, &job, job + 1, memory_order_acq_rel,
                                                memory_order_relaxed))
       continue;
-    run_block(t, (int64_t)next);
+    run_block(t, (int64_t)next, work);
     atomic_fetch_add_explicit(&t->done, 1, memory_order_release);
     ran++;
   }
 }
 
-static void helper_loop(team_t* t) {
+static void helper_loop(team_t* t, float* work) {
   while (!atomic_load_explicit(&t->quit, memory_order_acquire)) {
     uint64_t job = atomic_load_explicit(&t->job, memory_order_acquire);
     if ((job & JOB_MASK) < ((job >> JOB_BITS) & JOB_MASK))
-      claim_blocks(t, job >> (2 * JOB_BITS));
+      claim_blocks(t, job >> (2 * JOB_BITS), work);
     else
       _mm_pause();
   }
+}
+
+// Publishes the job described in t's fields as `blocks` blocks, runs its share, waits for the
+// blocks the helpers claimed. work: thread 0's attention buffer.
+static void share(team_t* t, int64_t blocks, float* work) {
+  t->stage++;
+  atomic_store_explicit(&t->done, 0, memory_order_relaxed);  // (no helper touches it now)
+  atomic_store_explicit(&t->job, (t->stage << (2 * JOB_BITS)) | ((uint64_t)blocks << JOB_BITS),
+                        memory_order_release);
+  claim_blocks(t, t->stage, work);
+  while (atomic_load_explicit(&t->done, memory_order_acquire) < blocks) _mm_pause();
 }
 
 // y [T, N] = x [T, K] @ W^T (+ b), shared with the helpers; the same blocks, so the same bits,
@@ -191,13 +234,22 @@ static void project(team_t* t, const sgl_qweight* w, const float* x, int64_t T, 
     for (int64_t b = 0; b < blocks; b++) block(w, x, xp, xsum, T, y, b);
     return;
   }
-  t->w = w, t->x = x, t->xp = xp, t->xsum = xsum, t->y = y, t->rows = T;
-  t->stage++;
-  atomic_store_explicit(&t->done, 0, memory_order_relaxed);  // (no helper touches it now)
-  atomic_store_explicit(&t->job, (t->stage << (2 * JOB_BITS)) | ((uint64_t)blocks << JOB_BITS),
-                        memory_order_release);
-  claim_blocks(t, t->stage);
-  while (atomic_load_explicit(&t->done, memory_order_acquire) < blocks) _mm_pause();
+  t->w = w, t->x = x, t->xp = xp, t->xsum = xsum, t->y = y, t->rows = T, t->attn = NULL;
+  share(t, blocks, NULL);
+}
+
+// Decode attention of a layer's T rows into `out`: alone, sgl_decode_attn on this thread; in a
+// team, its T * heads (row, head) blocks shared. Returns -1 when a buffer could not be had.
+static int attend(team_t* t, const attn_job* a, int64_t T) {
+  const sgl_model* m = a->m;
+  int64_t D = m->head_dim, qkv_w = (m->heads + 2 * m->kv_heads) * D;
+  if (t == NULL)
+    return sgl_decode_attn(a->qkv, qkv_w, NULL, T, m->heads, m->kv_heads, D, a->L->k_cache,
+                           a->L->v_cache, a->table, a->table_stride, a->table_rows, a->lens,
+                           m->attn_scale, a->out, 1, (int)m->kv_kind);
+  t->attn = a;
+  share(t, T * m->heads, t->work);
+  return 0;
 }
 
 // One decoder layer on T rows. In: x (the previous layer's output; layer 0: the embeddings),
@@ -220,10 +272,8 @@ static int layer_step(team_t* team, const sgl_model* m, const sgl_layer* L, int 
   sgl_rope(qkv, T, qkv_w, m->heads + m->kv_heads, D, positions, m->rope_cache, m->rope_half);
   sgl_kv_store(L->k_cache, L->v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, out_loc, T, kv,
                (int)m->kv_kind);
-  if (sgl_decode_attn(qkv, qkv_w, NULL, T, m->heads, m->kv_heads, D, L->k_cache, L->v_cache,
-                      table, table_stride, table_rows, lens, m->attn_scale, attn, 1,
-                      (int)m->kv_kind))
-    return -1;
+  attn_job job = {m, L, qkv, attn, table, table_stride, table_rows, lens};
+  if (attend(team, &job, T)) return -1;
   project(team, &L->o, attn, T, x, xsum, xp);  // [T, H]
   sgl_rmsnorm(x, residual, L->post_norm, m->eps, T, H, h, residual);
   project(team, &L->gate_up, h, T, gu, xsum, xp);  // [T, 2 * inter]
@@ -261,17 +311,25 @@ int sgl_decode_step(const sgl_model* m, int64_t T, const float* x, float* residu
   if (threads <= 1)
     return run_layers(NULL, m, T, x, residual, out, positions, out_loc, table, table_stride,
                       table_rows, lens, scratch);
+  // Each thread's attention buffer: one (row, head) block at a time, the longest row's keys.
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < T; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+  size_t work_bytes = sizeof(float) * (size_t)(max_len + m->head_dim);
   team_t team = {0};
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp master
-    {
-      failed = run_layers(&team, m, T, x, residual, out, positions, out_loc, table,
-                          table_stride, table_rows, lens, scratch);
+    float* work = (float*)malloc(work_bytes);
+    if (omp_get_thread_num() == 0) {
+      team.work = work;
+      failed = work == NULL ? -1
+                            : run_layers(&team, m, T, x, residual, out, positions, out_loc,
+                                         table, table_stride, table_rows, lens, scratch);
       atomic_store_explicit(&team.quit, 1, memory_order_release);
+    } else if (work != NULL) {  // (without a buffer a helper sits out: thread 0 runs it all)
+      helper_loop(&team, work);
     }
-    if (omp_get_thread_num() != 0) helper_loop(&team);
+    free(work);
   }
   return failed;
 }

@@ -50,7 +50,7 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 class _QWeight(ctypes.Structure):
     _fields_ = [("bits", _I64), ("group_size", _I64), ("in_features", _I64),
                 ("out_features", _I64), ("codes", _P), ("scale", _P), ("zero", _P), ("bias", _P),
-                ("int8", _I64)]
+                ("int8", _I64), ("f16", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -84,7 +84,8 @@ def _qweight(linear: Any) -> _QWeight | None:
         return None
     return _QWeight(w.bits, w.group_size, w.in_features, w.out_features, w.codes.data_ptr(),
                     w.scale.data_ptr(), w.zero.data_ptr(),
-                    None if bias is None else bias.data_ptr(), int(w.int8_activations))
+                    None if bias is None else bias.data_ptr(), int(w.int8_activations),
+                    int(w.f16_scales))
 
 
 def _f32(*tensors: torch.Tensor) -> bool:

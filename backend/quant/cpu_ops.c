@@ -318,6 +318,20 @@ KV INLINE void attend_task(const float* q, float* out, int64_t G, int64_t kvh, i
 #undef SGL_ATTEND
 }
 
+// Query head hq of request b alone: attend_task with G = 1, whose arithmetic per query head
+// is the same as inside a task of G heads (every score, softmax and output sum is per head),
+// so the same bits as sgl_decode_attn. The decode step's team (cpu_layer.c) shares a step's
+// heads this way. work: at least lens[b] + D floats. Arguments as sgl_decode_attn's.
+KV void sgl_decode_attn_head(const float* q, int64_t q_stride, int64_t b, int64_t hq,
+                             int64_t heads, int64_t kvh, int64_t D, const void* kbuf,
+                             const void* vbuf, const int32_t* table, int64_t table_stride,
+                             const int64_t* table_rows, const int64_t* lens, float scale,
+                             float* out, int kind, float* work) {
+  int64_t h = hq / (heads / kvh);
+  attend_task(q + b * q_stride + hq * D, out + (b * heads + hq) * D, 1, kvh, h, D, kbuf, vbuf,
+              table + table_rows[b] * table_stride, lens[b], scale, work, kind);
+}
+
 // Decode attention of B requests, one query row each.
 //   q: rows q_rows[b] (or b when q_rows is NULL), stride q_stride floats, [heads, D] each;
 //   out: the same rows of a [*, heads, D] contiguous tensor;

@@ -9,7 +9,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
+// (F16C: every AVX2 CPU has it; sgl_cpu_ok checks. Weights' float16 scales widen with it.)
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 
 AVX2 INLINE float hsum8(__m256 v) {
@@ -19,15 +20,41 @@ AVX2 INLINE float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+
+// A weight's per-group scales or zeros (weight.py): float32, or float16 when `f16` (exact
+// for the formats that store them so). n values from src as float32: src itself, or their
+// widened copy in dst (n floats).
+AVX2 INLINE const float* group_floats(const void* src, int f16, int64_t n, float* dst) {
+  if (!f16) return (const float*)src;
+  const uint16_t* h = (const uint16_t*)src;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+  for (; i < n; i++) dst[i] = _cvtsh_ss(h[i]);
+  return dst;
+}
+
+// Element i of such a row, as float32.
+AVX2 INLINE float group_float(const void* src, int f16, int64_t i) {
+  return f16 ? _cvtsh_ss(((const uint16_t*)src)[i]) : ((const float*)src)[i];
+}
+
+// Bytes of one scale or zero.
+INLINE int64_t group_bytes(int f16) { return f16 ? 2 : 4; }
+
 // sum over groups g of zero[g] * xsum[g]: one row's and one feature's zero term (exact float
-// group sums of the input times the weight's per-group zero).
-AVX2 INLINE float zero_term(const float* z, const float* xs, int64_t G) {
+// group sums of the input times the weight's per-group zero; z float16 when f16, widened as
+// loaded: the same arithmetic either way).
+AVX2 INLINE float zero_term(const void* z, int f16, const float* xs, int64_t G) {
   __m256 acc = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= G; g += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), acc);
+  for (; g + 8 <= G; g += 8) {
+    __m256 zv = f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)z + g)))
+                    : _mm256_loadu_ps((const float*)z + g);
+    acc = _mm256_fmadd_ps(zv, _mm256_loadu_ps(xs + g), acc);
+  }
   float t = hsum8(acc);
-  for (; g < G; g++) t += z[g] * xs[g];
+  for (; g < G; g++) t += group_float(z, f16, g) * xs[g];
   return t;
 }
 

@@ -59,8 +59,9 @@ def install_quantized(model: nn.Module, tensors: dict[str, GGUFTensor],
             floats.update((t.name, _as_float(t)) for t in parts.values())
             continue
         qweight = QuantizedWeight.cat([to_quantized(parts[s]) for s in order])
-        if device is not None:
-            qweight = qweight.to(device)
+        # The GPU reads float32 or factored scales; the CPU keeps float16 ones where exact
+        # (Q4_0, Q4_1, Q8_0: 5 bits per 4-bit weight streamed instead of 6, weight.py).
+        qweight = qweight.to(device) if device is not None else qweight.half_scales()
         expected = tuple(module.weight.shape) if module.weight is not None else None
         if expected is not None and qweight.shape != expected:
             raise ValueError(f"{path}: GGUF weight of shape {qweight.shape}, model expects "

@@ -7,6 +7,14 @@ kernel reads (cpu_kernel.py) and the reference dequantizes (`dequantize`).
     bits 8: codes [N, K] int8
     scale, zero [N, K / group_size] float32:  w[n, k] = scale[n, g] * code[n, k] + zero[n, g]
 
+Float16 scale and zero (CPU, `half_scales`): Q4_0, Q4_1 and Q8_0 store their block scale
+(and Q4_1 its min) as float16 in the file, so the float32 values are float16 values, and the
+CPU keeps them that way when every one of a weight's scales and zeros converts exactly (Q4_0's
+zero -8 * d too, unless it overflows). A one-row product streams every byte of the weight:
+4-bit codes with float32 scale and zero are 6 bits per weight, with float16 5 (Q8_0: 12 and
+8.5). The kernels widen them to float32 before use, so the arithmetic and its results are the
+same; the K-quants' products `d * sc` are generally not float16 values and stay float32.
+
 One class for every GGUF format (formats.py maps each onto it exactly); a layer that merges
 projections of different formats (q|k|v of a Q4_K_M file) promotes them to the widest
 (`promote`) before `cat`.
@@ -25,6 +33,7 @@ form is made). 4-bit groups of 32 then cost 4.75 bits per weight instead of 6.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +46,8 @@ __all__ = ["QuantizedWeight"]
 @dataclass(frozen=True)
 class QuantizedWeight:
     codes: torch.Tensor  # bits 4: [N, K/2] uint8; bits 8: [N, K] int8
-    scale: torch.Tensor  # [N, G] float32
-    zero: torch.Tensor  # [N, G] float32
+    scale: torch.Tensor  # [N, G] float32 (float16: `half_scales`)
+    zero: torch.Tensor  # [N, G], scale's dtype
     bits: int
     group_size: int
     in_features: int
@@ -55,11 +64,11 @@ class QuantizedWeight:
         # The C kernel reads raw pointers: layouts are checked once here, not per call.
         n, k, gs = self.codes.shape[0], self.in_features, self.group_size
         width = k // 2 if self.bits == 4 else k
-        sub = torch.int8 if self.super_groups else torch.float32
+        subs = (torch.int8,) if self.super_groups else (torch.float32, torch.float16)
         ok = ((self.bits, gs) in ((4, 32), (8, 32), (8, 16)) and k % gs == 0
               and self.codes.shape == (n, width) and self.scale.shape == (n, k // gs)
               and self.zero.shape == (n, k // gs)
-              and self.scale.dtype == self.zero.dtype == sub
+              and self.scale.dtype == self.zero.dtype and self.scale.dtype in subs
               and self.codes.dtype == (torch.uint8 if self.bits == 4 else torch.int8)
               and all(t.is_contiguous() for t in (self.codes, self.scale, self.zero)))
         if ok and self.super_groups:
@@ -88,12 +97,13 @@ class QuantizedWeight:
     def to(self, device: torch.device | str) -> QuantizedWeight:
         """The same weight with its tensors on `device` (the GPU path loads on the CPU, from
         the mapped file, and moves each layer's weight as it is built). On CUDA the scales
-        are factored where that is exact; elsewhere they are plain float32 (the C kernel's
-        layout)."""
+        are factored where that is exact (from float32: the GPU kernels read float32 or
+        factored scales, never float16); elsewhere they are plain (the C kernel's layout,
+        float16 ones kept)."""
         from sgl.backend.quant.factored import factor, unfactor
 
         device = torch.device(device)
-        w = self if device.type == "cuda" else unfactor(self)
+        w = self.float_scales() if device.type == "cuda" else unfactor(self)
         parts = (w.codes, w.scale, w.zero, w.super_scale, w.super_zero)
         codes, scale, zero, sup_s, sup_z = (None if t is None else t.to(device) for t in parts)
         assert codes is not None and scale is not None and zero is not None
@@ -101,11 +111,32 @@ class QuantizedWeight:
                             w.source_format, w.super_groups, sup_s, sup_z)
         return factor(w) if device.type == "cuda" else w
 
+    @property
+    def f16_scales(self) -> bool:
+        """Scale and zero are float16 (`half_scales`)."""
+        return self.scale.dtype == torch.float16
+
+    def half_scales(self) -> QuantizedWeight:
+        """The same weight with float16 scale and zero when every value converts exactly
+        (module docstring), else self. (Plain form only: factored scales are the GPU's.)"""
+        if self.super_groups or self.f16_scales:
+            return self
+        scale, zero = self.scale.half(), self.zero.half()
+        if not (torch.equal(scale.float(), self.scale) and torch.equal(zero.float(), self.zero)):
+            return self
+        return dataclasses.replace(self, scale=scale, zero=zero)
+
+    def float_scales(self) -> QuantizedWeight:
+        """The same weight with float32 scale and zero (the inverse of `half_scales`)."""
+        if not self.f16_scales:
+            return self
+        return dataclasses.replace(self, scale=self.scale.float(), zero=self.zero.float())
+
     def group_scales(self, rows: torch.Tensor | slice = slice(None)
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero) [n, G] float32 of `rows`, the products when factored."""
         if not self.super_groups:
-            return self.scale[rows], self.zero[rows]
+            return self.scale[rows].float(), self.zero[rows].float()
         assert self.super_scale is not None and self.super_zero is not None
         s = self.super_groups
         return (self.scale[rows].float() * self.super_scale[rows].repeat_interleave(s, dim=1),
@@ -167,6 +198,8 @@ class QuantizedWeight:
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("merged projections must share in_features")
         formats = {p.source_format for p in parts}
+        if len({p.scale.dtype for p in parts}) != 1:  # (float16 and float32: all float32)
+            parts = [p.float_scales() for p in parts]
         return QuantizedWeight(
             torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]), bits, group, parts[0].in_features,
