@@ -43,7 +43,7 @@ from sgl.sampling import SamplingParams
 
 __all__ = [
     "SamplingBatchInfo", "SampleOutput", "Sampler", "sample", "process_logits", "filtered_probs",
-    "seeded_uniform", "gather_logprobs",
+    "seeded_uniform", "gather_logprobs", "argmax_rows",
 ]  # fmt: skip
 
 _MASK32 = 0xFFFFFFFF
@@ -305,6 +305,15 @@ def _uniforms(info: SamplingBatchInfo, generator: torch.Generator | None, device
     return u if hashed is None else torch.where(info.seeded, hashed, u)
 
 
+def argmax_rows(logits: Tensor) -> Tensor:
+    """[B, V] -> [B] int64: each row's first index of its maximum (a NaN counts as the
+    maximum), what `logits.argmax(dim=-1)` returns. On the CPU numpy's vectorized reduction
+    computes it: torch's took ~100 us per 49k-wide row (5 ms a step at 32 rows), numpy's ~5."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
+
+
 def sample(
     logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None,
     generator: torch.Generator | None = None, apply_mask: Callable[..., None] | None = None,
@@ -316,10 +325,10 @@ def sample(
     raw = torch.log_softmax(logits, dim=-1) if info.return_logprob else None  # [B, V]
     logits = process_logits(logits, info, vocab_mask, apply_mask)
     if info.all_greedy:
-        next_ids = logits.argmax(dim=-1)  # [B]
+        next_ids = argmax_rows(logits)  # [B]
     else:
         drawn = _draw(filtered_probs(logits, info), _uniforms(info, generator, logits.device))
-        next_ids = torch.where(info.greedy, logits.argmax(dim=-1), drawn) if info.num_greedy else drawn
+        next_ids = torch.where(info.greedy, argmax_rows(logits), drawn) if info.num_greedy else drawn
     if raw is None:
         return SampleOutput(next_ids)
     next_logprobs = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
