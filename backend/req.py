@@ -111,6 +111,17 @@ class Req:
         """Known tokens: prompt + outputs. Excludes an in-flight sample."""
         return self.prompt_ids + self.output_ids
 
+    def known_ids(self, start: int, stop: int) -> list[int]:
+        """`fill_ids()[start:stop]` without copying the whole sequence (decode reads one id)."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= start:
+            return []
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : stop - num_prompt]
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - num_prompt]
+
     @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED

@@ -50,6 +50,12 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+_PAD = [0] * ALIGN
+# Steps with at most this many input integers are packed through one Python list, larger
+# ones (prefills) field by field in numpy.
+SMALL_PACK = 1024
+
+
 @dataclass
 class StepInputs(Generic[A]):
     """Every integer input of one step (T new tokens, B requests, S sampled rows, P score
@@ -72,27 +78,37 @@ class StepInputs(Generic[A]):
 
     def pack(self, pin: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One int64 host tensor holding every field (each padded to ALIGN), and the lengths."""
-        arrays = [np.asarray(getattr(self, name), dtype=np.int64).reshape(-1) for name in _INPUT_FIELDS]
-        parts = []
-        for a in arrays:
-            parts.append(a)
-            if a.size % ALIGN:
-                parts.append(np.zeros(ALIGN - a.size % ALIGN, dtype=np.int64))
-        host = torch.from_numpy(np.concatenate(parts))
+        fields = [getattr(self, name) for name in _INPUT_FIELDS]
+        lengths = tuple(len(f) if isinstance(f, list) else int(np.size(f)) for f in fields)
+        if sum(lengths) <= SMALL_PACK:
+            # (a decode step: one Python list and one conversion cost a fifth of a numpy
+            # conversion and a pad per field, and they run on every step)
+            flat: list[int] = []
+            for f, n in zip(fields, lengths):
+                flat.extend(f if isinstance(f, list) else np.asarray(f).reshape(-1).tolist())
+                flat.extend(_PAD[: aligned(n) - n])
+            host = torch.from_numpy(np.array(flat, dtype=np.int64))
+        else:
+            parts = []
+            for f, n in zip(fields, lengths):
+                parts.append(np.asarray(f, dtype=np.int64).reshape(-1))
+                if n % ALIGN:
+                    parts.append(np.zeros(ALIGN - n % ALIGN, dtype=np.int64))
+            host = torch.from_numpy(np.concatenate(parts))
         if pin:
             pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
             pinned.copy_(host)
             host = pinned
-        return host, tuple(a.size for a in arrays)
+        return host, lengths
 
     @classmethod
     def unpack(cls, flat: torch.Tensor, lengths: tuple[int, ...]) -> StepInputs[torch.Tensor]:
-        """Views of a packed tensor (usually its device copy), field by field."""
-        views, start = {}, 0
-        for name, n in zip(_INPUT_FIELDS, lengths, strict=True):
-            views[name] = flat[start : start + n]
-            start += aligned(n)
-        return cls(**views)
+        """Views of a packed tensor (usually its device copy), field by field: one split into
+        fields and paddings (thirteen slices cost three times as much)."""
+        sizes: list[int] = []
+        for n in lengths:
+            sizes += (n, aligned(n) - n)
+        return cls(*flat.split_with_sizes(sizes)[::2])
 
 
 _INPUT_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs))  # packing order
@@ -263,7 +279,7 @@ def flatten_batch(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan
         if count:
             plan.score_top_logprobs_num = max(plan.score_top_logprobs_num, r.logprob.top_logprobs_num)
             score_rows.extend(range(start + first - prefix, start + first - prefix + count))
-            x.score_targets.extend(r.fill_ids()[first + 1 : first + 1 + count])
+            x.score_targets.extend(r.known_ids(first + 1, first + 1 + count))
         plan.num_tokens += n
     plan.num_samples, plan.num_score_rows = len(x.logits_indices), len(score_rows)
     plan.seq_lens, plan.prefix_lens, plan.extend_lens = (
