@@ -192,10 +192,12 @@ class ModelRunner:
             # decoding.
             one_row_per_token(inputs)
             mode, row_seq_lens = ForwardMode.DECODE, list(inputs.seq_lens)
-        inputs.table_index, inputs.table_value = self._table_writes(batch.table_writes)
+        writes = self._table_writes(batch.table_writes)
+        inputs.table_index, inputs.table_value = writes
         packed, lengths = inputs.pack(pin=self.is_cuda)
         return PreparedStep(
             batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
+            table_writes=writes,
             row_seq_lens=row_seq_lens,
             sampling=self.sampler.build_for(batch),
             vocab_mask=self._grammar_masks(batch, defer_masks) if batch.has_constraints else None,
@@ -238,13 +240,14 @@ class ModelRunner:
         width = self.req_pool.req_to_token.shape[1]
         # Decode writes one slot per request: this runs for every request of every step, so
         # it avoids per-write tensor calls (len() of a tensor alone costs ~1 us).
-        lens = np.array([s.shape[0] for _, _, s in writes], dtype=np.int64)
+        sizes = [s.shape[0] for _, _, s in writes]
         bases = np.array([row * width + col for row, col, _ in writes], dtype=np.int64)
         values = np.concatenate([np.asarray(s) for _, _, s in writes]).astype(np.int64, copy=False)
-        if int(lens.max()) == 1:
+        if max(sizes) == 1:
             index = bases
         else:
             # flat[j] = base of its write + its offset inside that write
+            lens = np.array(sizes, dtype=np.int64)
             offsets = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
             index = np.repeat(bases, lens) + offsets
         # (deduplicating sorts every written position: a prefill step can write ~10^5)
@@ -275,10 +278,10 @@ class ModelRunner:
         flat = step.packed if self.is_cpu else step.packed.to(self.device, non_blocking=True)
         inputs = StepInputs.unpack(flat, step.lengths)
         table = self.req_pool.req_to_token
-        if inputs.table_index.numel():
+        if step.table_writes[0].size:
             # Applied before anything that may fail: the writes include rows of requests
             # outside this step (radix swaps), which must land even if the step fails.
-            self._write_table(table, inputs)
+            self._write_table(table, inputs, step.table_writes)
         if step.table_check is not None:
             check_table_rows(table, step.table_check)
         if self.step_hook is not None:
@@ -292,9 +295,11 @@ class ModelRunner:
             logits = self._forward_eager(step, inputs, table)
         return _Forwarded(logits, inputs, timing)
 
-    def _write_table(self, table: torch.Tensor, inputs: StepInputs[torch.Tensor]) -> None:
-        if self.is_cpu:  # one numpy assignment instead of three torch ops
-            table.numpy().reshape(-1)[inputs.table_index.numpy()] = inputs.table_value.numpy()
+    def _write_table(self, table: torch.Tensor, inputs: StepInputs[torch.Tensor],
+                     host: tuple[np.ndarray, np.ndarray]) -> None:
+        if self.is_cpu:  # the host arrays, by one numpy assignment instead of three torch ops
+            index, values = host
+            table.numpy().reshape(-1)[index] = values
         else:  # int64 -> int32 on the device; index_copy_ takes no host scalar (no sync)
             table.view(-1).index_copy_(0, inputs.table_index, inputs.table_value.to(table.dtype))
 
@@ -348,7 +353,8 @@ class ModelRunner:
         if S:
             host_mask = step.vocab_mask.result() if step.vocab_mask is not None else None
             mask = host_mask.to(self.device, non_blocking=True) if host_mask is not None else None
-            res = self.sampler.sample(logits[:S], step.sampling, mask)  # logits[:S]: [S, vocab]
+            sampled = logits[:S] if plan.num_score_rows else logits  # [S, vocab]
+            res = self.sampler.sample(sampled, step.sampling, mask)
             if self.overlap and not step.batch.has_drafts:  # (else no later step reads futures)
                 self.future_tokens[inputs.future_indices] = res.next_token_ids
             self.sampler.observe(step.sampling, res.next_token_ids)
@@ -390,6 +396,7 @@ class PreparedStep:
     # eager decode rows of a multi-token step (the CPU's one-call step): each row's sequence
     # length, where `plan.seq_lens` has one per request
     row_seq_lens: list[int] | None
+    table_writes: tuple[np.ndarray, np.ndarray]  # req_to_token (flat index, slot), host arrays
     sampling: Any  # the sampler's SamplingBatchInfo
     # the [S, ceil(V/32)] int32 CPU grammar bitmask, being filled beside the forward (or
     # waiting for the previous step's update first: deferred)

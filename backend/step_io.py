@@ -253,7 +253,7 @@ class StepPlan:
 
 def flatten_batch(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan]:
     """The batch's tokens laid end to end, request by request (forward_batch.py)."""
-    x: StepInputs[list[int]] = StepInputs(*([] for _ in dataclasses.fields(StepInputs)))
+    x: StepInputs[list[int]] = StepInputs(*([] for _ in _INPUT_FIELDS))
     score_rows: list[int] = []
     plan = StepPlan([], [], [], 0, 0, 0, False, 0, 0)
     for it in batch.items:
@@ -285,7 +285,8 @@ def flatten_batch(batch: ScheduleBatch) -> tuple[StepInputs[list[int]], StepPlan
     plan.seq_lens, plan.prefix_lens, plan.extend_lens = (
         list(x.seq_lens), list(x.extend_prefix_lens), list(x.extend_seq_lens))
     x.logits_indices.extend(score_rows)  # sampled rows first, then score rows
-    x.out_cache_loc = batch.out_cache_loc.to(torch.int64).numpy()
+    loc = batch.out_cache_loc  # (int64 from the allocator: no conversion, one call less)
+    x.out_cache_loc = (loc if loc.dtype == torch.int64 else loc.to(torch.int64)).numpy()
     return x, plan
 
 
