@@ -43,6 +43,7 @@ from sgl.backend.quant import cpu_layer
 from sgl.backend.req import ScheduleBatch
 from sgl.backend.speculative import draft_states
 from sgl.backend.step_io import (
+    ALIGN,
     FutureRing,
     StepHandle,
     StepInputs,
@@ -77,6 +78,7 @@ class ModelRunner:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.is_cpu = device.type == "cpu"
+        self._align = 1 if self.is_cpu else ALIGN  # packed fields' alignment (step_io.py)
         self.vocab_size = vocab_size
         self.grammar: GrammarBackend | None = None  # set by the runtime on first constrained request
         # Only the overlap loop schedules a step before the previous one's tokens are known,
@@ -194,7 +196,7 @@ class ModelRunner:
             mode, row_seq_lens = ForwardMode.DECODE, list(inputs.seq_lens)
         writes = self._table_writes(batch.table_writes)
         inputs.table_index, inputs.table_value = writes
-        packed, lengths = inputs.pack(pin=self.is_cuda)
+        packed, lengths = inputs.pack(pin=self.is_cuda, align=self._align)
         return PreparedStep(
             batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
             table_writes=writes,
@@ -276,7 +278,7 @@ class ModelRunner:
             timing = (self.step_events, start_ev)  # (the list may be swapped before finish)
         # [sum of aligned field lengths]; on the CPU the host tensor itself
         flat = step.packed if self.is_cpu else step.packed.to(self.device, non_blocking=True)
-        inputs = StepInputs.unpack(flat, step.lengths)
+        inputs = StepInputs.unpack(flat, step.lengths, self._align)
         table = self.req_pool.req_to_token
         if step.table_writes[0].size:
             # Applied before anything that may fail: the writes include rows of requests
@@ -299,7 +301,7 @@ class ModelRunner:
                      host: tuple[np.ndarray, np.ndarray]) -> None:
         if self.is_cpu:  # the host arrays, by one numpy assignment instead of three torch ops
             index, values = host
-            table.numpy().reshape(-1)[index] = values
+            table.numpy().reshape(-1)[index] = values  # (a view: the table is contiguous)
         else:  # int64 -> int32 on the device; index_copy_ takes no host scalar (no sync)
             table.view(-1).index_copy_(0, inputs.table_index, inputs.table_value.to(table.dtype))
 

@@ -50,7 +50,7 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-_PAD = [0] * ALIGN
+_PAD = [0] * ALIGN  # (padding is at most ALIGN - 1 zeros)
 # Steps with at most this many input integers are packed through one Python list, larger
 # ones (prefills) field by field in numpy.
 SMALL_PACK = 1024
@@ -76,24 +76,24 @@ class StepInputs(Generic[A]):
     table_index: A  # [W] flat index into req_to_token
     table_value: A  # [W] the slot written there
 
-    def pack(self, pin: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """One int64 host tensor holding every field (each padded to ALIGN), and the lengths."""
-        fields = [getattr(self, name) for name in _INPUT_FIELDS]
-        lengths = tuple(len(f) if isinstance(f, list) else int(np.size(f)) for f in fields)
+    def pack(self, pin: bool, align: int = ALIGN) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """One int64 host tensor holding every field (each padded to `align`: 1 on the CPU,
+        where nothing specializes on alignment), and the lengths."""
+        fields = [getattr(self, name) for name in _INPUT_FIELDS]  # lists or 1-D arrays
+        lengths = tuple(map(len, fields))
         if sum(lengths) <= SMALL_PACK:
             # (a decode step: one Python list and one conversion cost a fifth of a numpy
             # conversion and a pad per field, and they run on every step)
             flat: list[int] = []
             for f, n in zip(fields, lengths):
-                flat.extend(f if isinstance(f, list) else np.asarray(f).reshape(-1).tolist())
-                flat.extend(_PAD[: aligned(n) - n])
+                flat += f if isinstance(f, list) else f.tolist()
+                flat += _PAD[: -n % align]
             host = torch.from_numpy(np.array(flat, dtype=np.int64))
         else:
             parts = []
             for f, n in zip(fields, lengths):
-                parts.append(np.asarray(f, dtype=np.int64).reshape(-1))
-                if n % ALIGN:
-                    parts.append(np.zeros(ALIGN - n % ALIGN, dtype=np.int64))
+                parts.append(np.asarray(f, dtype=np.int64))
+                parts.append(np.zeros(-n % align, dtype=np.int64))
             host = torch.from_numpy(np.concatenate(parts))
         if pin:
             pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
@@ -102,12 +102,14 @@ class StepInputs(Generic[A]):
         return host, lengths
 
     @classmethod
-    def unpack(cls, flat: torch.Tensor, lengths: tuple[int, ...]) -> StepInputs[torch.Tensor]:
-        """Views of a packed tensor (usually its device copy), field by field: one split into
-        fields and paddings (thirteen slices cost three times as much)."""
+    def unpack(cls, flat: torch.Tensor, lengths: tuple[int, ...], align: int = ALIGN) -> StepInputs[torch.Tensor]:
+        """Views of a packed tensor (usually its device copy), field by field, by one split
+        (thirteen slices cost three times as much)."""
+        if align == 1:
+            return cls(*flat.split_with_sizes(lengths))
         sizes: list[int] = []
         for n in lengths:
-            sizes += (n, aligned(n) - n)
+            sizes += (n, -n % align)  # the field, then its padding
         return cls(*flat.split_with_sizes(sizes)[::2])
 
 
