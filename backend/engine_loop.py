@@ -2,7 +2,8 @@
 
 Callers on any thread (usually the facade's event loop) talk to the core through three
 thread-safe methods: `submit(reqs)`, `abort(rid, reason)` and `shutdown()`. Results go back
-through each request's `sink` callback, called on the engine thread (see sgl/engine.py).
+through each request's `sink` callback, called in order on the core's event-delivery thread
+while the engine thread computes (event_delivery.py; see sgl/engine.py).
 
 Why a thread and not an asyncio task: the model step is long CPU or GPU work; torch releases
 the GIL inside its kernels, so a thread keeps the caller's event loop responsive, while a task
@@ -44,6 +45,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from sgl.backend.event_delivery import EventDelivery
 from sgl.backend.model_runner import ModelRunner, PreparedStep
 from sgl.backend.req import Req, ScheduleBatch
 from sgl.backend.scheduler import Scheduler
@@ -80,6 +82,7 @@ class EngineCore:
         self.num_steps = 0
         self.idle_release_s = IDLE_RELEASE_S
         self._idle_since: float | None = None  # when the loop last ran out of work
+        self._delivery = EventDelivery()  # requests' sinks run there (event_delivery.py)
         self._thread = threading.Thread(target=self._main, name="sgl-engine", daemon=True)
         self._thread.start()
 
@@ -92,6 +95,8 @@ class EngineCore:
                     raise EngineClosedError(f"the engine stopped after a crash ({self.fatal_error!r}); "
                                             "create a new sgl.Engine") from self.fatal_error
                 raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+            for r in reqs:
+                r.sink = self._delivery.wrap(r.sink)
             self._inbox.put(("submit", reqs))
 
     def abort(self, rid: str, reason: str = "aborted by the caller") -> None:
@@ -142,7 +147,10 @@ class EngineCore:
             self.fatal_error = exc
         finally:
             reason = "the engine crashed" if self.fatal_error else "the engine was closed"
-            self._abort_everything(reason, self.fatal_error)
+            try:
+                self._abort_everything(reason, self.fatal_error)
+            finally:
+                self._delivery.close()  # after the last event: the abort of everything
 
     def _plain_loop(self) -> None:
         while self._drain_inbox(block=not self.scheduler.has_work):

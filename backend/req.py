@@ -53,7 +53,8 @@ class Req:
     logprob: LogprobOptions = field(default_factory=LogprobOptions)
     stream: bool = False
     deadline: float | None = None  # time.monotonic() after which the request is aborted
-    # Called from the engine thread with events for this request (see engine_loop.py).
+    # Called with events for this request, in order (through EngineCore: on its event-delivery
+    # thread, event_delivery.py).
     sink: Callable[[Any], None] | None = None
     constraint: Any = None  # a backend.grammar constraint state, or None
     jump_forward: bool = False
