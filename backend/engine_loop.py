@@ -2,7 +2,8 @@
 
 Callers on any thread (usually the facade's event loop) talk to the core through three
 thread-safe methods: `submit(reqs)`, `abort(rid, reason)` and `shutdown()`. Results go back
-through each request's `sink` callback, called on the engine thread (see sgl/engine.py).
+through each request's `sink` callback, called in order on the core's event-delivery thread
+while the engine thread computes (event_delivery.py; see sgl/engine.py).
 
 Why a thread and not an asyncio task: the model step is long CPU or GPU work; torch releases
 the GIL inside its kernels, so a thread keeps the caller's event loop responsive, while a task
@@ -44,6 +45,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from sgl.backend.event_delivery import EventDelivery
 from sgl.backend.model_runner import ModelRunner, PreparedStep
 from sgl.backend.req import Req, ScheduleBatch
 from sgl.backend.scheduler import Scheduler
@@ -55,6 +57,9 @@ logger = logging.getLogger("sgl.engine")
 # After this long with nothing to run, the runner frees its between-step caches (on the CPU the
 # decode stage, up to the pool's size); an idle gap shorter than this keeps them.
 IDLE_RELEASE_S = 2.0
+# Finished requests are dropped from the loop's table of requests (kept for aborts by id) once
+# every this many loop iterations.
+PURGE_STEPS = 64
 
 
 class EngineCore:
@@ -66,6 +71,8 @@ class EngineCore:
         self.integrity_check = integrity_check
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._reqs: dict[str, list[Req]] = {}  # rid -> its n samples (for abort)
+        self._deadlines: set[Req] = set()  # unfinished requests with a timeout
+        self._calls_to_purge = PURGE_STEPS
         self._stopping = False
         # Submissions pass this gate; the loop closes it before its last drain of the inbox, so
         # a request is either drained and ended, or refused here: never left unread (a hang).
@@ -75,6 +82,7 @@ class EngineCore:
         self.num_steps = 0
         self.idle_release_s = IDLE_RELEASE_S
         self._idle_since: float | None = None  # when the loop last ran out of work
+        self._delivery = EventDelivery()  # requests' sinks run there (event_delivery.py)
         self._thread = threading.Thread(target=self._main, name="sgl-engine", daemon=True)
         self._thread.start()
 
@@ -87,6 +95,8 @@ class EngineCore:
                     raise EngineClosedError(f"the engine stopped after a crash ({self.fatal_error!r}); "
                                             "create a new sgl.Engine") from self.fatal_error
                 raise EngineClosedError("the engine is closed; create a new sgl.Engine")
+            for r in reqs:
+                r.sink = self._delivery.wrap(r.sink)
             self._inbox.put(("submit", reqs))
 
     def abort(self, rid: str, reason: str = "aborted by the caller") -> None:
@@ -137,7 +147,10 @@ class EngineCore:
             self.fatal_error = exc
         finally:
             reason = "the engine crashed" if self.fatal_error else "the engine was closed"
-            self._abort_everything(reason, self.fatal_error)
+            try:
+                self._abort_everything(reason, self.fatal_error)
+            finally:
+                self._delivery.close()  # after the last event: the abort of everything
 
     def _plain_loop(self) -> None:
         while self._drain_inbox(block=not self.scheduler.has_work):
@@ -221,6 +234,8 @@ class EngineCore:
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply pending submissions and aborts. Returns False when the loop must stop."""
+        if not block and self._inbox.empty():  # (most steps: no exception raised and caught)
+            return self._check_deadlines()
         try:
             msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -235,6 +250,8 @@ class EngineCore:
             if kind == "submit":
                 for r in payload:
                     self._reqs.setdefault(r.rid, []).append(r)
+                    if r.deadline is not None:
+                        self._deadlines.add(r)
                     self.scheduler.add(r)
             elif kind == "abort":
                 rid, reason = payload
@@ -249,13 +266,18 @@ class EngineCore:
         return self._check_deadlines()
 
     def _check_deadlines(self) -> bool:
-        now = time.monotonic()
-        done = [rid for rid, reqs in self._reqs.items() if all(r.finished for r in reqs)]
-        for rid in done:
-            del self._reqs[rid]
-        for reqs in self._reqs.values():
-            for r in reqs:
-                if r.deadline is not None and now > r.deadline and not r.finished:
+        # Finished requests leave the abort table every PURGE_STEPS calls (a scan of every
+        # request on every step cost ~10 us at one request); deadlines are checked each call.
+        self._calls_to_purge -= 1
+        if self._calls_to_purge <= 0:
+            self._calls_to_purge = PURGE_STEPS
+            for rid in [rid for rid, reqs in self._reqs.items() if all(r.finished for r in reqs)]:
+                del self._reqs[rid]
+        if self._deadlines:
+            now = time.monotonic()
+            for r in [r for r in self._deadlines if r.finished or now > r.deadline]:  # type: ignore[operator]
+                self._deadlines.discard(r)
+                if not r.finished:
                     self.scheduler.abort(r, "request timed out (timeout option exceeded)")
         return True
 

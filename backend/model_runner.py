@@ -43,6 +43,7 @@ from sgl.backend.quant import cpu_layer
 from sgl.backend.req import ScheduleBatch
 from sgl.backend.speculative import draft_states
 from sgl.backend.step_io import (
+    ALIGN,
     FutureRing,
     StepHandle,
     StepInputs,
@@ -76,8 +77,13 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self.is_cpu = device.type == "cpu"
+        self._align = 1 if self.is_cpu else ALIGN  # packed fields' alignment (step_io.py)
         self.vocab_size = vocab_size
         self.grammar: GrammarBackend | None = None  # set by the runtime on first constrained request
+        # Only the overlap loop schedules a step before the previous one's tokens are known,
+        # so only it reads the future-token buffer (the plain loop skips writing it).
+        self.overlap = overlap
         self.futures = FutureRing(2 * max_batch + 2)
         self.future_tokens = torch.zeros(self.futures.size, dtype=torch.int64, device=device)
         self._worker = (
@@ -188,10 +194,12 @@ class ModelRunner:
             # decoding.
             one_row_per_token(inputs)
             mode, row_seq_lens = ForwardMode.DECODE, list(inputs.seq_lens)
-        inputs.table_index, inputs.table_value = self._table_writes(batch.table_writes)
-        packed, lengths = inputs.pack(pin=self.is_cuda)
+        writes = self._table_writes(batch.table_writes)
+        inputs.table_index, inputs.table_value = writes
+        packed, lengths = inputs.pack(pin=self.is_cuda, align=self._align)
         return PreparedStep(
             batch=batch, mode=mode, packed=packed, lengths=lengths, plan=plan, graph_bs=graph_bs,
+            table_writes=writes,
             row_seq_lens=row_seq_lens,
             sampling=self.sampler.build_for(batch),
             vocab_mask=self._grammar_masks(batch, defer_masks) if batch.has_constraints else None,
@@ -234,13 +242,14 @@ class ModelRunner:
         width = self.req_pool.req_to_token.shape[1]
         # Decode writes one slot per request: this runs for every request of every step, so
         # it avoids per-write tensor calls (len() of a tensor alone costs ~1 us).
-        lens = np.array([s.shape[0] for _, _, s in writes], dtype=np.int64)
+        sizes = [s.shape[0] for _, _, s in writes]
         bases = np.array([row * width + col for row, col, _ in writes], dtype=np.int64)
         values = np.concatenate([np.asarray(s) for _, _, s in writes]).astype(np.int64, copy=False)
-        if int(lens.max()) == 1:
+        if max(sizes) == 1:
             index = bases
         else:
             # flat[j] = base of its write + its offset inside that write
+            lens = np.array(sizes, dtype=np.int64)
             offsets = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
             index = np.repeat(bases, lens) + offsets
         # (deduplicating sorts every written position: a prefill step can write ~10^5)
@@ -249,50 +258,65 @@ class ModelRunner:
     # -- execute (device order) --------------------------------------------------------------
 
     def _execute(self, step: PreparedStep) -> StepResult:
-        return self._finish_part(step, self._forward_part(step))
+        with torch.inference_mode():  # (entered once for both halves: ~10 us each time)
+            return self._finish(step, self._forward(step))
 
     def _forward_part(self, step: PreparedStep) -> _Forwarded:
-        """The step's table writes and forward, up to its logits (enqueued on CUDA)."""
         with torch.inference_mode():
-            timing = None
-            if self.step_events is not None and self.is_cuda:
-                start_ev = torch.cuda.Event(enable_timing=True)
-                start_ev.record()
-                timing = (self.step_events, start_ev)  # (the list may be swapped before finish)
-            flat = step.packed.to(self.device, non_blocking=True)  # [sum of aligned field lengths]
-            inputs = StepInputs.unpack(flat, step.lengths)
-            table = self.req_pool.req_to_token
-            if inputs.table_index.numel():
-                # int64 -> int32 on the device; index_copy_ takes no host scalar (no sync).
-                # Applied before anything that may fail: the writes include rows of requests
-                # outside this step (radix swaps), which must land even if the step fails.
-                table.view(-1).index_copy_(0, inputs.table_index, inputs.table_value.to(table.dtype))
-            if step.table_check is not None:
-                check_table_rows(table, step.table_check)
-            if self.step_hook is not None:
-                self.step_hook(step)
-            if step.graph_bs is not None:
-                assert self.graphs is not None
-                logits = self.graphs.replay(flat, step.graph_bs, step.plan.num_tokens)  # [T, vocab]
-                if not step.plan.rows_in_order:
-                    logits = logits[inputs.logits_indices]  # [S + P, vocab] (a row per token)
-            else:
-                logits = self._forward_eager(step, inputs, table)
-            return _Forwarded(logits, inputs, timing)
+            return self._forward(step)
 
     def _finish_part(self, step: PreparedStep, fwd: _Forwarded) -> StepResult:
+        with torch.inference_mode():
+            return self._finish(step, fwd)
+
+    def _forward(self, step: PreparedStep) -> _Forwarded:
+        """The step's table writes and forward, up to its logits (enqueued on CUDA)."""
+        timing = None
+        if self.step_events is not None and self.is_cuda:
+            start_ev = torch.cuda.Event(enable_timing=True)
+            start_ev.record()
+            timing = (self.step_events, start_ev)  # (the list may be swapped before finish)
+        # [sum of aligned field lengths]; on the CPU the host tensor itself
+        flat = step.packed if self.is_cpu else step.packed.to(self.device, non_blocking=True)
+        inputs = StepInputs.unpack(flat, step.lengths, self._align)
+        table = self.req_pool.req_to_token
+        if step.table_writes[0].size:
+            # Applied before anything that may fail: the writes include rows of requests
+            # outside this step (radix swaps), which must land even if the step fails.
+            self._write_table(table, inputs, step.table_writes)
+        if step.table_check is not None:
+            check_table_rows(table, step.table_check)
+        if self.step_hook is not None:
+            self.step_hook(step)
+        if step.graph_bs is not None:
+            assert self.graphs is not None
+            logits = self.graphs.replay(flat, step.graph_bs, step.plan.num_tokens)  # [T, vocab]
+            if not step.plan.rows_in_order:
+                logits = logits[inputs.logits_indices]  # [S + P, vocab] (a row per token)
+        else:
+            logits = self._forward_eager(step, inputs, table)
+        return _Forwarded(logits, inputs, timing)
+
+    def _write_table(self, table: torch.Tensor, inputs: StepInputs[torch.Tensor],
+                     host: tuple[np.ndarray, np.ndarray]) -> None:
+        if self.is_cpu:  # the host arrays, by one numpy assignment instead of three torch ops
+            index, values = host
+            table.numpy().reshape(-1)[index] = values  # (a view: the table is contiguous)
+        else:  # int64 -> int32 on the device; index_copy_ takes no host scalar (no sync)
+            table.view(-1).index_copy_(0, inputs.table_index, inputs.table_value.to(table.dtype))
+
+    def _finish(self, step: PreparedStep, fwd: _Forwarded) -> StepResult:
         """Sampling and scoring of a forwarded step, and the copies of its results (enqueued
         on CUDA; the logits of a graph replay stay valid: the next replay is enqueued later)."""
-        with torch.inference_mode():
-            result = StepResult() if fwd.logits is None else self._sample_and_score(step, fwd.logits, fwd.inputs)
-            if self.is_cuda:
-                result = result.to_host()
-            if fwd.timing is not None:
-                events, start_ev = fwd.timing
-                end_ev = torch.cuda.Event(enable_timing=True)
-                end_ev.record()
-                events.append((start_ev, end_ev, step.mode, len(step.batch.items)))
-            return result
+        result = StepResult() if fwd.logits is None else self._sample_and_score(step, fwd.logits, fwd.inputs)
+        if self.is_cuda:
+            result = result.to_host()
+        if fwd.timing is not None:
+            events, start_ev = fwd.timing
+            end_ev = torch.cuda.Event(enable_timing=True)
+            end_ev.record()
+            events.append((start_ev, end_ev, step.mode, len(step.batch.items)))
+        return result
 
     def _forward_eager(self, step: PreparedStep, inputs: StepInputs[torch.Tensor],
                        table: torch.Tensor) -> torch.Tensor | None:
@@ -331,8 +355,9 @@ class ModelRunner:
         if S:
             host_mask = step.vocab_mask.result() if step.vocab_mask is not None else None
             mask = host_mask.to(self.device, non_blocking=True) if host_mask is not None else None
-            res = self.sampler.sample(logits[:S], step.sampling, mask)  # logits[:S]: [S, vocab]
-            if not step.batch.has_drafts:  # (speculative steps run in sync: nothing reads futures)
+            sampled = logits[:S] if plan.num_score_rows else logits  # [S, vocab]
+            res = self.sampler.sample(sampled, step.sampling, mask)
+            if self.overlap and not step.batch.has_drafts:  # (else no later step reads futures)
                 self.future_tokens[inputs.future_indices] = res.next_token_ids
             self.sampler.observe(step.sampling, res.next_token_ids)
             result.tokens = res.next_token_ids
@@ -373,6 +398,7 @@ class PreparedStep:
     # eager decode rows of a multi-token step (the CPU's one-call step): each row's sequence
     # length, where `plan.seq_lens` has one per request
     row_seq_lens: list[int] | None
+    table_writes: tuple[np.ndarray, np.ndarray]  # req_to_token (flat index, slot), host arrays
     sampling: Any  # the sampler's SamplingBatchInfo
     # the [S, ceil(V/32)] int32 CPU grammar bitmask, being filled beside the forward (or
     # waiting for the previous step's update first: deferred)

@@ -53,7 +53,8 @@ class Req:
     logprob: LogprobOptions = field(default_factory=LogprobOptions)
     stream: bool = False
     deadline: float | None = None  # time.monotonic() after which the request is aborted
-    # Called from the engine thread with events for this request (see engine_loop.py).
+    # Called with events for this request, in order (through EngineCore: on its event-delivery
+    # thread, event_delivery.py).
     sink: Callable[[Any], None] | None = None
     constraint: Any = None  # a backend.grammar constraint state, or None
     jump_forward: bool = False
@@ -110,6 +111,17 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Known tokens: prompt + outputs. Excludes an in-flight sample."""
         return self.prompt_ids + self.output_ids
+
+    def known_ids(self, start: int, stop: int) -> list[int]:
+        """`fill_ids()[start:stop]` without copying the whole sequence (decode reads one id)."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= start:
+            return []
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : stop - num_prompt]
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - num_prompt]
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,7 @@ Helpers for `Scheduler.update`. They decide and build; the scheduler applies (ap
 tokens, finishes requests, releases KV). The only state they advance is the request's own
 incremental text (`detokenizer`, `stop_checker`), which exists to be fed in order.
 
-Events reach a request's `sink(kind, payload)` on the engine thread: ("chunk", StreamChunk)
+Events reach a request's `sink(kind, payload)` in order (event_delivery.py): ("chunk", StreamChunk)
 for streams, ("done", GenerateOutput) at the end, ("error", exception) when it failed.
 """
 

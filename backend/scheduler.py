@@ -232,7 +232,7 @@ class Scheduler(StepUpdate):
             assert n == 1, "a request with an in-flight sample can only decode"
             ids = [-r.pending_future]
         else:
-            ids = r.fill_ids()[prefix : prefix + known] + list(drafts)
+            ids = r.known_ids(prefix, prefix + known) + list(drafts)
         samples = prefix + known == r.seq_len and r.params.max_new_tokens > 0
         return ScheduledReq(r, n, prefix, samples, ids, score_span=_score_span(r, prefix, known),
                             draft_ids=drafts, output_index=r.output_len)

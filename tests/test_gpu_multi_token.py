@@ -33,14 +33,14 @@ def _count_replays(e: sgl.Engine) -> list[int]:
     runner = e._rt.runner
     assert runner.graphs is not None, "decode graphs were not captured"
     calls = [0]
-    forward = runner._forward_part  # (every step's forward, deferred or not)
+    forward = runner._forward  # (every step's forward: whole, or the first half of a deferred one)
 
     def counted(step: Any) -> Any:
         if step.mode.name == "EXTEND" and step.graph_bs is not None:
             calls[0] += 1
         return forward(step)
 
-    runner._forward_part = counted
+    runner._forward = counted
     return calls
 
 
