@@ -260,8 +260,10 @@ def run(engine: sgl.Engine, probe: Probe, name: str, requests, concurrency: int,
               "execute": probe.execute, "apply": probe.apply, "process": probe.process}
     ms = {k: 1e3 * statistics.fmean(v) if v else 0.0 for k, v in series.items()}
     rows = statistics.fmean(probe.decode_rows) if probe.decode_rows else 0.0
-    kinds = {k: (len(v), statistics.fmean(v)) for k in {k for k, _ in probe.kinds}
-             for v in [[n for kk, n in probe.kinds if kk == k]]}
+    rows_by_kind: dict[str, list[int]] = {}
+    for kind, n in probe.kinds:
+        rows_by_kind.setdefault(kind, []).append(n)
+    kinds = {k: (len(v), statistics.fmean(v)) for k, v in rows_by_kind.items()}
     return RunResult(name, wall, engine.stats().steps - steps0, outputs, passes, rows, ms, kinds)
 
 

@@ -57,7 +57,8 @@ def _build(target: Path) -> None:
         jobs = [subprocess.Popen([compiler, *_FLAGS, "-c", "-o", str(obj), str(source)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for source, obj in zip(_SOURCES, objects)]
-        failures = [err for job in jobs for _, err in [job.communicate()] if job.returncode != 0]
+        errors = [job.communicate()[1] for job in jobs]  # (waits for each; reads its stderr)
+        failures = [err for job, err in zip(jobs, errors) if job.returncode != 0]
         out = Path(tmp) / target.name
         if not failures:
             linked = subprocess.run([compiler, "-shared", "-fopenmp", "-o", str(out),
