@@ -31,7 +31,9 @@ def test_build_links_every_source_into_one_loadable_library(tmp_path: Path) -> N
 def test_a_compiler_error_is_raised_with_its_message(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     broken = tmp_path / "cc"
-    broken.write_text("#!/bin/sh\necho 'cc: error: no such instruction' >&2\nexit 1\n")
+    # fails to compile, but "links" fine: the compile failure itself must be reported
+    broken.write_text('#!/bin/sh\ncase " $* " in *" -c "*) echo "cc: error: no such instruction" >&2; '
+                      'exit 1;; esac\nexit 0\n')
     broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CC", str(broken))
     target = tmp_path / "kernels" / "lib.so"
