@@ -1,31 +1,50 @@
-"""Building the CPU kernels' library (quant/cpu_kernel.py `_build`): every source compiled by
-its own compiler process, then linked; a compiler error is raised with the compiler's message
-and leaves no library behind (the engine then logs it and serves the reference path)."""
+"""Building the CPU kernels' library (quant/cpu_build.py): every source compiled by its own
+compiler process, then linked; a compiler error is raised with the compiler's message and leaves
+no library behind (the engine then logs it and serves the reference path). setup.py builds the
+library at install time; the engine loads that one only while it was built from the current
+sources, and otherwise builds them into its cache folder."""
 
 from __future__ import annotations
 
 import ctypes
-import platform
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from sgl.backend.quant import cpu_kernel
+from sgl.backend.quant import cpu_build, cpu_kernel
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernel._compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
+    cpu_build.compiler() is None or not cpu_build.supported_machine(),
     reason="no C compiler, or not x86-64: the library is never built here")
 
+ROOT = Path(__file__).resolve().parent.parent
 
-def test_build_links_every_source_into_one_loadable_library(tmp_path: Path) -> None:
-    target = tmp_path / "kernels" / "lib.so"
-    cpu_kernel._build(target)
+
+def _key_of(path: Path) -> str:
+    fn = ctypes.CDLL(str(path)).sgl_source_key
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build of the current sources (a build takes seconds)."""
+    target = tmp_path_factory.mktemp("build") / "kernels" / "lib.so"
+    cpu_build.build(target)
+    return target
+
+
+def test_build_links_every_source_into_one_loadable_library(built: Path) -> None:
+    target = built
     lib = ctypes.CDLL(str(target))
     # one symbol from each source: all of them were compiled and linked
     for symbol in ("sgl_qlinear", "sgl_q8_quantize", "sgl_rmsnorm", "sgl_decode_step"):
         assert hasattr(lib, symbol), symbol
     assert [p.name for p in target.parent.iterdir()] == ["lib.so"]  # no objects left over
+    assert _key_of(target) == cpu_build.source_key()  # the build names its sources
 
 
 def test_a_compiler_error_is_raised_with_its_message(tmp_path: Path,
@@ -38,5 +57,47 @@ def test_a_compiler_error_is_raised_with_its_message(tmp_path: Path,
     monkeypatch.setenv("CC", str(broken))
     target = tmp_path / "kernels" / "lib.so"
     with pytest.raises(OSError, match="no such instruction"):
-        cpu_kernel._build(target)
+        cpu_build.build(target)
     assert not target.exists()
+
+
+def test_setup_builds_the_library_into_the_package(tmp_path: Path) -> None:
+    # what `pip install` runs: setup.py's build_ext, into a build folder here
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                    "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, check=True, capture_output=True)
+    built = list((tmp_path / "lib" / "sgl" / "backend" / "quant").glob(f"{cpu_build.PACKAGED_NAME}*"))
+    assert len(built) == 1, built
+    assert _key_of(built[0]) == cpu_build.source_key()
+
+
+def _point_at(monkeypatch: pytest.MonkeyPatch, packaged: Path, cache: Path) -> None:
+    monkeypatch.setattr(cpu_kernel, "_packaged_library", lambda: packaged)
+    monkeypatch.setenv("SGL_CACHE_DIR", str(cache))
+
+
+def test_the_installed_library_is_used_while_it_matches_its_sources(
+        built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    packaged = built
+    _point_at(monkeypatch, packaged, tmp_path / "cache")
+
+    def no_build(target: Path) -> None:
+        raise AssertionError("built although the installed library is current")
+
+    monkeypatch.setattr(cpu_build, "build", no_build)
+    lib = cpu_kernel._open_current()
+    assert lib._name == str(packaged)
+
+
+def test_a_stale_installed_library_is_replaced_by_a_build_of_the_current_sources(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an editable install whose C files were edited after `pip install -e .`
+    packaged = tmp_path / "pkg" / "lib.so"
+    with monkeypatch.context() as m:
+        m.setattr(cpu_build, "source_key", lambda: "0123456789abcdef")
+        cpu_build.build(packaged)
+    assert _key_of(packaged) == "0123456789abcdef"
+    _point_at(monkeypatch, packaged, tmp_path / "cache")
+    lib = cpu_kernel._open_current()
+    assert lib._name != str(packaged)
+    assert Path(lib._name).parent == tmp_path / "cache" / "kernels"
+    assert _key_of(Path(lib._name)) == cpu_build.source_key()

@@ -9,7 +9,8 @@
 // result equals dequantize-then-matmul up to float32 summation order. The row sums of x per
 // group, and for 4-bit codes x permuted to the order the codes widen to, are computed once
 // per call. Threads split the output features (OpenMP: the same
-// libgomp torch loaded, so the same thread pool). Built at first use by cpu_kernel.py.
+// libgomp torch loaded, so the same thread pool). Built at install time (setup.py) or at first
+// use (cpu_kernel.py); cpu_build.py holds the sources, flags and key.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,6 +18,13 @@
 #include "cpu_simd.h"
 #define MAX_ROWS 8  // rows of x per pass over the weight (accumulators stay in registers)
 #define N_BLOCK 16  // output features per scheduling unit
+
+#ifndef SGL_SOURCE_KEY
+#define SGL_SOURCE_KEY ""
+#endif
+// The hash of the sources and flags this library was built from (cpu_build.source_key): a
+// library built at install time whose key no longer matches its sources is not loaded.
+const char* sgl_source_key(void) { return SGL_SOURCE_KEY; }
 
 int sgl_cpu_ok(void) {
   __builtin_cpu_init();

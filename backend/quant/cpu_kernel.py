@@ -1,4 +1,4 @@
-"""The C kernel of QuantizedWeight on the CPU (cpu_kernel.c), compiled on first use.
+"""The C kernel of QuantizedWeight on the CPU (cpu_kernel.c), built at install time or first use.
 
     qlinear(x [M, K] float32, w, bias [N] | None) -> [M, N] float32
     dequantize(w) -> [N, K] float32
@@ -7,68 +7,33 @@ torch's own weight-only CPU matmuls (`_weight_int4pack_mm_for_cpu`, `_weight_int
 compute exactly the formulas we need for 4-bit groups, but on an AVX2 CPU they run a slow
 generic path (measured 2-core AVX2 VM, every projection of one SmolLM2-135M token: 450 ms
 int4, 270 ms int8 per-channel, against 80 ms for float32 oneDNN), and int8 has no per-group
-scales at all. So sgl carries one small C file, compiled with the system C compiler into the
-cache folder (`<cache>/kernels/`, keyed by the source's hash) and loaded through ctypes (which
-drops the GIL for the call). Without a compiler, or on a CPU without AVX2/FMA, `available()`
-is False and the layers fall back to the reference (dequantize, then F.linear). The engine
-starts the build on a background thread at load (`start_build`) and decides its kernel set
-from `likely_available()`; whatever runs first after that waits for the build.
+scales at all. So sgl carries a small C library (cpu_build.py: its sources, flags and key),
+built with the system C compiler when the package is installed (setup.py) and loaded through
+ctypes (which drops the GIL for the call). Where the install could not build it, or an editable
+install's C sources changed since, the first engine builds it into the cache folder
+(`<cache>/kernels/`, named by the sources' hash) on a background thread at load
+(`start_build`); whatever runs first after that waits for the build. Without a compiler, or on
+a CPU without AVX2/FMA/F16C, `available()` is False and the layers fall back to the reference
+(dequantize, then F.linear); the engine decides its kernel set from `likely_available()`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import importlib.machinery
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from sgl.backend.quant import cpu_build
 from sgl.backend.quant.weight import QuantizedWeight
 
 logger = logging.getLogger("sgl.engine")
 
-# The quantized linear, its integer-activation twin (cpu_int8.c, cpu_int8.py), the fused decode
-# ops (cpu_ops.c, wrapped by cpu_ops.py) and the one-call decode step (cpu_layer.c,
-# cpu_layer.py): one library.
-_SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("cpu_kernel.c", "cpu_int8.c", "cpu_ops.c", "cpu_layer.c"))
-_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c11"]  # each source's object; linked with -shared
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_HEADER = Path(__file__).with_name("cpu_simd.h")  # included by the sources (their hash key too)
-
-
-def _build(target: Path) -> None:
-    """Compile every source at once (one compiler process each, so a cold start's build, 4-8 s
-    in series on a 2-core laptop, takes about its slowest file), then link the library."""
-    compiler = _compiler()
-    if compiler is None:
-        raise OSError("no C compiler (cc/gcc) found")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [Path(tmp) / f"{source.stem}.o" for source in _SOURCES]
-        jobs = [subprocess.Popen([compiler, *_FLAGS, "-c", "-o", str(obj), str(source)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for source, obj in zip(_SOURCES, objects)]
-        errors = [job.communicate()[1] for job in jobs]  # (waits for each; reads its stderr)
-        failures = [err for job, err in zip(jobs, errors) if job.returncode != 0]
-        out = Path(tmp) / target.name
-        if not failures:
-            linked = subprocess.run([compiler, "-shared", "-fopenmp", "-o", str(out),
-                                     *map(str, objects)], capture_output=True, text=True)
-            failures = [linked.stderr] if linked.returncode != 0 else []
-        if failures:
-            raise OSError(f"{compiler} failed: {failures[0].strip()[-800:]}")
-        os.replace(out, target)  # atomic: concurrent engines never load half a file
-
-
 _lock = threading.Lock()
 _resolved: list[ctypes.CDLL | None] = []  # the library (or None) once built or failed
 
@@ -97,7 +62,9 @@ def likely_available() -> bool:
     decided without building it; `available()` is the answer."""
     if _resolved:
         return _resolved[0] is not None
-    if platform.machine() not in ("x86_64", "AMD64") or _compiler() is None:
+    if not cpu_build.supported_machine():
+        return False
+    if _packaged_library() is None and cpu_build.compiler() is None:
         return False
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
@@ -106,22 +73,41 @@ def likely_available() -> bool:
     return "avx2" in flags and "fma" in flags and "f16c" in flags  # (every AVX2 CPU has F16C)
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _packaged_library() -> Path | None:
+    """The library setup.py built beside the sources, if there is one."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = cpu_build.HERE / f"{cpu_build.PACKAGED_NAME}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def _open_current() -> ctypes.CDLL:
+    """The install-time library while it matches the sources, else the cache folder's build of
+    them (compiled now if missing). Raises OSError where neither can be had."""
+    key = cpu_build.source_key()
+    packaged = _packaged_library()
+    if packaged is not None:
+        lib = ctypes.CDLL(str(packaged))
+        built_from = getattr(lib, "sgl_source_key", None)
+        if built_from is not None:
+            built_from.restype = ctypes.c_char_p
+            if built_from().decode() == key:
+                return lib
+        logger.info("the installed CPU kernel library is older than its sources; rebuilding")
+    from sgl.backend.model_loader import cache_dir
+
+    target = cache_dir() / "kernels" / f"sgl_qlinear-{key}.so"
+    if not target.is_file():
+        cpu_build.build(target)
+    return ctypes.CDLL(str(target))
 
 
 def _load() -> ctypes.CDLL | None:
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not cpu_build.supported_machine():
         return None
-    from sgl.backend.model_loader import cache_dir
-
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"sgl_qlinear-{key}.so"
     try:
-        if not target.is_file():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
+        lib = _open_current()
     except OSError as exc:
         logger.warning("quantized CPU kernel unavailable (%s); using dequantize + F.linear", exc)
         return None
