@@ -65,9 +65,17 @@ def _run_to_end(body: str) -> subprocess.CompletedProcess[str]:
         pytest.fail(f"the script did not exit within {EXIT_LIMIT_S} s; stdout: {exc.stdout!r}")
 
 
+def _sigint_default() -> None:
+    # A test run started in the background of a non-interactive shell (`pytest ... &`, as a CI
+    # script may) inherits SIGINT as ignored, and Python installs its KeyboardInterrupt handler
+    # only where SIGINT is not ignored: the child would never see the Ctrl-C this test sends.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(body: str, ready: str = "ready") -> tuple[int, str, str, float]:
     """Run `body`, send SIGINT 1.5 s after it prints `ready`; (status, stdout, stderr, s to exit)."""
-    proc = subprocess.Popen(_script(body), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(_script(body), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            preexec_fn=_sigint_default)
     try:
         lines = []
         start = time.monotonic()
