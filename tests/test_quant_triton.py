@@ -123,9 +123,10 @@ def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
 
 
 # The GEMV's variant flags (QGemvConfig): I2F conversions instead of the 2^23 trick, int32
-# word loads instead of bytes, and both.
+# word loads instead of bytes, and both; the lop3 kernel for 4-bit codes (8-bit codes ignore
+# the flag: the first kernel serves them).
 GEMV_VARIANTS = {"i2f": dict(magic=False), "words": dict(words=True),
-                 "words_i2f": dict(words=True, magic=False)}
+                 "words_i2f": dict(words=True, magic=False), "lop3": dict(unpack="lop3")}
 
 
 @needs_triton
