@@ -48,14 +48,17 @@ WEIGHT = {name: 1 if name == "lm_head" else LAYERS for name in SHAPES}
 
 def lop3_grid(quick: bool) -> list[QGemvConfig]:
     out = []
-    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32, 64), (512, 1024, 2048),
-                                                   (2, 4, 8), (1, 2)):
+    # (Triton's num_stages changed nothing here in the first device run: the kernel's own
+    # `prefetch` is swept instead)
+    for bn, bk, warps, prefetch in itertools.product((4, 8, 16, 32, 64), (512, 1024, 2048),
+                                                     (1, 2, 4), (True, False)):
         per_thread = bn * bk // 2 // (32 * warps)  # code bytes per thread and K step
-        if 16 <= per_thread <= 128:
-            out.append(QGemvConfig(bn, bk, warps, num_stages=stages, unpack="lop3"))
-    # the likeliest first (the budget may cut the grid): one stage, ~64 code bytes a thread
-    out.sort(key=lambda c: (c.num_stages, abs(math.log2(c.block_n * c.block_k / 64 / c.num_warps
-                                                        / 64))))
+        if 16 <= per_thread <= 256:
+            out.append(QGemvConfig(bn, bk, warps, num_stages=1, unpack="lop3",
+                                   prefetch=prefetch))
+    # the likeliest first (the budget may cut the grid): prefetch, ~128 code bytes a thread
+    out.sort(key=lambda c: (not c.prefetch, abs(math.log2(c.block_n * c.block_k / 64
+                                                          / c.num_warps / 128))))
     return out[::5] if quick else out
 
 
@@ -121,7 +124,8 @@ def main() -> int:
         if time.monotonic() - t0 > args.budget:
             print("budget reached", flush=True)
             break
-        label = f"lop3 {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}w/{cfg.num_stages}s"
+        label = (f"lop3 {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}w"
+                 f"{' prefetch' if cfg.prefetch else ''}")
         for cls, names in CLASSES.items():
             total = 0.0
             for shape in names:
@@ -138,7 +142,8 @@ def main() -> int:
             if time.monotonic() - t0 > args.budget + 60:
                 break
             cfg = base._replace(block_n=bn, split_k=split, split_reduce="last")
-            label = f"lop3 {bn}/{cfg.block_k}/{cfg.num_warps}w/{cfg.num_stages}s split{split}"
+            label = (f"lop3 {bn}/{cfg.block_k}/{cfg.num_warps}w"
+                     f"{' prefetch' if cfg.prefetch else ''} split{split}")
             total = sum(WEIGHT[s] * (measure(s, 1, cfg, label) or float("inf"))
                         for s in CLASSES["4096"])
             if total < best["4096"][1]:

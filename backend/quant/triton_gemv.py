@@ -60,6 +60,7 @@ class QGemvConfig(NamedTuple):
     split_reduce: str = "kernel"  # who adds the slices: "kernel" (a second one) | "last"
     unpack: str = "bytes"  # 4-bit codes: "bytes" (this module's kernel, `magic` and `words`
     # apply) | "lop3" (quant/triton_q4gemv.py: int32 words, one lop3 per code)
+    prefetch: bool = False  # lop3 only: load the next K step before this one's arithmetic
 
 
 # The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
@@ -69,7 +70,8 @@ class QGemvConfig(NamedTuple):
 # the 2^23 trick there, for FP8 the hardware e4m3 conversion beat the integer decodes.
 _Q = QGemvConfig
 GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
-    "q4": ((8192, _Q(4, 1024, 4, magic=False)), (1 << 62, _Q(8, 512, 4, magic=False))),
+    "q4": ((4096, _Q(8, 2048, 2, unpack="lop3")), (8192, _Q(8, 1024, 2, unpack="lop3")),
+           (1 << 62, _Q(16, 512, 2, unpack="lop3"))),
     "q8": ((8192, _Q(4, 2048, 4, magic=False)), (1 << 62, _Q(4, 1024, 4, magic=False))),
     "fp8": ((8192, _Q(8, 1024, 4, fp8_decode="cvt")), (1 << 62, _Q(4, 1024, 4, fp8_decode="cvt"))),
 }
@@ -290,7 +292,8 @@ def qgemv(
                 x2.stride(0), words.stride(0), y.stride(0), sk.slice_stride,
                 SUPER=sup, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
                 EVEN=even, ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last,
-                ASM=not is_interpreted(q4_lop3_kernel), num_warps=cfg.num_warps,
+                ASM=not is_interpreted(q4_lop3_kernel), PREFETCH=cfg.prefetch,
+                num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
             )
             finish_split(sk, bias, y)

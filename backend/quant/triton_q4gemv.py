@@ -78,17 +78,67 @@ def _group_x(xg, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
+def _load_step(c_ptrs, x_ptrs, SCALE, ZERO, SUP_S, SUP_Z, rows64, mask_n, offs_g, offs_w, g0,
+               G, SUPER: tl.constexpr, EVEN: tl.constexpr):
+    """One K step's operands: codes [BLOCK_N, BLOCK_G * 4] int32, x [BLOCK_G, 32] (x's dtype),
+    and the groups' scale and zero [BLOCK_N, BLOCK_G] float32 (factored ones multiplied out)."""
+    gg = g0 + offs_g
+    s_off = rows64[:, None] * G + gg[None, :]  # [BLOCK_N, BLOCK_G]
+    if EVEN:  # no tile crosses the N or the G edge
+        raw = tl.load(c_ptrs + g0 * 4)
+        xg = tl.load(x_ptrs + g0 * 32)
+        s = tl.load(SCALE + s_off).to(tl.float32)
+        z = tl.load(ZERO + s_off).to(tl.float32)
+        if SUPER > 0:
+            sup = rows64[:, None] * (G // SUPER) + gg[None, :] // SUPER
+            s = s * tl.load(SUP_S + sup)
+            z = z * tl.load(SUP_Z + sup)
+    else:
+        mask_w = g0 + offs_w // 4 < G
+        m2 = mask_n[:, None] & (gg < G)[None, :]
+        raw = tl.load(c_ptrs + g0 * 4, mask=mask_n[:, None] & mask_w[None, :], other=0)
+        xg = tl.load(x_ptrs + g0 * 32, mask=(gg < G)[:, None], other=0.0)
+        s = tl.load(SCALE + s_off, mask=m2, other=0).to(tl.float32)
+        z = tl.load(ZERO + s_off, mask=m2, other=0).to(tl.float32)
+        if SUPER > 0:
+            sup = rows64[:, None] * (G // SUPER) + gg[None, :] // SUPER
+            s = s * tl.load(SUP_S + sup, mask=m2, other=0.0)
+            z = z * tl.load(SUP_Z + sup, mask=m2, other=0.0)
+    return raw, xg, s, z
+
+
+@triton.jit
+def _step_sums(raw, xg, s, z, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+               ASM: tl.constexpr):
+    """[BLOCK_N] float32: the step's sum over its groups of scale * sum code * x + zero * sum x."""
+    words = tl.reshape(raw, (BLOCK_N, BLOCK_G, 4))  # a thread's groups stay whole
+    upper = words >> 16  # bytes 2 and 3 (the masks below drop the sign copies)
+    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = _group_x(xg.to(tl.float32), BLOCK_G)
+    part = tl.zeros([BLOCK_N, BLOCK_G, 4], dtype=tl.float32)
+    part = _nibble_dot(part, words, lo0, 0, ASM)
+    part = _nibble_dot(part, words, hi0, 4, ASM)
+    part = _nibble_dot(part, words, lo1, 8, ASM)
+    part = _nibble_dot(part, words, hi1, 12, ASM)
+    part = _nibble_dot(part, upper, lo2, 0, ASM)
+    part = _nibble_dot(part, upper, hi2, 4, ASM)
+    part = _nibble_dot(part, upper, lo3, 8, ASM)
+    part = _nibble_dot(part, upper, hi3, 12, ASM)
+    xsum = tl.sum(lo0 + lo1 + lo2 + lo3 + hi0 + hi1 + hi2 + hi3, axis=1)  # [BLOCK_G]
+    return tl.sum(tl.sum(part, axis=2) * s + z * xsum[None, :], axis=1)
+
+
+@triton.jit
 def q4_lop3_kernel(
     X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y, P, CNT,
     N, G, SLICE_G,
     stride_xm, stride_cn, stride_ym, stride_ps,
     SUPER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, EVEN: tl.constexpr, ROWS_FIRST: tl.constexpr,
-    SPLIT: tl.constexpr, LAST: tl.constexpr, ASM: tl.constexpr,
+    SPLIT: tl.constexpr, LAST: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # CODES: int32 words, 4 per group of 32 codes; stride_cn in words
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
-    g_lo, g_hi = k_slice(pid_s, G, SLICE_G, SPLIT)
+    g_lo, g_hi = k_slice(pid_s, G, SLICE_G, SPLIT)  # (never empty: split_plan)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, BLOCK_G)
     offs_w = tl.arange(0, BLOCK_G * 4)  # words of a step, 4 per group
@@ -98,42 +148,19 @@ def q4_lop3_kernel(
     x_ptrs = (X + row.to(tl.int64) * stride_xm + offs_g[:, None] * 32
               + tl.arange(0, 32)[None, :])  # [BLOCK_G, 32]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g0 in range(g_lo, g_hi, BLOCK_G):
-        gg = g0 + offs_g
-        s_off = rows64[:, None] * G + gg[None, :]  # [BLOCK_N, BLOCK_G]
-        if EVEN:  # no tile crosses the N or the G edge
-            raw = tl.load(c_ptrs + g0 * 4)
-            xg = tl.load(x_ptrs + g0 * 32)
-            s = tl.load(SCALE + s_off).to(tl.float32)
-            z = tl.load(ZERO + s_off).to(tl.float32)
-            if SUPER > 0:
-                sup = rows64[:, None] * (G // SUPER) + gg[None, :] // SUPER
-                s = s * tl.load(SUP_S + sup)
-                z = z * tl.load(SUP_Z + sup)
-        else:
-            mask_w = g0 + offs_w // 4 < G
-            m2 = mask_n[:, None] & (gg < G)[None, :]
-            raw = tl.load(c_ptrs + g0 * 4, mask=mask_n[:, None] & mask_w[None, :], other=0)
-            xg = tl.load(x_ptrs + g0 * 32, mask=(gg < G)[:, None], other=0.0)
-            s = tl.load(SCALE + s_off, mask=m2, other=0).to(tl.float32)
-            z = tl.load(ZERO + s_off, mask=m2, other=0).to(tl.float32)
-            if SUPER > 0:
-                sup = rows64[:, None] * (G // SUPER) + gg[None, :] // SUPER
-                s = s * tl.load(SUP_S + sup, mask=m2, other=0.0)
-                z = z * tl.load(SUP_Z + sup, mask=m2, other=0.0)
-        words = tl.reshape(raw, (BLOCK_N, BLOCK_G, 4))  # a thread's groups stay whole
-        upper = words >> 16  # bytes 2 and 3 (the masks below drop the sign copies)
-        lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = _group_x(xg.to(tl.float32), BLOCK_G)
-        part = tl.zeros([BLOCK_N, BLOCK_G, 4], dtype=tl.float32)
-        part = _nibble_dot(part, words, lo0, 0, ASM)
-        part = _nibble_dot(part, words, hi0, 4, ASM)
-        part = _nibble_dot(part, words, lo1, 8, ASM)
-        part = _nibble_dot(part, words, hi1, 12, ASM)
-        part = _nibble_dot(part, upper, lo2, 0, ASM)
-        part = _nibble_dot(part, upper, hi2, 4, ASM)
-        part = _nibble_dot(part, upper, lo3, 8, ASM)
-        part = _nibble_dot(part, upper, hi3, 12, ASM)
-        xsum = tl.sum(lo0 + lo1 + lo2 + lo3 + hi0 + hi1 + hi2 + hi3, axis=1)  # [BLOCK_G]
-        acc += tl.sum(tl.sum(part, axis=2) * s + z * xsum[None, :], axis=1)
+    if PREFETCH:  # the next step's loads are issued before this step's arithmetic
+        raw, xg, s, z = _load_step(c_ptrs, x_ptrs, SCALE, ZERO, SUP_S, SUP_Z, rows64, mask_n,
+                                   offs_g, offs_w, g_lo, G, SUPER, EVEN)
+        for g0 in range(g_lo + BLOCK_G, g_hi, BLOCK_G):
+            raw2, xg2, s2, z2 = _load_step(c_ptrs, x_ptrs, SCALE, ZERO, SUP_S, SUP_Z, rows64,
+                                           mask_n, offs_g, offs_w, g0, G, SUPER, EVEN)
+            acc += _step_sums(raw, xg, s, z, BLOCK_N, BLOCK_G, ASM)
+            raw, xg, s, z = raw2, xg2, s2, z2
+        acc += _step_sums(raw, xg, s, z, BLOCK_N, BLOCK_G, ASM)
+    else:
+        for g0 in range(g_lo, g_hi, BLOCK_G):
+            raw, xg, s, z = _load_step(c_ptrs, x_ptrs, SCALE, ZERO, SUP_S, SUP_Z, rows64,
+                                       mask_n, offs_g, offs_w, g0, G, SUPER, EVEN)
+            acc += _step_sums(raw, xg, s, z, BLOCK_N, BLOCK_G, ASM)
     store_rows(acc, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
                stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
