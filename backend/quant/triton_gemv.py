@@ -66,12 +66,15 @@ class QGemvConfig(NamedTuple):
 # The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
 # codes, "fp8") and weight rows N: (largest N, config), the last entry covering the rest. Set
 # from bench/quant_gemv_bench.py's sweep (session 6, H200): few rows per program and long K
-# steps (more bytes in flight per program); for 4- and 8-bit codes the I2F conversion beat
-# the 2^23 trick there, for FP8 the hardware e4m3 conversion beat the integer decodes.
+# steps (more bytes in flight per program); for 8-bit codes the I2F conversion beat the 2^23
+# trick there, for FP8 the hardware e4m3 conversion beat the integer decodes. 4-bit codes:
+# the lop3 kernel (quant/triton_q4gemv.py) with bench/q4_gemv_sweep.py's winners (session
+# 9, H200): 8 rows by 1-2K weights on 2 warps at N <= 8192, 16 rows by 1K on one warp above
+# (small programs, many of them per SM); its prefetch and split-K lost everywhere.
 _Q = QGemvConfig
 GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
     "q4": ((4096, _Q(8, 2048, 2, unpack="lop3")), (8192, _Q(8, 1024, 2, unpack="lop3")),
-           (1 << 62, _Q(16, 512, 2, unpack="lop3"))),
+           (1 << 62, _Q(16, 1024, 1, unpack="lop3"))),
     "q8": ((8192, _Q(4, 2048, 4, magic=False)), (1 << 62, _Q(4, 1024, 4, magic=False))),
     "fp8": ((8192, _Q(8, 1024, 4, fp8_decode="cvt")), (1 << 62, _Q(4, 1024, 4, fp8_decode="cvt"))),
 }
