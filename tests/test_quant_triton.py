@@ -173,6 +173,13 @@ def test_qgemv_variants_match_dequantize_then_matmul(fmt: str, variant: str,
                    w.dequantize(), None)
 
 
+def test_an_unknown_unpack_is_refused() -> None:
+    w = qweight("Q4_0", 8, 64)
+    with pytest.raises(ValueError, match="unpack 'nibbles'"):
+        qgemv(torch.randn(1, 64, device=w.codes.device), w,
+              config=QGemvConfig(8, 64, 1, unpack="nibbles"))
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_activations_give_their_dtype(dtype: torch.dtype) -> None:

@@ -61,7 +61,7 @@ def main() -> None:
             check_last_slice_reduction(code)
     # The lop3 kernel: its inline and-or survives to the PTX (one lop3 per code), split too.
     lop3 = dict(SUPER=8, HAS_BIAS=True, BLOCK_N=16, BLOCK_G=32, EVEN=False, ROWS_FIRST=True,
-                SPLIT=2, LAST=True, ASM=True)
+                SPLIT=2, LAST=True, ASM=True, PREFETCH=True)
     code = ptx(triton_q4gemv.q4_lop3_kernel, {**QGEMV_ARGS, "CODES": "*i32"}, lop3)
     assert code.count("lop3.b32") >= 8, "the codes are not unpacked by lop3"
     check_last_slice_reduction(code)

@@ -73,7 +73,8 @@ class QGemvConfig(NamedTuple):
 # (small programs, many of them per SM); its prefetch and split-K lost everywhere.
 _Q = QGemvConfig
 GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
-    "q4": ((4096, _Q(8, 2048, 2, num_stages=1, unpack="lop3")), (8192, _Q(8, 1024, 2, num_stages=1, unpack="lop3")),
+    "q4": ((4096, _Q(8, 2048, 2, num_stages=1, unpack="lop3")),
+           (8192, _Q(8, 1024, 2, num_stages=1, unpack="lop3")),
            (1 << 62, _Q(16, 1024, 1, num_stages=1, unpack="lop3"))),
     "q8": ((8192, _Q(4, 2048, 4, magic=False)), (1 << 62, _Q(4, 1024, 4, magic=False))),
     "fp8": ((8192, _Q(8, 1024, 4, fp8_decode="cvt")), (1 << 62, _Q(4, 1024, 4, fp8_decode="cvt"))),

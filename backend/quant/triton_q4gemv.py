@@ -11,7 +11,8 @@ memory's speed leaves room for about 3. This one spends, per weight:
     fadd   part += t
 
 The FMA is exact up to its one rounding: f * xs is formed exactly inside it, and 2^23 * xs is
-a power-of-two multiple of xs, so the sum is code * x, rounded once, as float32's own product.
+a power-of-two multiple of xs, so the sum is code * x, rounded once, as float32's own product
+(x * 2^-s is exact too, short of |x| < 2^-114, where it would leave float32's normal range).
 The nibble is masked where it lies in its word (s = 0, 4, 8, 12, on the word and on the word
 shifted right by 16: every mask stays inside the 23 mantissa bits), so no shift per code;
 the x side (x * 2^-s and -2^23 * xs) is computed once per program step and shared by all the
@@ -28,6 +29,13 @@ zero as in the first kernel:
 
 Only 4-bit codes in groups of 32 (every 4-bit GGUF format here); plain or factored scales;
 rows of x, split-K and the bias exactly as the first kernel (quant/triton_split.py).
+`QGemvConfig.prefetch` loads the next K step before the current one's arithmetic (the loop
+peeled once, its operands carried in registers).
+
+Measured (H200, docs/benchmarks.md, session 9): with the per-step work (the x split, scales,
+sums) ~5 instructions per weight in all; 0.64-0.80x the first kernel's time at the 8B shapes,
+1.3-2.6 TB/s of the 4.75-bit bytes, best on small programs (8-16 rows, 1-2 warps); the
+prefetch lost there (10-25%), as did Triton's num_stages (no effect) and split-K.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from sgl.backend.quant.triton_split import gemv_program, k_slice, store_rows
 
 __all__ = ["q4_lop3_kernel"]
 
-MAGIC = tl.constexpr(0x4B000000)  # float32 2^23: a code below 2^23 in its low mantissa bits is 2^23 + code
+MAGIC = tl.constexpr(0x4B000000)  # float32 2^23: with a code c in its low mantissa bits, 2^23 + c
 TWO23 = tl.constexpr(8388608.0)  # 2^23
 
 
