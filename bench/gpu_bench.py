@@ -625,8 +625,22 @@ def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
 
 # -- main -----------------------------------------------------------------------------------
 
-QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quantization="fp8")}
-QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380"}
+QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quantization="fp8"),
+                 "q4_bytes": dict(quantization="gguf")}
+QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
+                 "q4_bytes": "single output_tok_s >= 500"}
+
+
+def q4_gemv_table(name: str) -> Any:
+    """The 4-bit GEMV defaults an engine of QUANT_ENGINES runs with: "q4_bytes" is "q4" on the
+    first GEMV kernel (unpack="bytes") with its session-6 tiles, the before of a before/after
+    run of the lop3 kernel (quant/triton_q4gemv.py); the others, the shipped table."""
+    from sgl.backend.quant.triton_gemv import GEMV_DEFAULTS, QGemvConfig
+
+    if name != "q4_bytes":
+        return GEMV_DEFAULTS["q4"]
+    return ((8192, QGemvConfig(4, 1024, 4, magic=False)),
+            (1 << 62, QGemvConfig(8, 512, 4, magic=False)))
 
 
 def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any]) -> None:
@@ -637,15 +651,20 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
     note names the kernel routes in force (quant/linear.py CUDA_ROUTES), so a figure can be
     traced to the path that produced it."""
     from sgl.backend.quant.linear import CUDA_ROUTES
+    from sgl.backend.quant.triton_gemv import GEMV_DEFAULTS
 
     note(f"quant: CUDA_ROUTES {CUDA_ROUTES}")
     ensure_8b_state(args, state)
     shape, res = state["shape"], {}
     fixed = w_fixed(max(8, int(512 * args.scale)), shape.vocab)
-    for name, opts in QUANT_ENGINES.items():
+    shipped = GEMV_DEFAULTS["q4"]
+    for name in args.quant_engines.split(","):
+        opts = QUANT_ENGINES[name]
         if left() < 90:
             note(f"quant: {name} skipped: out of time")
             continue
+        GEMV_DEFAULTS["q4"] = q4_gemv_table(name)  # (read at capture and at eager calls)
+        note(f"quant: {name}: q4 GEMV table {GEMV_DEFAULTS['q4']}")
         e = make_engine("llama3-8b", **opts)
         try:
             held = e.stats().weights_bytes
@@ -661,8 +680,9 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
                                             weights_gib=held / 2**30)
         finally:
             close_engine(e)
+            GEMV_DEFAULTS["q4"] = shipped
     base = res.get("bf16", {})
-    for name in ("q4", "fp8"):
+    for name in ("q4_bytes", "q4", "fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]
@@ -685,6 +705,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; later sections skip past it")
     ap.add_argument("--only", default=",".join(SECTIONS))
     ap.add_argument("--smoke", action="store_true", help="tiny counts: check that every section runs")
+    ap.add_argument("--quant-engines", default="bf16,q4,fp8",
+                    help=f"quant section's engines, in order, of {sorted(QUANT_ENGINES)} "
+                         "(q4_bytes: q4 on the first GEMV kernel, the before of a before/after)")
     args = ap.parse_args()
     args.sections = args.only.split(",")
     if args.smoke:

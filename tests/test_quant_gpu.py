@@ -6,7 +6,7 @@ On any machine: `quantization="fp8"` converts every Linear of a float load and n
 a dummy model with `quantization="gguf"` gets random quantized weights in a Q4_K_M layout.
 On CUDA: the quant_linear dispatcher at the 8B layer shapes on every path (GEMV, tiled,
 scratch + cuBLAS) against dequantize-then-matmul, every kernel variant flag (GEMV: magic /
-words; FP8 decodes; tiled: weight_as_a) at those shapes against a bound tight enough to see
+words / the lop3 kernel; FP8 decodes; tiled: weight_as_a) at those shapes against a bound tight enough to see
 one wrong nibble, the tiled kernel at every row count 1..40 (rows independent of M, bit for
 bit) and on the real model's weights, the GEMVs' split-K (both reductions, bit for bit
 equal and the same on every run), CUDA-graph replay against eager, and the real default
@@ -148,7 +148,8 @@ def assert_tight(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert excess.max().item() <= 0, f"off by {excess.max().item():.3g} beyond the bound"
 
 
-GEMV_VARIANTS = [dict(), dict(magic=False), dict(words=True), dict(words=True, magic=False)]
+GEMV_VARIANTS = [dict(), dict(magic=False), dict(words=True), dict(words=True, magic=False),
+                 dict(unpack="lop3"), dict(unpack="lop3", prefetch=True)]  # (lop3: 4-bit only)
 GEMV_TILES = [(8, 512, 4), (16, 2048, 8), (32, 1024, 8)]  # narrow, wide, the sweep's middle
 ODD_SHAPE = (1000, 768)  # no tile divides N, the K steps end ragged: the masked loads
 
@@ -259,8 +260,9 @@ def test_gpu_move_factors_k_quant_scales_exactly() -> None:
 
 
 # Split-K (QGemvConfig.split_k, quant/triton_split.py): slices x reductions on wide tiles.
-SPLIT_CONFIGS = [QGemvConfig(32, 512, 4, split_k=s, split_reduce=r)
-                 for s in (2, 8) for r in ("kernel", "last")]
+SPLIT_CONFIGS = [QGemvConfig(32, 512, 4, split_k=s, split_reduce=r, unpack=u, prefetch=p)
+                 for s, u, p in ((2, "bytes", False), (8, "bytes", False), (4, "lop3", True))
+                 for r in ("kernel", "last")]  # (pairs: kernel, last; lop3: 4-bit codes only)
 
 
 def split_case(kind: str, n: int, k: int, seed: int = 0):

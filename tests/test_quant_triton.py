@@ -123,9 +123,10 @@ def test_qgemv_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
 
 
 # The GEMV's variant flags (QGemvConfig): I2F conversions instead of the 2^23 trick, int32
-# word loads instead of bytes, and both.
+# word loads instead of bytes, and both; the lop3 kernel for 4-bit codes (8-bit codes ignore
+# the flag: the first kernel serves them).
 GEMV_VARIANTS = {"i2f": dict(magic=False), "words": dict(words=True),
-                 "words_i2f": dict(words=True, magic=False)}
+                 "words_i2f": dict(words=True, magic=False), "lop3": dict(unpack="lop3")}
 
 
 @needs_triton
@@ -170,6 +171,13 @@ def test_qgemv_variants_match_dequantize_then_matmul(fmt: str, variant: str,
     xb = x.bfloat16()  # 16-bit activations through the same variant
     assert_matches(qgemv(xb, w, None, config=cfg._replace(block_k=ragged_block_k(w))), xb,
                    w.dequantize(), None)
+
+
+def test_an_unknown_unpack_is_refused() -> None:
+    w = qweight("Q4_0", 8, 64)
+    with pytest.raises(ValueError, match="unpack 'nibbles'"):
+        qgemv(torch.randn(1, 64, device=w.codes.device), w,
+              config=QGemvConfig(8, 64, 1, unpack="nibbles"))
 
 
 @needs_triton

@@ -1,7 +1,8 @@
 """Compile the one-row GEMV kernels for Hopper (sm_90) without a GPU: Triton's ahead-of-time
 path (ASTSource -> TTIR -> PTX -> cubin through the ptxas its wheel ships). The interpreter
 runs the kernels' Python, not the compiler, so this is what catches a construct that only
-the compiled path rejects, and it shows the PTX of the one-launch split-K reduction: the
+the compiled path rejects (the lop3 kernel's inline PTX among them), and it shows the PTX of
+the one-launch split-K reduction: the
 partial stored, a CTA barrier, then the acquire-release atomic, and the partials read back at
 L2 (ld.global.cg).
 
@@ -19,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sgl.backend.quant import triton_fp8, triton_gemv, triton_split
+from sgl.backend.quant import triton_fp8, triton_gemv, triton_q4gemv, triton_split
 
 TARGET = GPUTarget("cuda", 90, 32)
 QGEMV_ARGS = {"X": "*bf16", "CODES": "*u8", "SCALE": "*i8", "ZERO": "*i8", "SUP_S": "*fp32",
@@ -58,6 +59,12 @@ def main() -> None:
         code = ptx(triton_gemv._qgemv_kernel, {**QGEMV_ARGS, "CODES": codes}, consts)
         if last:
             check_last_slice_reduction(code)
+    # The lop3 kernel: its inline and-or survives to the PTX (one lop3 per code), split too.
+    lop3 = dict(SUPER=8, HAS_BIAS=True, BLOCK_N=16, BLOCK_G=32, EVEN=False, ROWS_FIRST=True,
+                SPLIT=2, LAST=True, ASM=True, PREFETCH=True)
+    code = ptx(triton_q4gemv.q4_lop3_kernel, {**QGEMV_ARGS, "CODES": "*i32"}, lop3)
+    assert code.count("lop3.b32") >= 8, "the codes are not unpacked by lop3"
+    check_last_slice_reduction(code)
     fp8 = dict(HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, EVEN_N=True, EVEN_K=False, DECODE=0,
                ROWS_FIRST=False)
     check_last_slice_reduction(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,

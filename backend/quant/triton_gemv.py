@@ -37,7 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, next_power_of_2, tl, triton
+from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, next_power_of_2, tl, triton
+from sgl.backend.quant.triton_q4gemv import q4_lop3_kernel
 from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice, split_launch,
                                             store_rows)
 from sgl.backend.quant.weight import QuantizedWeight
@@ -57,19 +58,30 @@ class QGemvConfig(NamedTuple):
     fp8_decode: str = "bits"  # FP8 only: "bits" | "sext" | "cvt" (quant/triton_fp8.py)
     split_k: int = 1  # K slices (a third grid axis, quant/triton_split.py); 1: no split
     split_reduce: str = "kernel"  # who adds the slices: "kernel" (a second one) | "last"
+    unpack: str = "bytes"  # 4-bit codes: "bytes" (this module's kernel, `magic` and `words`
+    # apply) | "lop3" (quant/triton_q4gemv.py: int32 words, one lop3 per code)
+    prefetch: bool = False  # lop3 only: load the next K step before this one's arithmetic
 
 
 # The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
 # codes, "fp8") and weight rows N: (largest N, config), the last entry covering the rest. Set
 # from bench/quant_gemv_bench.py's sweep (session 6, H200): few rows per program and long K
-# steps (more bytes in flight per program); for 4- and 8-bit codes the I2F conversion beat
-# the 2^23 trick there, for FP8 the hardware e4m3 conversion beat the integer decodes.
+# steps (more bytes in flight per program); for 8-bit codes the I2F conversion beat the 2^23
+# trick there, for FP8 the hardware e4m3 conversion beat the integer decodes. 4-bit codes:
+# the lop3 kernel (quant/triton_q4gemv.py) with bench/q4_gemv_sweep.py's winners (session
+# 9, H200): 8 rows by 1-2K weights on 2 warps at N <= 8192, 16 rows by 1K on one warp above
+# (small programs, many of them per SM); its prefetch and split-K lost everywhere.
 _Q = QGemvConfig
 GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
-    "q4": ((8192, _Q(4, 1024, 4, magic=False)), (1 << 62, _Q(8, 512, 4, magic=False))),
+    "q4": ((4096, _Q(8, 2048, 2, num_stages=1, unpack="lop3")),
+           (8192, _Q(8, 1024, 2, num_stages=1, unpack="lop3")),
+           (1 << 62, _Q(16, 1024, 1, num_stages=1, unpack="lop3"))),
     "q8": ((8192, _Q(4, 2048, 4, magic=False)), (1 << 62, _Q(4, 1024, 4, magic=False))),
     "fp8": ((8192, _Q(8, 1024, 4, fp8_decode="cvt")), (1 << 62, _Q(4, 1024, 4, fp8_decode="cvt"))),
 }
+
+
+UNPACKS = ("bytes", "lop3")  # QGemvConfig.unpack
 
 
 def gemv_config(kind: str, n: int, k: int, min_k: int) -> QGemvConfig:
@@ -263,6 +275,8 @@ def qgemv(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
         cfg = config or gemv_config("q4" if w.bits == 4 else "q8", n, k, gs)
+        if cfg.unpack not in UNPACKS:
+            raise ValueError(f"unpack {cfg.unpack!r}: use one of {list(UNPACKS)}")
         block_g, groups = groups_per_block(cfg.block_k, gs), k // gs
         gbytes = gs // 2 if w.bits == 4 else gs
         # (every group's bytes are a multiple of 4 and rows start 4-aligned: int32 views)
@@ -272,6 +286,22 @@ def qgemv(
         grid, rows_first = row_grid(m, n_blocks)
         sk = split_launch(y, cdiv(groups, block_g), block_g, n_blocks, cfg.split_k,
                           cfg.split_reduce)
+        even = n % cfg.block_n == 0 and groups % block_g == 0
+        if cfg.unpack == "lop3" and w.bits == 4:
+            words = w.codes.view(torch.int32)  # [N, K/8]: 4 words per group
+            q4_lop3_kernel[(*grid, sk.split)](
+                x2, words, w.scale, w.zero, sup_s, sup_z,
+                bias if bias is not None else sup_s, y, sk.partials, sk.counters,
+                n, groups, sk.slice_units,
+                x2.stride(0), words.stride(0), y.stride(0), sk.slice_stride,
+                SUPER=sup, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
+                EVEN=even, ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last,
+                ASM=not is_interpreted(q4_lop3_kernel), PREFETCH=cfg.prefetch,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+            finish_split(sk, bias, y)
+            return y.reshape(*x.shape[:-1], n)
         _qgemv_kernel[(*grid, sk.split)](
             x2, codes, w.scale, w.zero, sup_s, sup_z,
             bias if bias is not None else sup_s, y, sk.partials, sk.counters,
@@ -279,7 +309,7 @@ def qgemv(
             x2.stride(0), codes.stride(0), y.stride(0), sk.slice_stride,
             BITS=w.bits, GROUP=gs, GBYTES=gbytes, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
-            EVEN_G=groups % block_g == 0, EVEN=n % cfg.block_n == 0 and groups % block_g == 0,
+            EVEN_G=groups % block_g == 0, EVEN=even,
             MAGIC=cfg.magic, WORDS=cfg.words, LANES=gbytes // 4 if cfg.words else gbytes,
             ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

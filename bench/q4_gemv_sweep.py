@@ -1,0 +1,198 @@
+"""The 4-bit one-row GEMV kernels side by side at the Llama-3.1-8B shapes: the first kernel
+(`unpack="bytes"`, triton_gemv.py) at today's defaults against a grid of the lop3 kernel
+(`unpack="lop3"`, triton_q4gemv.py), with each config checked against the reference first.
+
+    python bench/q4_gemv_sweep.py [--budget 420] [--rows 1,2] [--quick]
+
+Weights: Q4 in the GPU's factored form (Q4_K structure, 4.75 bits; bench/quant_sweep.py's
+`make_weight`), cycled through >= 256 MiB of copies; graph-timed (bench/gemv_bench.py's
+`graph_us`). Per shape: bf16 cuBLAS, the shipped Q4 GEMV, every lop3 config; then per N
+class of GEMV_DEFAULTS (N = 4096: o_proj and down; 6144: qkv; larger: gate_up and the head)
+the config with the lowest time per 8B step (32 x the layer shapes, once the head), split-K
+tried on the best of the N = 4096 class. Correctness: each config's output on the first
+copy against float32 dequantize-then-matmul (relative max error; configs over 1e-2 are
+dropped, a wrong kernel shows at ~1).
+
+Output: the tables on stdout and in $OUT/q4_gemv_sweep.md; every measurement as JSON lines in
+$OUT/q4_gemv_sweep.jsonl, written as taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ensure_sgl_importable  # noqa: E402
+
+ensure_sgl_importable()
+from gemv_bench import SHAPES, graph_us  # noqa: E402
+from quant_sweep import WeightSet, nbytes_of  # noqa: E402
+
+from sgl.backend.quant.triton_gemv import QGemvConfig, gemv_config, qgemv  # noqa: E402
+
+LAYERS = 32
+CLASSES = {"4096": ("o_proj", "down"), "6144": ("qkv",), "large": ("gate_up", "lm_head")}
+WEIGHT = {name: 1 if name == "lm_head" else LAYERS for name in SHAPES}
+
+
+def lop3_grid(quick: bool) -> list[QGemvConfig]:
+    out = []
+    # (Triton's num_stages changed nothing here in the first device run: the kernel's own
+    # `prefetch` is swept instead)
+    for bn, bk, warps, prefetch in itertools.product((4, 8, 16, 32, 64), (512, 1024, 2048),
+                                                     (1, 2, 4), (True, False)):
+        per_thread = bn * bk // 2 // (32 * warps)  # code bytes per thread and K step
+        if 16 <= per_thread <= 256:
+            out.append(QGemvConfig(bn, bk, warps, num_stages=1, unpack="lop3",
+                                   prefetch=prefetch))
+    # the likeliest first (the budget may cut the grid): prefetch, ~128 code bytes a thread
+    out.sort(key=lambda c: (not c.prefetch, abs(math.log2(c.block_n * c.block_k / 64
+                                                          / c.num_warps / 128))))
+    return out[::5] if quick else out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=420.0)
+    ap.add_argument("--rows", default="1,2")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "q4_gemv_sweep.jsonl", "a")
+    ws, res = WeightSet(), {}  # res[(shape, m, label)] = us
+    bf16 = WeightSet()
+    lines: list[str] = []
+
+    def put(shape: str, m: int, label: str, us: float | None, err: float | None = None,
+            cfg: Any = None) -> None:
+        n, k = SHAPES[shape]
+        row = dict(shape=shape, m=m, label=label, us=us, err=err,
+                   config=None if cfg is None else cfg._asdict(),
+                   tb_s=None if us is None else nbytes_of("q4", n, k) / us / 1e6)
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        if us is not None:
+            res[shape, m, label] = us
+        print(f"{shape:8} M={m} {label:44} {'-' if us is None else f'{us:8.1f} us'}"
+              f"{'' if err is None else f'  err {err:.1e}'}", flush=True)
+
+    def check(x: torch.Tensor, w: Any, cfg: QGemvConfig) -> float:
+        ref = F.linear(x.float(), w.dequantize(dtype=torch.float32))
+        y = qgemv(x, w, config=cfg).float()
+        return ((y - ref).abs().max() / ref.abs().max()).item()
+
+    def measure(shape: str, m: int, cfg: QGemvConfig, label: str) -> float | None:
+        n, k = SHAPES[shape]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        copies = ws.get("q4", shape)
+        try:
+            err = check(x, copies[0], cfg)
+            if not err < 1e-2:
+                put(shape, m, label, None, err, cfg)
+                return None
+            us = graph_us([lambda w=w: qgemv(x, w, config=cfg) for w in copies], reps=5)
+        except Exception as exc:  # a tile that does not compile or fit
+            print(f"{shape} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            return None
+        put(shape, m, label, us, err, cfg)
+        return us
+
+    rows = [int(r) for r in args.rows.split(",")]
+    for shape, (n, k) in SHAPES.items():
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        copies = bf16.get("bf16", shape)
+        put(shape, 1, "bf16 cublas", graph_us([lambda w=w: F.linear(x, w) for w in copies]))
+        measure(shape, 1, gemv_config("q4", n, k, 32), "shipped")
+    bf16.cache.clear()
+    grid = lop3_grid(args.quick)
+    print(f"{len(grid)} lop3 configs", flush=True)
+    best: dict[str, tuple[QGemvConfig, float, str]] = {}
+    for cfg in grid:
+        if time.monotonic() - t0 > args.budget:
+            print("budget reached", flush=True)
+            break
+        label = (f"lop3 {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}w"
+                 f"{' prefetch' if cfg.prefetch else ''}")
+        for cls, names in CLASSES.items():
+            total = 0.0
+            for shape in names:
+                us = measure(shape, 1, cfg, label)
+                if us is None:
+                    total = float("inf")
+                    break
+                total += WEIGHT[shape] * us
+            if total < best.get(cls, (None, float("inf"), ""))[1]:
+                best[cls] = (cfg, total, label)
+    if "4096" in best:  # split-K on the N = 4096 class's best tiles
+        base = best["4096"][0]
+        for split, bn in itertools.product((2, 4), (base.block_n, 2 * base.block_n)):
+            if time.monotonic() - t0 > args.budget + 60:
+                break
+            cfg = base._replace(block_n=bn, split_k=split, split_reduce="last")
+            label = (f"lop3 {bn}/{cfg.block_k}/{cfg.num_warps}w"
+                     f"{' prefetch' if cfg.prefetch else ''} split{split}")
+            total = sum(WEIGHT[s] * (measure(s, 1, cfg, label) or float("inf"))
+                        for s in CLASSES["4096"])
+            if total < best["4096"][1]:
+                best["4096"] = (cfg, total, label)
+    for m in rows:
+        if m == 1:
+            continue
+        for shape, (n, k) in SHAPES.items():
+            measure(shape, m, gemv_config("q4", n, k, 32)._replace(unpack="bytes"), "shipped")
+            for cls, (cfg, _, _) in best.items():
+                if shape in CLASSES[cls]:
+                    measure(shape, m, cfg, "lop3 best")
+
+    lines.append("| shape | bf16 cuBLAS us | Q4 shipped us (TB/s) | Q4 lop3 best us (TB/s) | "
+                 "lop3 config | lop3 / shipped |")
+    lines.append("|---|---|---|---|---|---|")
+    step = {"bf16 cublas": 0.0, "shipped": 0.0, "lop3": 0.0}
+    for shape, (n, k) in SHAPES.items():
+        cls = next(c for c, names in CLASSES.items() if shape in names)
+        label = best[cls][2] if cls in best else None
+        b, s = res.get((shape, 1, "bf16 cublas")), res.get((shape, 1, "shipped"))
+        lo = res.get((shape, 1, label)) if label else None
+        tb = lambda us: nbytes_of("q4", n, k) / us / 1e6  # noqa: E731
+        for key, v in (("bf16 cublas", b), ("shipped", s), ("lop3", lo)):
+            step[key] += WEIGHT[shape] * (v or float("nan"))
+        lines.append(f"| {shape} | {b or float('nan'):.1f} | {s or float('nan'):.1f} "
+                     f"({tb(s) if s else float('nan'):.2f}) | "
+                     f"{lo or float('nan'):.1f} ({tb(lo) if lo else float('nan'):.2f}) | "
+                     f"{label} | {(lo / s) if lo and s else float('nan'):.2f} |")
+    lines.append(f"| 8B step (32 layers + head) | {step['bf16 cublas']:.0f} | "
+                 f"{step['shipped']:.0f} | {step['lop3']:.0f} | | "
+                 f"{step['lop3'] / step['shipped']:.2f} |")
+    for m in rows:
+        if m == 1:
+            continue
+        for shape in SHAPES:
+            s, lo = res.get((shape, m, "shipped")), res.get((shape, m, "lop3 best"))
+            lines.append(f"| {shape} M={m} | | {s or float('nan'):.1f} | "
+                         f"{lo or float('nan'):.1f} | best | "
+                         f"{(lo / s) if lo and s else float('nan'):.2f} |")
+    lines.append("")
+    lines.append("GEMV_DEFAULTS['q4'] candidates: " + ", ".join(
+        f"{cls}: {cfg} ({us:.0f} us per step)" for cls, (cfg, us, _) in best.items()))
+    text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+                               f"{time.monotonic() - t0:.0f} s\n")
+    print(text, flush=True)
+    (out / "q4_gemv_sweep.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
