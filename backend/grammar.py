@@ -45,7 +45,7 @@ import xgrammar as xgr
 
 # Re-exported: the jump-forward planner is part of this adapter's API (split only for size).
 from sgl.backend.grammar_compiler import CompiledConstraint, ConstraintCompiler, ConstraintKind
-from sgl.backend.grammar_jump import JumpPlan, apply_plan, plan_jump_forward
+from sgl.backend.grammar_jump import BoundaryCache, JumpPlan, apply_plan, plan_jump_forward
 from sgl.backend.grammar_masks import MaskFill
 
 __all__ = [
@@ -113,6 +113,7 @@ class GrammarBackend:
         )
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
         self.fill_threads = fill_threads
+        self.boundaries = BoundaryCache()  # jump planning's re-tokenized boundaries (engine thread)
         self._fill_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     @staticmethod
@@ -155,7 +156,8 @@ class GrammarBackend:
 
     def new_state(self, compiled: CompiledConstraint) -> ConstraintState:
         return ConstraintState(compiled, self.tokenizer, self.stop_token_ids, self.mask_vocab_size,
-                               max_jump_tokens=self.max_jump_forward_tokens)
+                               max_jump_tokens=self.max_jump_forward_tokens,
+                               boundaries=self.boundaries)
 
     def allocate_bitmask(self, batch_size: int, pin: bool = False) -> torch.Tensor:
         """[batch_size, ceil(mask_vocab_size / 32)] int32, uninitialized: `fill_bitmasks` and
@@ -241,8 +243,10 @@ class ConstraintState:
         vocab_size: int,
         *,
         max_jump_tokens: int = 64,
+        boundaries: BoundaryCache | None = None,
     ) -> None:
         self.compiled = compiled
+        self.boundaries = boundaries if boundaries is not None else BoundaryCache()
         self.max_jump_tokens = max_jump_tokens
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
@@ -306,6 +310,7 @@ class ConstraintState:
         if self.compiled.forced_bound is None:
             return None
         options.setdefault("max_jump_tokens", self.max_jump_tokens)
+        options.setdefault("cache", self.boundaries)
         return plan_jump_forward(
             self.tokenizer, self, output_ids, max_new_tokens=max_new_tokens, **options
         )

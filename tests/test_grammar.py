@@ -26,7 +26,7 @@ from sgl.backend.grammar import (
     bitmask_to_bool,
     fill_bitmasks,
 )
-from sgl.backend.grammar_jump import JumpPlan, plan_jump_forward
+from sgl.backend.grammar_jump import BoundaryCache, JumpPlan, plan_jump_forward
 from sgl.constraints import build_constraint
 from sgl.errors import InvalidConstraintError
 
@@ -305,6 +305,35 @@ def test_jump_forward_with_a_random_model(backend: GrammarBackend, tokenizer: An
     assert len(jumps) >= 4
     # Forced text saved passes: each jump covers at least one token in one pass.
     assert steps < len(out) + 1
+
+
+def test_cached_boundaries_plan_what_fresh_ones_plan(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A backend's states share one BoundaryCache (re-tokenized jump boundaries): planning
+    through it, warm from earlier requests, must give the plans an empty cache gives."""
+    spec = build_constraint(schema=Person)
+    compiled = backend.compile(spec.kind, spec.text)
+    eos = backend.stop_token_ids[0]
+    cache = BoundaryCache()
+    for seed in range(6):
+        rng = random.Random(seed)
+        state = backend.new_state(compiled)
+        state.boundaries = cache
+        out: list[int] = []
+        while not state.is_terminated():
+            fresh = plan_jump_forward(tokenizer, state, out, cache=BoundaryCache())
+            plan = state.jump_forward(out)
+            assert (plan is None) == (fresh is None)
+            if plan is not None:
+                assert plan == fresh  # (rollback, ids, forced text, boundary kept, accepted)
+                del out[len(out) - plan.rollback:]
+                out.extend(plan.append_ids)
+                state.apply(plan)
+            allowed = allowed_ids(state)
+            token = eos if eos in allowed else rng.choice(allowed)
+            assert state.accept_token(token)
+            if token != eos:
+                out.append(token)
+    assert cache.hits > 0 and cache.misses > 0
 
 
 def test_jump_never_crosses_a_possible_end(backend: GrammarBackend, tokenizer: Any) -> None:
