@@ -55,12 +55,14 @@ if TYPE_CHECKING:
 
     from sgl.backend.grammar import ConstraintState
 
-__all__ = ["BoundaryCache", "JumpPlan", "apply_plan", "plan_jump_forward"]
+__all__ = ["MIN_JUMP_CHARS", "BoundaryCache", "JumpPlan", "apply_plan", "plan_jump_forward"]
 
 # Forced text is cut to this many characters per allowed token before re-tokenizing: enough
 # for the longest tokens of common vocabularies (runs of indentation spaces), so the cut
 # rarely binds before the token cap does.
 _CHARS_PER_TOKEN = 16
+# Forced text shorter than this is not jumped (decoding it costs a step or two anyway).
+MIN_JUMP_CHARS = 3
 
 
 # (tail ids, their text, the re-tokenized ids of text + forced, how many tail ids survive)
@@ -133,7 +135,7 @@ def plan_jump_forward(
     output_ids: Sequence[int],
     *,
     max_boundary_tokens: int = 4,
-    min_chars: int = 3,
+    min_chars: int = MIN_JUMP_CHARS,
     max_new_tokens: int | None = None,
     max_jump_tokens: int = 64,
     cache: BoundaryCache | None = None,

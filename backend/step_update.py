@@ -142,6 +142,8 @@ class StepUpdate:
 
     def _push_text(self, r: Req, ids: list[int]) -> str:
         """Grow the request's text; finishes it on a stop string."""
+        if r.detokenizer is None:  # (no stream, stop string or regex: decoded once at the end)
+            return ""
         step = ro.next_text(r, ids)
         r.text += step.delta
         if step.matched is None:
