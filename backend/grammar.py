@@ -40,6 +40,7 @@ import concurrent.futures
 import threading
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -397,7 +398,17 @@ def _only_tokens(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> N
 
 
 def _allows_only_stop(matcher: xgr.GrammarMatcher, vocab_size: int, stops: Sequence[int]) -> bool:
+    """Whether the matcher allows some token and only stop tokens. Compared word by word in
+    numpy: unpacking the mask to 49k booleans in torch took 1-4 ms on the CPU (once per jump
+    that reaches a grammar's end)."""
     mask = xgr.allocate_token_bitmask(1, vocab_size)
     matcher.fill_next_token_bitmask(mask, 0)
-    allowed = bitmask_to_bool(mask, vocab_size)[0].nonzero().flatten().tolist()
-    return bool(allowed) and set(allowed) <= set(stops)
+    words = mask.numpy()[0].view(np.uint32).copy()  # bit j of word w: token 32w + j
+    unused = words.size * 32 - vocab_size  # bits past the last token are not tokens
+    if unused:
+        words[-1] &= np.uint32((1 << (32 - unused)) - 1)
+    stop_words = np.zeros_like(words)
+    for token in stops:
+        if 0 <= token < vocab_size:
+            stop_words[token // 32] |= np.uint32(1 << (token % 32))
+    return bool(words.any()) and not (words & ~stop_words).any()

@@ -21,6 +21,7 @@ import torch
 from sgl.backend.grammar import (
     ConstraintState,
     GrammarBackend,
+    _allows_only_stop,
     allocate_bitmask,
     apply_bitmask,
     bitmask_to_bool,
@@ -334,6 +335,34 @@ def test_cached_boundaries_plan_what_fresh_ones_plan(backend: GrammarBackend, to
             if token != eos:
                 out.append(token)
     assert cache.hits > 0 and cache.misses > 0
+
+
+@pytest.mark.parametrize("vocab", [64, 70, 100])
+def test_only_stop_check_reads_the_mask_as_the_unpacked_reference(vocab: int) -> None:
+    """`_allows_only_stop` compares mask words in numpy; it must answer as unpacking the mask
+    to booleans does, bits past the vocabulary and stop ids outside it included."""
+
+    class Fixed:  # a matcher whose mask is given
+        def __init__(self, words: list[int]) -> None:
+            self.words = words
+
+        def fill_next_token_bitmask(self, mask: torch.Tensor, row: int) -> None:
+            mask[row] = torch.tensor(self.words, dtype=torch.int64).to(torch.int32)
+
+    rng = random.Random(vocab)
+    words = -(-vocab // 32)
+    for _ in range(300):
+        stops = rng.sample(range(vocab + 8), rng.randint(0, 3))
+        bits = {t for t in stops if t < words * 32 and rng.random() < 0.7}
+        bits |= {rng.randrange(words * 32) for _ in range(rng.randint(0, 2))}
+        packed = [0] * words
+        for t in bits:
+            packed[t // 32] |= 1 << (t % 32)
+        packed = [w - (1 << 32) if w >= 1 << 31 else w for w in packed]  # as int32
+        mask = torch.tensor(packed, dtype=torch.int64).to(torch.int32).reshape(1, -1)
+        allowed = bitmask_to_bool(mask, vocab)[0].nonzero().flatten().tolist()
+        want = bool(allowed) and set(allowed) <= set(stops)
+        assert _allows_only_stop(Fixed(packed), vocab, stops) == want, (sorted(bits), stops)
 
 
 def test_jump_never_crosses_a_possible_end(backend: GrammarBackend, tokenizer: Any) -> None:
