@@ -153,7 +153,7 @@ class Scheduler(StepUpdate):
         items: list[ScheduledReq] = []
         locs: list[torch.Tensor] = []
         if decoding:
-            drafts = [self._draft(r) for r in decoding]
+            drafts = [self._draft(r) for r in decoding] if self.drafter is not None else [()] * len(decoding)
             lens = [_decode_len(r) + len(d) for r, d in zip(decoding, drafts)]
             if 0 < self.cfg.max_step_rows < sum(lens):
                 lens, drafts = _fit_rows(decoding, lens, drafts, self.cfg.max_step_rows)

@@ -55,7 +55,7 @@ class StepUpdate:
             dropped = False  # a jump made this sample obsolete while it was in flight
             if it.samples:
                 rows = 1 + len(it.draft_ids)
-                samples = [out.sample(k + j) for j in range(rows)]
+                samples = [out.sample(k + j) for j in range(rows)] if rows > 1 else [out.sample(k)]
                 k += rows
                 if r.pending_future == it.future_index:
                     r.pending_future = None
