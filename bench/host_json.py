@@ -18,12 +18,15 @@ there.
    step for step). Jump-forward changes only the speed, so both constrained runs sample at the
    recorded output indices; an output that differs from the recording fails the bench.
 
-Figures per run (medians over rounds): wall ms, engine steps, and the engine thread's CPU time
-per step by phase (time.thread_time around `schedule`, `runner.prepare`, `scheduler.update`;
-`other` = the rest of the loop's thread time: inbox, resume, start, event hand-off), plus the
-mask fill's CPU time per step (xgrammar, on the fill thread). The replayed "device" costs
-nothing, so a step's period is host work, as on the H200 with a 135M model: `jump on / off` in
-wall time is what the H200 would see, and host ms per step is what to cut.
+Figures per run (medians over rounds): wall ms, the loop's span (first schedule to last
+update; the rest of the wall is the caller preparing requests and parsing outputs), engine
+steps, and the engine thread's CPU time per step by phase (time.thread_time around
+`schedule`, `runner.prepare`, `scheduler.update`; `other` = the rest of the loop's thread
+time: inbox, resume, start, the mask fill's Python part), plus the mask fill's CPU time per
+step (xgrammar, on the fill thread). The replayed "device" costs nothing, so a step's period
+is host work, as on the H200 with a 135M model: `jump on / off` in wall time is what the H200
+would see, and host ms per step is what to cut. `--profile MODE` cProfiles the engine thread
+over one run instead.
 Appends one JSON line per call to bench/results/host_json.jsonl.
 """
 
@@ -124,7 +127,8 @@ class Replay:
 
 
 class PhaseClock:
-    """The engine thread's CPU time per phase, and the fill thread's, summed over a run."""
+    """The engine thread's CPU time per phase, and the fill thread's, summed over a run, and
+    the wall times of the run's first and last timed call."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
@@ -213,7 +217,7 @@ def profile(engine: sgl.Engine, clock: PhaseClock, data: list[dict[str, Any]], r
     res = run(engine, clock, data, requests, mode)
     core.call(prof.disable)
     print(f"{mode}: {res['steps']} steps")
-    pstats.Stats(prof).sort_stats("tottime").sort_stats("cumulative").print_stats(60)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(60)
 
 
 def main() -> None:
