@@ -313,6 +313,9 @@ def pad_decode_rows(x: StepInputs[Any], pad: int) -> None:
 
 def writes_overlap(writes: list[tuple[int, int, Any]]) -> bool:
     """Whether two writes of one batch cover the same req_to_token position."""
+    rows = [row for row, _, _ in writes]
+    if len(set(rows)) == len(rows):  # (most steps: one write per row)
+        return False
     spans: dict[int, list[tuple[int, int]]] = {}
     for row, col, slots in writes:
         spans.setdefault(row, []).append((col, col + slots.shape[0]))

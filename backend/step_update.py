@@ -55,7 +55,7 @@ class StepUpdate:
             dropped = False  # a jump made this sample obsolete while it was in flight
             if it.samples:
                 rows = 1 + len(it.draft_ids)
-                samples = [out.sample(k + j) for j in range(rows)]
+                samples = [out.sample(k + j) for j in range(rows)] if rows > 1 else [out.sample(k)]
                 k += rows
                 if r.pending_future == it.future_index:
                     r.pending_future = None
@@ -142,6 +142,8 @@ class StepUpdate:
 
     def _push_text(self, r: Req, ids: list[int]) -> str:
         """Grow the request's text; finishes it on a stop string."""
+        if r.detokenizer is None:  # (no stream, stop string or regex: decoded once at the end)
+            return ""
         step = ro.next_text(r, ids)
         r.text += step.delta
         if step.matched is None:

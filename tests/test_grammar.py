@@ -21,12 +21,13 @@ import torch
 from sgl.backend.grammar import (
     ConstraintState,
     GrammarBackend,
+    _allows_only_stop,
     allocate_bitmask,
     apply_bitmask,
     bitmask_to_bool,
     fill_bitmasks,
 )
-from sgl.backend.grammar_jump import JumpPlan, plan_jump_forward
+from sgl.backend.grammar_jump import BoundaryCache, JumpPlan, plan_jump_forward
 from sgl.constraints import build_constraint
 from sgl.errors import InvalidConstraintError
 
@@ -269,21 +270,25 @@ def check_jump_boundaries(tokenizer: Any, out: list[int], jumps: list) -> None:
         assert decode(tokenizer, list(plan.append_ids)) in decode(tokenizer, region)
 
 
+# Short strings, bounded numbers and arrays: a random stand-in model finishes it quickly.
+SMALL_RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "label": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["alpha", "beta"]},
+        "point": {"type": "object", "properties": {"x": {"type": "number"},
+                                                   "ok": {"type": "boolean"}},
+                  "required": ["x", "ok"]},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    },
+    "required": ["id", "label", "kind", "point", "flags"],
+}
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_jump_forward_with_a_random_model(backend: GrammarBackend, tokenizer: Any, seed: int) -> None:
-    schema = {
-        "type": "object",
-        "properties": {
-            "id": {"type": "integer", "minimum": 0, "maximum": 999},
-            "label": {"type": "string", "maxLength": 6},
-            "kind": {"enum": ["alpha", "beta"]},
-            "point": {"type": "object", "properties": {"x": {"type": "number"},
-                                                       "ok": {"type": "boolean"}},
-                      "required": ["x", "ok"]},
-            "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
-        },
-        "required": ["id", "label", "kind", "point", "flags"],
-    }
+    schema = SMALL_RECORD
     compiled = backend.compile("json_schema", json.dumps(schema))
     eos = backend.stop_token_ids[0]
 
@@ -305,6 +310,62 @@ def test_jump_forward_with_a_random_model(backend: GrammarBackend, tokenizer: An
     assert len(jumps) >= 4
     # Forced text saved passes: each jump covers at least one token in one pass.
     assert steps < len(out) + 1
+
+
+def test_cached_boundaries_plan_what_fresh_ones_plan(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A backend's states share one BoundaryCache (re-tokenized jump boundaries): planning
+    through it, warm from earlier requests, must give the plans an empty cache gives."""
+    compiled = backend.compile("json_schema", json.dumps(SMALL_RECORD))
+    eos = backend.stop_token_ids[0]
+    cache = BoundaryCache()
+    for seed in range(6):
+        rng = random.Random(seed)
+        state = backend.new_state(compiled)
+        state.boundaries = cache
+        out: list[int] = []
+        while not state.is_terminated() and len(out) < 300:
+            fresh = plan_jump_forward(tokenizer, state, out, cache=BoundaryCache())
+            plan = state.jump_forward(out)
+            assert (plan is None) == (fresh is None)
+            if plan is not None:
+                assert plan == fresh  # (rollback, ids, forced text, boundary kept, accepted)
+                del out[len(out) - plan.rollback:]
+                out.extend(plan.append_ids)
+                state.apply(plan)
+            allowed = allowed_ids(state)
+            token = eos if eos in allowed else rng.choice(allowed)
+            assert state.accept_token(token)
+            if token != eos:
+                out.append(token)
+    assert cache.hits > 0 and cache.misses > 0
+
+
+@pytest.mark.parametrize("vocab", [64, 70, 100])
+def test_only_stop_check_reads_the_mask_as_the_unpacked_reference(vocab: int) -> None:
+    """`_allows_only_stop` compares mask words in numpy; it must answer as unpacking the mask
+    to booleans does, bits past the vocabulary and stop ids outside it included."""
+
+    class Fixed:  # a matcher whose mask is given
+        def __init__(self, words: list[int]) -> None:
+            self.words = words
+
+        def fill_next_token_bitmask(self, mask: torch.Tensor, row: int) -> None:
+            mask[row] = torch.tensor(self.words, dtype=torch.int64).to(torch.int32)
+
+    rng = random.Random(vocab)
+    words = -(-vocab // 32)
+    for _ in range(300):
+        stops = rng.sample(range(vocab + 8), rng.randint(0, 3))
+        bits = {t for t in stops if t < words * 32 and rng.random() < 0.7}
+        bits |= {rng.randrange(words * 32) for _ in range(rng.randint(0, 2))}
+        packed = [0] * words
+        for t in bits:
+            packed[t // 32] |= 1 << (t % 32)
+        packed = [w - (1 << 32) if w >= 1 << 31 else w for w in packed]  # as int32
+        mask = torch.tensor(packed, dtype=torch.int64).to(torch.int32).reshape(1, -1)
+        allowed = bitmask_to_bool(mask, vocab)[0].nonzero().flatten().tolist()
+        want = bool(allowed) and set(allowed) <= set(stops)
+        assert _allows_only_stop(Fixed(packed), vocab, stops) == want, (sorted(bits), stops)
 
 
 def test_jump_never_crosses_a_possible_end(backend: GrammarBackend, tokenizer: Any) -> None:

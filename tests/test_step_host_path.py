@@ -10,10 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sgl
+from sgl._seq import common_prefix_len
 from sgl.backend.event_delivery import EventDelivery
 from sgl.backend.req import Req
+from sgl.backend.scheduler import _InFlightPrompts
 from sgl.backend.step_io import ALIGN, SMALL_PACK, StepInputs, _INPUT_FIELDS
 from sgl.sampling import SamplingParams
 
@@ -95,3 +99,22 @@ def test_known_ids_is_a_slice_of_prompt_plus_outputs() -> None:
         for start in range(0, 10):
             for stop in range(0, 10):
                 assert r.known_ids(start, stop) == r.fill_ids()[start:stop], (outputs, start, stop)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 2), max_size=8), st.integers(0, 9)),
+                max_size=30))
+def test_in_flight_heads_answer_as_the_prefix_comparison_they_replace(ops: list[Any]) -> None:
+    """The scheduler's in-batch prefix deferral asks whether a prompt being prefilled shares at
+    least k tokens with a waiting one: the k-head sets must answer as max(common_prefix_len)
+    did, whatever order prompts join and k values are asked in."""
+    prompts: list[list[int]] = []
+    in_flight = _InFlightPrompts(prompts)
+    for is_add, tokens, k in ops:  # (tiny alphabet: long shared prefixes are common)
+        if is_add:
+            prompts.append(tokens)
+            in_flight.add(tokens)
+        else:
+            want = max((common_prefix_len(tokens, p) for p in prompts), default=-1) >= k
+            assert in_flight.shares_head(tokens, k) == want, (prompts, tokens, k)
+        assert bool(in_flight) == bool(prompts)
