@@ -144,6 +144,14 @@ def available() -> bool:
     return (_resolved[0] if _resolved else _library()) is not None
 
 
+def use_avx512(on: bool) -> bool:
+    """Let the 4-bit loops take their AVX-512 twins where the CPU has them (the default from
+    load: the same bits with fewer instructions per weight) or keep them on AVX2 (the tests
+    compare both); returns whether they are on now."""
+    lib = _library()
+    return lib is not None and bool(lib.sgl_use_avx512(int(on)))
+
+
 def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """[M, K] float32 contiguous -> [M, N] float32 (needs `available()`)."""
     lib = _library()
