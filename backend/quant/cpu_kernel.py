@@ -152,8 +152,10 @@ def use_avx512(on: bool) -> bool:
     return lib is not None and bool(lib.sgl_use_avx512(int(on)))
 
 
-def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """[M, K] float32 contiguous -> [M, N] float32 (needs `available()`)."""
+def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+            threads: int | None = None) -> torch.Tensor:
+    """[M, K] float32 contiguous -> [M, N] float32 (needs `available()`), on `threads`
+    threads (torch's count by default)."""
     lib = _library()
     assert lib is not None
     m = x.shape[0]
@@ -161,7 +163,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> t
     lib.sgl_qlinear(w.bits, w.group_size, x.data_ptr(), m, w.in_features, w.codes.data_ptr(),
                     w.scale.data_ptr(), w.zero.data_ptr(), int(w.f16_scales), w.out_features,
                     None if bias is None else bias.data_ptr(), y.data_ptr(),
-                    torch.get_num_threads())
+                    threads or torch.get_num_threads())
     return y
 
 

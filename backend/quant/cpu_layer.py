@@ -112,6 +112,7 @@ class CpuDecodeStep:
         self._lib: ctypes.CDLL | None = None
         self._scratch = self._residual = torch.empty(0)
         self.thread_choice = ThreadChoice()  # one thread or torch's count, by timing both
+        self.last_threads: int | None = None  # the count of the last step (None before one)
 
     def _bind_library(self) -> bool:
         if self._lib is None:
@@ -192,7 +193,7 @@ class CpuDecodeStep:
             return None
         out = torch.empty(tokens, self._desc.hidden, dtype=torch.float32)
         assert self._lib is not None
-        threads = self.thread_choice.threads(torch.get_num_threads())
+        threads = self.last_threads = self.thread_choice.threads(torch.get_num_threads())
         start = time.perf_counter()
         failed = self._lib.sgl_decode_step(
             self._desc_ref, tokens, x.data_ptr(), self._residual.data_ptr(), out.data_ptr(),
