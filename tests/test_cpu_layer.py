@@ -252,29 +252,22 @@ def test_thread_choice_with_one_thread_or_a_new_budget() -> None:
 
 
 @pytest.mark.parametrize("chosen", [1, 3])
-def test_the_head_runs_on_the_threads_of_the_last_decode_step(
+def test_the_head_runs_on_the_threads_its_own_choice_picks(
         chosen: int, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_quantized("llama-tied")  # the tied table is quantized: the head is C too
-    pool = _pool(model)
-    _prefill(model, pool, [[1, 2, 3]])
-    hidden = torch.randn(1, model.config.hidden_size)
+    hidden = torch.randn(2, model.config.hidden_size)
+    expected = model.lm_head.project(hidden)
     calls: list[int | None] = []
     qlinear = cpu_kernel.qlinear
 
     def recorded(x: torch.Tensor, w: QuantizedWeight, bias: Any, threads: int | None = None):
-        if w is model.lm_head.qweight:  # (the op path's projections call it too)
-            calls.append(threads)
+        calls.append(threads)
         return qlinear(x, w, bias, threads)
 
     monkeypatch.setattr(cpu_kernel, "qlinear", recorded)
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        expected = model.compute_logits(hidden)  # before any decode step: torch's count
-        decoder = model.model.cpu_decode
-        monkeypatch.setattr(decoder.thread_choice, "threads", lambda cap: chosen)
-        _decode_both_ways(model, pool, [Step(0, 3, [4])])
-        assert torch.equal(model.compute_logits(hidden), expected)  # any count: the same bits
-    finally:
-        torch.set_num_threads(before)
-    assert calls == [None, chosen]
+    choice = model.model.cpu_decode.head_choice
+    monkeypatch.setattr(choice, "threads", lambda cap: chosen)
+    timed: list[int] = []
+    monkeypatch.setattr(choice, "record", lambda threads, seconds: timed.append(threads))
+    assert torch.equal(model.compute_logits(hidden), expected)  # any count: the same bits
+    assert calls == [chosen] and timed == [chosen]

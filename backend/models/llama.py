@@ -201,12 +201,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # [N, hidden] -> [N, vocab] float32 (samplers and logprobs want full precision). On
-        # the threads the one-call decode step last ran on: where a loaded machine made one
-        # thread the faster there, it is for the head too (measured: 8 ms on two, 3.5 on one).
+        # [N, hidden] -> [N, vocab] float32 (samplers and logprobs want full precision). With
+        # the one-call CPU decode step, on the thread count the step's head choice times.
         decode = self.model.cpu_decode
-        threads = decode.last_threads if decode is not None else None
-        return self.lm_head.project(hidden, threads).float()
+        if decode is not None:
+            return decode.project_head(self.lm_head, hidden).float()
+        return self.lm_head.project(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

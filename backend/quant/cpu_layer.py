@@ -112,7 +112,7 @@ class CpuDecodeStep:
         self._lib: ctypes.CDLL | None = None
         self._scratch = self._residual = torch.empty(0)
         self.thread_choice = ThreadChoice()  # one thread or torch's count, by timing both
-        self.last_threads: int | None = None  # the count of the last step (None before one)
+        self.head_choice = ThreadChoice()  # the same for the LM head after it (project_head)
 
     def _bind_library(self) -> bool:
         if self._lib is None:
@@ -175,6 +175,17 @@ class CpuDecodeStep:
         self._pool_key, self._pool = key, pool
         return True
 
+    def project_head(self, head: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """`head.project(hidden, threads)` (the model's LM head, an Embedding) on the count its
+        own ThreadChoice picks: a head of a quantized table is one C call of ~50k features,
+        whose best count under load need not be the step's (measured on the loaded VM: 8 ms
+        on two threads against 3.5 on one, while at other times two were faster)."""
+        threads = self.head_choice.threads(torch.get_num_threads())
+        start = time.perf_counter()
+        logits = head.project(hidden, threads)
+        self.head_choice.record(threads, time.perf_counter() - start)
+        return logits
+
     def run(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
         """x [T, hidden] (the embeddings) -> the final-normed hidden states [T, hidden], with
         every layer's K/V stored; None (nothing done) when this step does not qualify."""
@@ -193,7 +204,7 @@ class CpuDecodeStep:
             return None
         out = torch.empty(tokens, self._desc.hidden, dtype=torch.float32)
         assert self._lib is not None
-        threads = self.last_threads = self.thread_choice.threads(torch.get_num_threads())
+        threads = self.thread_choice.threads(torch.get_num_threads())
         start = time.perf_counter()
         failed = self._lib.sgl_decode_step(
             self._desc_ref, tokens, x.data_ptr(), self._residual.data_ptr(), out.data_ptr(),
