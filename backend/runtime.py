@@ -8,6 +8,7 @@ runner (and CUDA graphs), scheduler -> start the engine thread.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import threading
@@ -125,6 +126,19 @@ def resolve_sizes(config: EngineConfig, *, device_type: str, available_bytes: in
                           context_length=context_length)
 
 
+
+def _release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS once an engine is built (glibc's
+    malloc_trim; nothing where the C library has none). Loading frees memory it never needs
+    again (the tokenizer's parsed JSON, the model's decode temporaries), which glibc keeps
+    resident: measured 25 MB of the default CPU engine's RSS, 16 MB of its peak in a
+    32-request batch."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # (not glibc)
+        return
+    trim(0)
+
 class Runtime:
     """Every part of one engine, built from an EngineConfig, and the services sgl.Engine uses."""
 
@@ -157,6 +171,7 @@ class Runtime:
         self.load_seconds = time.monotonic() - t0
         gc_freeze.hold()  # the loaded engine's objects out of the collector's full passes
         self._frozen = True
+        _release_free_heap()
 
     def _load_model(self, config: EngineConfig) -> Any:
         """The model on the engine's kernel set (resolved once, here), its config, and the

@@ -7,7 +7,9 @@ The engine thread's `Scheduler.schedule` is wrapped to timestamp each iteration,
 C entry points (`sgl_decode_step`, `sgl_qlinear`) to add up their time; an iteration's host
 time is its wall time minus the C time inside it. Reported: the median over the steps where
 all `--rows` requests decode (a robust figure on a shared machine), per rep, and the median of
-the reps. Prompts: 128 tokens each, greedy, EOS ignored, the default model.
+the reps; beside it, the median time of one C decode step and of one C LM head call over all
+reps, and the output tokens per second of the last rep. Prompts: 128 tokens each, greedy, EOS
+ignored, the default model.
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ def main() -> None:
     if lib is None:
         raise SystemExit("the CPU kernel library is unavailable: nothing to subtract")
     c_time = [0.0]
-    for name in ("sgl_decode_step", "sgl_qlinear"):
+    calls: dict[str, list[float]] = {"sgl_decode_step": [], "sgl_qlinear": []}
+    for name in calls:
         fn = getattr(lib, name)
 
-        def timed(*a: object, _fn: object = fn) -> object:
+        def timed(*a: object, _fn: object = fn, _name: str = name) -> object:
             t = time.perf_counter()
             try:
                 return _fn(*a)  # type: ignore[operator]
             finally:
                 c_time[0] += time.perf_counter() - t
+                calls[_name].append(time.perf_counter() - t)
 
         setattr(lib, name, timed)
     sched = engine._rt.core.scheduler
@@ -72,9 +76,18 @@ def main() -> None:
 
     async def reps() -> None:
         await run()  # warm-up
-        medians = [statistics.median(await run()) * 1e3 for _ in range(args.reps)]
+        for times in calls.values():
+            times.clear()
+        medians = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            medians.append(statistics.median(await run()) * 1e3)
+            tok_s = args.rows * args.new / (time.perf_counter() - start)
+        step, head = (statistics.median(calls[n]) * 1e3 if calls[n] else float("nan")
+                      for n in ("sgl_decode_step", "sgl_qlinear"))
         print(f"rows={args.rows} stream={args.stream} overlap={args.overlap}: host per step "
-              f"{statistics.median(medians):.3f} ms (reps: {' '.join(f'{m:.3f}' for m in medians)})")
+              f"{statistics.median(medians):.3f} ms (reps: {' '.join(f'{m:.3f}' for m in medians)})"
+              f"; C step {step:.2f} ms, C head {head:.2f} ms; last rep {tok_s:.1f} tok/s")
 
     asyncio.run(reps())
     engine.close()

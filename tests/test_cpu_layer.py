@@ -249,3 +249,25 @@ def test_thread_choice_with_one_thread_or_a_new_budget() -> None:
     assert choice.threads(3) in (1, 3)  # a new budget starts a new trial at once
     _trial(choice, 3, {1: 0.01, 3: 0.02})
     assert choice.choice == 1
+
+
+@pytest.mark.parametrize("chosen", [1, 3])
+def test_the_head_runs_on_the_threads_its_own_choice_picks(
+        chosen: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_quantized("llama-tied")  # the tied table is quantized: the head is C too
+    hidden = torch.randn(2, model.config.hidden_size)
+    expected = model.lm_head.project(hidden)
+    calls: list[int | None] = []
+    qlinear = cpu_kernel.qlinear
+
+    def recorded(x: torch.Tensor, w: QuantizedWeight, bias: Any, threads: int | None = None):
+        calls.append(threads)
+        return qlinear(x, w, bias, threads)
+
+    monkeypatch.setattr(cpu_kernel, "qlinear", recorded)
+    choice = model.model.cpu_decode.head_choice
+    monkeypatch.setattr(choice, "threads", lambda cap: chosen)
+    timed: list[int] = []
+    monkeypatch.setattr(choice, "record", lambda threads, seconds: timed.append(threads))
+    assert torch.equal(model.compute_logits(hidden), expected)  # any count: the same bits
+    assert calls == [chosen] and timed == [chosen]

@@ -63,6 +63,25 @@ def test_quant_linear_matches_dequantize_then_matmul(fmt: str, rows: int, bias: 
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])  # 4-bit codes
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])  # one row (fours + tail), the 8-row passes
+def test_avx512_loops_give_the_bits_of_the_avx2_ones(fmt: str, rows: int) -> None:
+    w = weight(fmt, 37, 512, seed=rows)  # 37 features: fours, a tail, blocks of 16
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    if not cpu_kernel.use_avx512(True):
+        pytest.skip("no AVX-512 on this CPU: the AVX2 loops serve")
+    try:
+        wide = cpu_kernel.qlinear(x, w, None)
+        assert not cpu_kernel.use_avx512(False)
+        narrow = cpu_kernel.qlinear(x, w, None)
+    finally:
+        cpu_kernel.use_avx512(True)
+    assert w.bits == 4
+    assert torch.equal(wide, narrow)
+    assert_close_to_sum_order(wide, x, w.dequantize(), None)
+
+
+@needs_kernel
 def test_c_dequantize_equals_the_reference() -> None:
     for fmt in FORMATS:
         w = weight(fmt, 19, 256)

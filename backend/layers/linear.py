@@ -111,10 +111,12 @@ class Embedding(nn.Module):
             return rows.view(*ids.shape, rows.shape[-1])
         return F.embedding(ids, self.weight)
 
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]
-        """Scores of every table row against each hidden state: the LM head."""
+    def project(self, hidden: torch.Tensor,
+                threads: int | None = None) -> torch.Tensor:  # [N, dim] -> [N, vocab]
+        """Scores of every table row against each hidden state: the LM head. `threads`: of
+        a quantized table's C kernel (torch's count by default)."""
         if self.qweight is not None:
-            return quant_linear(hidden, self.qweight)
+            return quant_linear(hidden, self.qweight, threads=threads)
         assert self.weight is not None
         if self.weight.is_mkldnn:  # an LM head only, packed in place
             return onednn_linear.packed_linear(hidden, self.weight)

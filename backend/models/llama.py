@@ -201,7 +201,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # [N, hidden] -> [N, vocab] float32 (samplers and logprobs want full precision)
+        # [N, hidden] -> [N, vocab] float32 (samplers and logprobs want full precision). With
+        # the one-call CPU decode step, on the thread count the step's head choice times.
+        decode = self.model.cpu_decode
+        if decode is not None:
+            return decode.project_head(self.lm_head, hidden).float()
         return self.lm_head.project(hidden).float()
 
     @torch.no_grad()

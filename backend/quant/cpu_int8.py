@@ -89,14 +89,17 @@ def quantize_rows_reference(x: torch.Tensor,
     return qx.view(m, k), dx, groups.sum(-1)
 
 
-def int8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """[M, K] float32 contiguous -> [M, N] float32 (needs `cpu_kernel.available()`)."""
+def int8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+                threads: int | None = None) -> torch.Tensor:
+    """[M, K] float32 contiguous -> [M, N] float32 (needs `cpu_kernel.available()`), on
+    `threads` threads (torch's count by default)."""
     m = x.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.float32)
     failed = _lib().sgl_q8_linear(
         w.bits, w.group_size, x.data_ptr(), m, w.in_features, w.codes.data_ptr(),
         w.scale.data_ptr(), w.zero.data_ptr(), int(w.f16_scales), w.out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        None if bias is None else bias.data_ptr(), y.data_ptr(),
+        threads or torch.get_num_threads())
     if failed:
         raise MemoryError(f"int8 linear: no memory for the quantized input of {m} rows")
     return y

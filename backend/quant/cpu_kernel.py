@@ -130,8 +130,18 @@ def available() -> bool:
     return (_resolved[0] if _resolved else _library()) is not None
 
 
-def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """[M, K] float32 contiguous -> [M, N] float32 (needs `available()`)."""
+def use_avx512(on: bool) -> bool:
+    """Let the 4-bit loops take their AVX-512 twins where the CPU has them (the default from
+    load: the same bits with fewer instructions per weight) or keep them on AVX2 (the tests
+    compare both); returns whether they are on now."""
+    lib = _library()
+    return lib is not None and bool(lib.sgl_use_avx512(int(on)))
+
+
+def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+            threads: int | None = None) -> torch.Tensor:
+    """[M, K] float32 contiguous -> [M, N] float32 (needs `available()`), on `threads`
+    threads (torch's count by default)."""
     lib = _library()
     assert lib is not None
     m = x.shape[0]
@@ -139,7 +149,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> t
     lib.sgl_qlinear(w.bits, w.group_size, x.data_ptr(), m, w.in_features, w.codes.data_ptr(),
                     w.scale.data_ptr(), w.zero.data_ptr(), int(w.f16_scales), w.out_features,
                     None if bias is None else bias.data_ptr(), y.data_ptr(),
-                    torch.get_num_threads())
+                    threads or torch.get_num_threads())
     return y
 
 

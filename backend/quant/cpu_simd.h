@@ -12,6 +12,8 @@
 // (F16C: every AVX2 CPU has it; sgl_cpu_ok checks. Weights' float16 scales widen with it.)
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
+// The AVX-512 twins of some loops (cpu_kernel.c), chosen at run time where the CPU has it.
+#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
 
 AVX2 INLINE float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

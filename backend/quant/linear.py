@@ -85,15 +85,16 @@ def quant_linear_reference(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, *, threads: int | None = None) -> torch.Tensor:
+    """`threads`: of the CPU's C kernel where it serves (torch's count by default)."""
     if isinstance(w, Fp8Weight):
         return fp8_linear(x, w, bias)
     if (w.int8_activations and x.dtype == torch.float32 and x.device.type == "cpu"
             and x.numel() <= INT8_MAX_ROWS * x.shape[-1] and cpu_kernel.available()):
-        return _int8_linear(x, w, bias)
+        return _int8_linear(x, w, bias, threads)
     if (x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS
             and not x.is_cuda and x.is_contiguous() and bias is None and cpu_kernel.available()):
-        return cpu_kernel.qlinear(x, w, None)  # a decode step's case, with nothing to convert
+        return cpu_kernel.qlinear(x, w, None, threads)  # a decode step's: nothing to convert
     if use_triton(x):
         return _quant_linear_triton(x, w, bias)
     if x.device.type != "cpu" or not cpu_kernel.available():
@@ -106,17 +107,17 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         b = None if bias is None else bias.float().contiguous()
-        y = cpu_kernel.qlinear(x2, w, b)
+        y = cpu_kernel.qlinear(x2, w, b, threads)
     return y.to(x.dtype).view(*lead, w.out_features)
 
 
-def _int8_linear(x: torch.Tensor, w: QuantizedWeight,
-                 bias: torch.Tensor | None) -> torch.Tensor:  # [..., K] -> [..., N]
+def _int8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+                 threads: int | None) -> torch.Tensor:  # [..., K] -> [..., N]
     """Up to INT8_MAX_ROWS rows on the integer-activation kernel (cpu_int8.c)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features).contiguous()  # [M, K]
     b = None if bias is None else bias.float().contiguous()
-    return int8_linear(x2, w, b).view(*lead, w.out_features)
+    return int8_linear(x2, w, b, threads).view(*lead, w.out_features)
 
 
 def _tiled_linear(x: torch.Tensor, w: QuantizedWeight,
