@@ -21,6 +21,8 @@
 // One row of 4-bit codes reads four features' rows side by side (four_features4); the hardware
 // prefetcher does not keep those four streams ahead, so the loop asks for the codes this many
 // features further on (measured on the 2-core EPYC VM: 1.2-1.3x for a whole pass at 16, 1.1x at 4).
+// The 2-8 row loops (row4, row8: verify rows, jumped tokens, small batches) do the same: a
+// 2-row decode step of the default model 9.7 -> 6.4 ms against 4.9 for one row.
 #define PREFETCH_ROWS 16
 
 // Whether the 4-bit loops take their AVX-512 twins (row4_512, four_features4_512: the same
@@ -84,6 +86,7 @@ AVX2 INLINE void row4(const float* xp, int64_t K, int64_t m0, const int mc,
   for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); acc_odd[m] = _mm256_setzero_ps(); }
   for (int64_t g = 0; g < G; g++) {
     __m256i i0, i1, i2, i3;  // (low nibbles are codes 0-15, high nibbles codes 16-31)
+    _mm_prefetch((const char*)codes + PREFETCH_ROWS * (K / 2) + g * 16, _MM_HINT_T0);
     widen4(codes + g * 16, &i0, &i1, &i2, &i3);
     __m256 w0 = _mm256_cvtepi32_ps(i0), w1 = _mm256_cvtepi32_ps(i1);
     __m256 w2 = _mm256_cvtepi32_ps(i2), w3 = _mm256_cvtepi32_ps(i3);
@@ -131,6 +134,7 @@ AVX512 INLINE void row4_512(const float* xp, int64_t K, int64_t m0, const int mc
   for (int m = 0; m < mc; m++) { acc[m] = _mm256_setzero_ps(); acc_odd[m] = _mm256_setzero_ps(); }
   for (int64_t g = 0; g < G; g++) {
     __m512i ilo, ihi;
+    _mm_prefetch((const char*)codes + PREFETCH_ROWS * (K / 2) + g * 16, _MM_HINT_T0);
     widen4_512(codes + g * 16, &ilo, &ihi);
     __m512 lo = _mm512_cvtepi32_ps(ilo), hi = _mm512_cvtepi32_ps(ihi);
     __m256 sg = _mm256_broadcast_ss(s + g);
@@ -166,6 +170,7 @@ AVX2 INLINE void row8(const float* x, int64_t K, int64_t m0, const int mc,
   for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
     __m256 sg = _mm256_set1_ps(s[g]);
+    _mm_prefetch((const char*)codes + PREFETCH_ROWS * K + g * gs, _MM_HINT_T0);
     for (int m = 0; m < mc; m++) {
       const float* xg = x + (m0 + m) * K + g * gs;
       __m256 d = _mm256_setzero_ps();
