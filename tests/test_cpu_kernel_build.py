@@ -7,6 +7,8 @@ sources, and otherwise builds them into its cache folder."""
 from __future__ import annotations
 
 import ctypes
+import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -45,6 +47,27 @@ def test_build_links_every_source_into_one_loadable_library(built: Path) -> None
         assert hasattr(lib, symbol), symbol
     assert [p.name for p in target.parent.iterdir()] == ["lib.so"]  # no objects left over
     assert _key_of(target) == cpu_build.source_key()  # the build names its sources
+
+
+# AVX-512 registers (zmm, ymm/xmm 16-31, mask registers) and EVEX-only instruction forms
+_AVX512 = re.compile(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[1-7]\b|\b\w+(32x4|32x8|64x2|64x4)\b|vpternlog")
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump to read the library")
+def test_only_the_avx512_twins_use_avx512(built: Path) -> None:
+    # The library runs on AVX2-only CPUs: code outside the *_512 twins (chosen at run time)
+    # must not use AVX-512, which a function compiled for it may do anywhere it inlines.
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(built)],
+                             capture_output=True, text=True, check=True).stdout
+    function, offenders = "", set()
+    for line in listing.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.+)>:$", line)
+        if head:
+            function = head.group(1)
+        elif _AVX512.search(line) and not function.endswith("_512"):
+            offenders.add(function)
+    assert not offenders, offenders
+    assert "four_features4_512" in listing  # (the twins are there, and were looked at)
 
 
 def test_a_compiler_error_is_raised_with_its_message(tmp_path: Path,

@@ -191,8 +191,17 @@ AVX2 INLINE void row8(const float* x, int64_t K, int64_t m0, const int mc,
   case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; \
   case 7: CALL(7); break; default: CALL(8); break; }
 
+// feature's 4-bit rows on the AVX-512 twin, apart from `feature` itself: a function compiled
+// for AVX-512 may use its registers (ymm16-31, EVEX forms) in any code inlined into it, which
+// an AVX2-only CPU cannot run, so only the *_512 functions are compiled for AVX-512.
+#define CALL4_512(R) row4_512(xp, K, m0, R, c, s, G, out)
+AVX512 static void rows4_512(const float* xp, int64_t K, int64_t m0, const int mc,
+                             const uint8_t* c, const float* s, int64_t G, float* out) {
+  DISPATCH(CALL4_512)
+}
+
 // Output feature n, every row; s: its G scales (float32), z: its G zeros (float16 if f16).
-AVX512 static void feature(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
+AVX2 static void feature(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
                          const void* codes, const float* s, const void* z, int f16, int64_t n,
                          int64_t N, const float* bias, const float* xsum, int64_t G, float* y) {
   float out[MAX_ROWS];
@@ -201,9 +210,8 @@ AVX512 static void feature(int bits, int gs, const float* x, const float* xp, in
     if (bits == 4) {
       const uint8_t* c = (const uint8_t*)codes + n * (K / 2);
 #define CALL4(R) row4(xp, K, m0, R, c, s, G, out)
-#define CALL4_512(R) row4_512(xp, K, m0, R, c, s, G, out)
       if (use_avx512) {
-        DISPATCH(CALL4_512)
+        rows4_512(xp, K, m0, mc, c, s, G, out);
       } else {
         DISPATCH(CALL4)
       }
