@@ -407,8 +407,7 @@ def _allows_only_stop(matcher: xgr.GrammarMatcher, vocab_size: int, stops: Seque
     unused = words.size * 32 - vocab_size  # bits past the last token are not tokens
     if unused:
         words[-1] &= np.uint32((1 << (32 - unused)) - 1)
-    stop_words = np.zeros_like(words)
-    for token in stops:
-        if 0 <= token < vocab_size:
-            stop_words[token // 32] |= np.uint32(1 << (token % 32))
+    stop_mask = torch.empty_like(mask)
+    _only_tokens(stop_mask, 0, [t for t in stops if 0 <= t < vocab_size])
+    stop_words = stop_mask.numpy()[0].view(np.uint32)
     return bool(words.any()) and not (words & ~stop_words).any()

@@ -126,7 +126,6 @@ def resolve_sizes(config: EngineConfig, *, device_type: str, available_bytes: in
                           context_length=context_length)
 
 
-
 def _release_free_heap() -> None:
     """Hand the C heap's free pages back to the OS once an engine is built (glibc's
     malloc_trim; nothing where the C library has none). Loading frees memory it never needs
@@ -138,6 +137,7 @@ def _release_free_heap() -> None:
     except (OSError, AttributeError):  # (not glibc)
         return
     trim(0)
+
 
 class Runtime:
     """Every part of one engine, built from an EngineConfig, and the services sgl.Engine uses."""
