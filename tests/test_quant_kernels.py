@@ -82,6 +82,27 @@ def test_avx512_loops_give_the_bits_of_the_avx2_ones(fmt: str, rows: int) -> Non
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("wide", [True, False])  # AVX-512 tiles where the CPU has them; AVX2
+def test_a_rows_bits_do_not_depend_on_the_batch(fmt: str, wide: bool) -> None:
+    """Verify rows and jumped tokens share a step with other rows, and speculation promises
+    the outputs of plain decoding: every row of a 1..32-row product (tiles of 1-4 rows, tails
+    of 1-3 features) must equal that row computed alone, bit for bit."""
+    in_features = 96 if FORMATS[fmt][0] == 32 else 512
+    w = weight(fmt, 38, in_features, seed=5)  # 38 features: blocks of 16, tiles of 4, a tail of 2
+    x = torch.randn(32, in_features, generator=torch.Generator().manual_seed(5))
+    if wide and not cpu_kernel.use_avx512(True):
+        pytest.skip("no AVX-512 on this CPU")
+    try:
+        cpu_kernel.use_avx512(wide)
+        alone = torch.cat([cpu_kernel.qlinear(x[i:i + 1], w, None) for i in range(32)])
+        for rows in (2, 3, 5, 8, 32):
+            assert torch.equal(cpu_kernel.qlinear(x[:rows], w, None), alone[:rows]), rows
+    finally:
+        cpu_kernel.use_avx512(True)
+
+
+@needs_kernel
 def test_c_dequantize_equals_the_reference() -> None:
     for fmt in FORMATS:
         w = weight(fmt, 19, 256)
