@@ -196,11 +196,12 @@ AVX2 INLINE void tile8(const int8_t* c, int64_t rb, const float* s, const int GS
       UNROLL for (int r = 0; r < R; r++) d[f][r] = _mm256_setzero_ps();
     }
     UNROLL for (int v = 0; v < GS; v += 8) {
+      __m256 xv[TILE_ROWS];
+      UNROLL for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + (m0 + r) * K + g * GS + v);
       UNROLL for (int f = 0; f < F; f++) {
         __m128i q = _mm_loadl_epi64((const __m128i*)(c + f * rb + g * GS + v));
         __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-        UNROLL for (int r = 0; r < R; r++)
-          d[f][r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + r) * K + g * GS + v), d[f][r]);
+        UNROLL for (int r = 0; r < R; r++) d[f][r] = _mm256_fmadd_ps(w, xv[r], d[f][r]);
       }
     }
     UNROLL for (int f = 0; f < F; f++) {
