@@ -7,8 +7,10 @@ For each row count M: the time of every linear projection of one forward pass of
 SmolLM2-135M (30 layers x qkv, o_proj, gate_up, down, plus the LM head), run over the
 model's real weights in layer order, as a step reads them (each weight is touched once per
 pass, so caches do not flatter small M). Activations float32. Best of `--repeats` passes per
-variant, all variants in the same run. Prints a table, appends one JSON line to
-bench/results/cpu_linear.jsonl.
+variant, all variants in the same run. The quantized weights run both of their CPU paths at
+every M: the C kernel on the codes and dequantize + BLAS (`quant_linear` takes the first up to
+`GEMV_MAX_ROWS` rows: the crossover these columns decide). Prints a table, appends one JSON
+line to bench/results/cpu_linear.jsonl.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from common import record, table  # noqa: E402
 
 from sgl.backend.kernels import onednn_linear  # noqa: E402
 from sgl.backend.model_loader import load_model  # noqa: E402
-from sgl.backend.quant import quant_linear  # noqa: E402
+from sgl.backend.quant import cpu_kernel, linear  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF; float32 = dequantized)"
 
@@ -54,7 +56,7 @@ def best_pass_ms(fn, inputs: list[torch.Tensor], weights: list, repeats: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 512])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256, 512])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     model, _ = load_model(None, device=torch.device("cpu"), dtype=torch.float32)
@@ -68,12 +70,17 @@ def main() -> None:
         inputs = [torch.randn(m, w.shape[1]) for w in plain]
         ref = best_pass_ms(F.linear, inputs, plain, args.repeats)
         ours = best_pass_ms(onednn_linear.packed_linear, inputs, packed, args.repeats)
-        quant = best_pass_ms(quant_linear, inputs, quantized, args.repeats)
-        rows.append({"rows": m, "F.linear ms": ref, "packed oneDNN ms": ours, "quantized ms": quant,
-                     "quantized vs oneDNN": ours / quant})
-        figures[f"rows {m}"] = {"F.linear ms": ref, "packed ms": ours, "quantized ms": quant}
-    print(table(rows, ["rows", "F.linear ms", "packed oneDNN ms", "quantized ms",
-                       "quantized vs oneDNN"]))
+        kernel = best_pass_ms(lambda x, w: cpu_kernel.qlinear(x, w, None), inputs, quantized,
+                              args.repeats)
+        blas = best_pass_ms(lambda x, w: linear._tiled_linear(x, w, None), inputs, quantized,
+                            args.repeats)
+        rows.append({"rows": m, "F.linear ms": ref, "packed oneDNN ms": ours,
+                     "quantized C kernel ms": kernel, "quantized dequantize+BLAS ms": blas,
+                     "C / dequantize+BLAS": kernel / blas})
+        figures[f"rows {m}"] = {"F.linear ms": ref, "packed ms": ours, "C kernel ms": kernel,
+                                "dequantize+BLAS ms": blas}
+    print(table(rows, ["rows", "F.linear ms", "packed oneDNN ms", "quantized C kernel ms",
+                       "quantized dequantize+BLAS ms", "C / dequantize+BLAS"]))
     record("cpu_linear", MODEL, "all linear projections of one forward pass, float32 activations",
            figures)
 

@@ -15,8 +15,7 @@ the model's op path runs instead, unchanged:
 
 - the model (checked once by `build`): float32, every projection a `QuantizedWeight` in the
   CPU kernel's plain layout, no per-head q/k norm (Qwen3 takes the op path), one eps;
-- the step (checked by `run`): a DECODE batch of at most `MAX_ROWS` rows (above it the op
-  path's projections dequantize and use BLAS, a different summation) on the torch attention
+- the step (checked by `run`): a DECODE batch of at most `MAX_ROWS` rows on the torch attention
   backend's fused CPU path (a float32, float16 or bfloat16 pool, int32 table), the C
   library loaded.
 
@@ -41,8 +40,10 @@ from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["MAX_ROWS", "CpuDecodeStep"]
 
-# Rows the one-call step takes: the op path's quantized linear runs the same C GEMV up to here.
-MAX_ROWS = GEMV_MAX_ROWS
+# Rows the one-call step takes (a CPU engine runs at most 64 requests): the op path's
+# quantized linear runs the same C kernel on them, so both give the same bits.
+MAX_ROWS = 64
+assert MAX_ROWS <= GEMV_MAX_ROWS
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 

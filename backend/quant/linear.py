@@ -9,10 +9,9 @@
 CPU, a weight with `int8_activations` (the engine's `activation_quantization="int8"`): up to
 `INT8_MAX_ROWS` rows run the integer-activation kernel (cpu_int8.c); more rows, and every
 product of a weight without the mark, keep float activations:
-decode and small batches (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the
-codes: each weight byte is read once per pass of 8 rows. Larger batches (prefill chunks, decode
-steps of many requests) dequantize the weight into float32 and multiply it with BLAS: there
-the multiply-adds, not the weight bytes, decide the time, and BLAS does them far better. A
+decode steps and prefill chunks (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the
+codes, converted once per tile of four rows. Larger products dequantize the weight into
+float32 and multiply it with BLAS. A
 weight over `TILE_BYTES` as float32 is done a tile of output features at a time, so the
 scratch stays bounded (SmolLM2's tied 49k-row head is 113 MB as float32, which a 32-request
 decode step would otherwise allocate and fill every step).
@@ -42,11 +41,13 @@ __all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", 
            "cuda_route", "dense_via_scratch", "quant_linear", "quant_linear_reference",
            "use_triton", "weight_kind"]
 
-# CPU: above this many rows the dequantize-then-BLAS path wins (the C kernel re-reads the
-# weight once per 8 rows). Measured on the 2-core AVX2 VM, one layer's four SmolLM2-shaped
-# Q4 projections, 2 threads: C 2.1 / 4.4 / 6.5 / 8.7 ms at 16 / 32 / 48 / 64 rows against
-# 3.1 / 5.7 / 6.6 / 7.7 for dequantize + BLAS. (Also the one-call decode step's row limit.)
-GEMV_MAX_ROWS = 32
+# CPU: products of up to this many rows run the C kernel on the codes, larger ones dequantize
+# and use BLAS. Since the kernel converts a group's codes once per tile of four rows it is
+# bound by the multiply-adds like BLAS, without BLAS's float copy of every weight per call:
+# it measured faster at every row count up to a 512-token prefill chunk (`python
+# bench/cpu_linear.py`, docs/benchmarks.md), so prefill chunks take it too. Its rows are
+# also batch-invariant (a prompt's KV has the same bits in one chunk or several).
+GEMV_MAX_ROWS = 1024
 # CPU, int8 activations: products of up to this many rows run the integer kernel; larger ones
 # (prefill chunks) take the float path below (dequantize + BLAS), exact, which measured faster
 # there on the 2-core AVX2 VM (docs/benchmarks.md: the int8 kernel 1.4x the float kernel at
