@@ -39,7 +39,6 @@ import torch
 
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.grammar_masks import DeferredMaskFill
-from sgl.backend.quant import cpu_layer
 from sgl.backend.req import ScheduleBatch
 from sgl.backend.speculative import draft_states
 from sgl.backend.step_io import (
@@ -208,8 +207,8 @@ class ModelRunner:
 
     def _cpu_decode_rows(self) -> int:
         """The most rows the model's one-call CPU decode step takes (0: it has none)."""
-        decoder = getattr(getattr(self.model, "model", None), "cpu_decode", None)
-        return 0 if decoder is None else cpu_layer.MAX_ROWS
+        rows = getattr(self.model, "cpu_decode_rows", None)  # (models that have the step)
+        return 0 if rows is None else rows()
 
     def _grammar_masks(self, batch: ScheduleBatch, defer: bool) -> MaskFill | DeferredMaskFill:
         """The step's masks: filled from now on beside the forward (every matcher has accepted

@@ -24,6 +24,7 @@ from sgl.backend.layers.activation import SiluAndMul
 from sgl.backend.layers.linear import Embedding, Linear, MergedLinear, pack_for_cpu
 from sgl.backend.layers.norm import RMSNorm
 from sgl.backend.layers.rotary import RotaryEmbedding, rope_parameters
+from sgl.backend.quant.cpu_layer import MAX_ROWS as CPU_DECODE_ROWS
 from sgl.backend.quant.cpu_layer import CpuDecodeStep
 
 # HF projection name -> (our fused module, shard name)
@@ -187,6 +188,11 @@ class LlamaForCausalLM(nn.Module):
         self.model.cpu_decode = None
         if kernels.mode == "auto" and kernels.device.type == "cpu":
             self.model.cpu_decode = CpuDecodeStep.build(self.model)
+
+    def cpu_decode_rows(self) -> int:
+        """The most rows one step of the one-call CPU decode step takes (0: the model runs
+        without it)."""
+        return 0 if self.model.cpu_decode is None else CPU_DECODE_ROWS
 
     @staticmethod
     def _variant(cfg: Any) -> dict[str, bool]:
