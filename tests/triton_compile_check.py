@@ -69,6 +69,13 @@ def main() -> None:
                ROWS_FIRST=False)
     check_last_slice_reduction(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
                                    dict(fp8, SPLIT=8, LAST=True)))
+    # The FP8 word kernel: the hardware e4m3x2 conversions survive to the PTX (two per word).
+    words = dict(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=1024, EVEN_N=False, EVEN_K=False,
+                 X_PAIRS=True, ASM=True, ROWS_FIRST=False)
+    code = ptx(triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
+               dict(words, SPLIT=2, LAST=True))
+    assert code.count("cvt.rn.f16x2.e4m3x2") >= 2, "e4m3 not converted by the hardware"
+    check_last_slice_reduction(code)
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",
                                       "stride_ps": "i32", "stride_ym": "i32"},
         dict(HAS_BIAS=True, SPLIT=4, BLOCK=triton_split.REDUCE_BLOCK))
