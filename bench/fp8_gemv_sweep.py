@@ -3,10 +3,13 @@
 (`fp8_decode="words"`, quant/triton_fp8.py's `_fp8_words_kernel`), each config checked
 against the reference first.
 
-    python bench/fp8_gemv_sweep.py [--budget 240] [--quick]
+    python bench/fp8_gemv_sweep.py [--budget 240] [--quick] [--pdl on|off|both] [--norm]
 
 Weights: `Fp8Weight.quantize` of random bf16 (std 0.02), cycled through >= 256 MiB of copies;
-graph-timed (bench/gemv_bench.py's `graph_us`). Per shape: bf16 cuBLAS, the first kernel at
+graph-timed (bench/gemv_bench.py's `graph_us`). `--norm`: every call is an RMSNorm of x and
+then the product, as in a decoder layer, so that the GEMVs' early launch (PDL,
+kernels/triton_compat.py: they load their first weights while the norm runs) shows; `--pdl`
+runs the grid with early launches, without, or both (labels " pdl" / " no-pdl"). Per shape: bf16 cuBLAS, the first kernel at
 its session-6 defaults, every word-kernel config; then per N class of GEMV_DEFAULTS (N = 4096:
 o_proj and down; 6144: qkv; larger: gate_up and the head) the config with the lowest time per
 8B step (32 x the layer shapes, once the head). Correctness: each config's output on the
@@ -39,6 +42,8 @@ ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
 from quant_sweep import WeightSet  # noqa: E402
 
+from sgl.backend.kernels.triton_compat import PDL_SWITCH  # noqa: E402
+from sgl.backend.kernels.triton_rmsnorm import rmsnorm_triton  # noqa: E402
 from sgl.backend.quant.triton_fp8 import fp8_gemv  # noqa: E402
 from sgl.backend.quant.triton_gemv import QGemvConfig  # noqa: E402
 
@@ -66,6 +71,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=240.0)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--pdl", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--norm", action="store_true")
     args = ap.parse_args()
     t0 = time.monotonic()
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
@@ -86,19 +93,27 @@ def main() -> int:
         print(f"{shape:8} {label:34} {'-' if us is None else f'{us:8.1f} us'}"
               f"{'' if err is None else f'  err {err:.1e}'}", flush=True)
 
+    def inputs(k: int) -> tuple[torch.Tensor, Any]:
+        """x [1, K] and what a call does to it first (an RMSNorm with --norm)."""
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        if not args.norm:
+            return x, lambda v: v
+        weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        return x, lambda v: rmsnorm_triton(v, weight, 1e-5)
+
     def measure(shape: str, cfg: QGemvConfig, label: str) -> float | None:
         n, k = SHAPES[shape]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x, pre = inputs(k)
         copies = ws.get("fp8", shape)
         try:
             w = copies[0]
-            ref = F.linear(x.float(), w.dequantize(torch.float32))
-            y = fp8_gemv(x, w.weight, w.scale, config=cfg).float()
+            ref = F.linear(pre(x).float(), w.dequantize(torch.float32))
+            y = fp8_gemv(pre(x), w.weight, w.scale, config=cfg).float()
             err = ((y - ref).abs().max() / ref.abs().max()).item()
             if not err < 1e-2:
                 put(shape, label, None, err, cfg)
                 return None
-            us = graph_us([lambda w=w: fp8_gemv(x, w.weight, w.scale, config=cfg)
+            us = graph_us([lambda w=w: fp8_gemv(pre(x), w.weight, w.scale, config=cfg)
                            for w in copies], reps=5)
         except Exception as exc:  # a tile that does not compile or fit
             print(f"{shape} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
@@ -109,20 +124,28 @@ def main() -> int:
     bf16 = WeightSet()
     for cls, names in CLASSES.items():
         for shape in names:
-            k = SHAPES[shape][1]
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            x, pre = inputs(SHAPES[shape][1])
             copies = bf16.get("bf16", shape)
-            put(shape, "bf16 cublas", graph_us([lambda w=w: F.linear(x, w) for w in copies]))
+            put(shape, "bf16 cublas", graph_us([lambda w=w: F.linear(pre(x), w)
+                                                for w in copies]))
             bf16.cache.clear()
+            PDL_SWITCH[0] = False
             measure(shape, FIRST[cls], "first kernel")
-    grid = words_grid(args.quick)
-    print(f"{len(grid)} word-kernel configs", flush=True)
+            PDL_SWITCH[0] = True
+    pdl = {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
+    grid = [(cfg, early) for cfg in words_grid(args.quick) for early in pdl]
+    grid += [(c, True) for c in FIRST.values() if args.pdl != "off"]  # (repeats: one is timed)
+    print(f"{len(grid)} configs", flush=True)
     best: dict[str, tuple[QGemvConfig, float, str]] = {}
-    for cfg in grid:
+    for cfg, early in grid:
         if time.monotonic() - t0 > args.budget:
             print("budget reached", flush=True)
             break
-        label = f"words {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}w"
+        PDL_SWITCH[0] = early
+        label = (f"{cfg.fp8_decode} {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}w"
+                 f"{' pdl' if early else ' no-pdl'}")
+        if any(key[1] == label for key in res):
+            continue
         for cls, names in CLASSES.items():
             total = 0.0
             for shape in names:
@@ -133,9 +156,10 @@ def main() -> int:
                 total += WEIGHT[shape] * us
             if total < best.get(cls, (None, float("inf"), ""))[1]:
                 best[cls] = (cfg, total, label)
+    PDL_SWITCH[0] = True
 
-    lines = ["| shape | bf16 cuBLAS us | FP8 first kernel us (TB/s) | FP8 words best us (TB/s) | "
-             "words config | words / first |", "|---|---|---|---|---|---|"]
+    lines = ["| shape | bf16 cuBLAS us | FP8 first kernel us (TB/s) | FP8 best us (TB/s) | "
+             "best config | best / first |", "|---|---|---|---|---|---|"]
     step = {"bf16 cublas": 0.0, "first kernel": 0.0, "words": 0.0}
     nan = float("nan")
     for shape, (n, k) in SHAPES.items():
@@ -153,6 +177,8 @@ def main() -> int:
                  f"{step['first kernel']:.0f} | {step['words']:.0f} | | "
                  f"{step['words'] / step['first kernel']:.2f} |")
     lines.append("")
+    lines.append(f"(--norm {args.norm}: times include an RMSNorm per call; first kernel: "
+                 "session-6 tiles, no PDL)")
     lines.append("GEMV_DEFAULTS['fp8'] candidates: " + ", ".join(
         f"{cls}: {cfg} ({us:.0f} us per step)" for cls, (cfg, us, _) in best.items()))
     text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "

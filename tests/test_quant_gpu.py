@@ -461,3 +461,43 @@ async def test_gpu_quantized_engine_graphs_equal_eager(quantization: str) -> Non
     _, eager, _ = await _greedy(dict(quantization=quantization, disable_cuda_graph=True),
                                 prompts=4, new_tokens=32)
     assert graphs == eager
+
+
+FP8_TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=4608, vocab_size=8192,
+                max_position_embeddings=2048, eos_token_id=0, tie_word_embeddings=False)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_engine_early_launches_change_no_token() -> None:
+    """The FP8 GEMVs' early launch (PDL, kernels/triton_compat.py) changes when they start,
+    never what they read: a dummy FP8 model (untied FP8 head; both GEMV kernels: N <= 4096
+    and above) decodes the same greedy tokens with early launches in its CUDA graphs,
+    without them, and eagerly."""
+    import asyncio
+
+    from sgl.backend.kernels.triton_compat import PDL_SWITCH
+
+    def tokens(pdl: bool, **options: object) -> list[list[int]]:
+        PDL_SWITCH[0] = pdl
+        try:
+            e = sgl.Engine(model_config=FP8_TINY, load_format="dummy", device="cuda",
+                           quantization="fp8", max_total_tokens=8192, **options)
+            try:
+                assert isinstance(e._rt.runner.model.lm_head.qweight, Fp8Weight)
+
+                async def run() -> list[list[int]]:
+                    outs = await asyncio.gather(*(
+                        e.generate(input_ids=[1 + i, 7, 300 + 5 * i], max_new_tokens=12,
+                                   temperature=0, ignore_eos=True) for i in range(3)))
+                    return [o.token_ids for o in outs]
+
+                return asyncio.run(run())
+            finally:
+                e.close()
+        finally:
+            PDL_SWITCH[0] = True
+
+    early = tokens(True)
+    assert tokens(False) == early
+    assert tokens(True, disable_cuda_graph=True) == early

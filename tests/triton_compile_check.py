@@ -49,6 +49,14 @@ def check_last_slice_reduction(code: str) -> None:
     assert any("ld.global.cg" in line for line in lines[atom:]), "partials not read at L2"
 
 
+def check_loads_around_wait(code: str) -> None:
+    """PDL: a weight load before griddepcontrol.wait, and no store before it."""
+    lines = code.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    assert any("ld.global" in line for line in lines[:wait]), "no load before the wait"
+    assert not any("st.global" in line for line in lines[:wait]), "a store before the wait"
+
+
 def main() -> None:
     q4 = dict(BITS=4, GROUP=32, GBYTES=16, SUPER=8, HAS_BIAS=True, BLOCK_N=32, BLOCK_G=16,
               EVEN_G=True, EVEN=False, MAGIC=False, WORDS=False, LANES=16, ROWS_FIRST=True)
@@ -66,16 +74,20 @@ def main() -> None:
     assert code.count("lop3.b32") >= 8, "the codes are not unpacked by lop3"
     check_last_slice_reduction(code)
     fp8 = dict(HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, EVEN_N=True, EVEN_K=False, DECODE=0,
-               ROWS_FIRST=False)
+               ROWS_FIRST=False, PDL=False)
     check_last_slice_reduction(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
                                    dict(fp8, SPLIT=8, LAST=True)))
     # The FP8 word kernel: the hardware e4m3x2 conversions survive to the PTX (two per word).
+    # Launched early (PDL): the first weights load before the wait, x after it.
     words = dict(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=1024, EVEN_N=False, EVEN_K=False,
-                 X_PAIRS=True, ASM=True, ROWS_FIRST=False)
+                 X_PAIRS=True, ASM=True, ROWS_FIRST=False, PDL=True)
     code = ptx(triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
                dict(words, SPLIT=2, LAST=True))
     assert code.count("cvt.rn.f16x2.e4m3x2") >= 2, "e4m3 not converted by the hardware"
     check_last_slice_reduction(code)
+    check_loads_around_wait(code)
+    check_loads_around_wait(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
+                                dict(fp8, PDL=True, SPLIT=1, LAST=False)))
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",
                                       "stride_ps": "i32", "stride_ym": "i32"},
         dict(HAS_BIAS=True, SPLIT=4, BLOCK=triton_split.REDUCE_BLOCK))

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
+from sgl.backend.kernels.triton_compat import (cdiv, is_interpreted, mma, pdl_launch, tl,
+                                               triton, wait_for_inputs)
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
 from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
 from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice, split_launch,
@@ -56,45 +57,59 @@ def e4m3_f32_sext(b):
 
 
 @triton.jit
+def _load_w(w_ptrs, k0, K, offs_k, mask_n, EVEN: tl.constexpr):
+    """A K step's weights [BLOCK_N, BLOCK_K] of the first kernel (0 past N and K)."""
+    if EVEN:
+        return tl.load(w_ptrs + k0)
+    return tl.load(w_ptrs + k0, mask=mask_n[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _bytes_step(acc, w, x_row, k0, K, offs_k, EVEN: tl.constexpr, DECODE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] + a K step's products, w decoded as DECODE says."""
+    if EVEN:
+        xv = tl.load(x_row + k0 + offs_k)
+    else:
+        xv = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+    if DECODE == 1:  # W is the weight's bytes (uint8)
+        wf = e4m3_f32(w.to(tl.int32))
+    elif DECODE == 2:  # W is the weight's bytes as int8
+        wf = e4m3_f32_sext(w.to(tl.int32))
+    else:  # W is float8e4nv
+        wf = w.to(tl.float32)
+    return acc + wf * xv.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     X, W, SCALE, B, Y, P, CNT,
     N, K, SLICE_K,
     stride_xm, stride_wn, stride_ym, stride_ps,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
-    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
+    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
-    k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # this program's weights of K
+    k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # this program's weights of K (not empty)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     mask_n = offs_n < N
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_row = X + row.to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + offs_k
-        if EVEN_K and EVEN_N:
-            w = tl.load(w_ptrs + k0)
-            xv = tl.load(x_row + kk)
-        else:
-            mask_k = kk < K
-            w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            xv = tl.load(x_row + kk, mask=mask_k, other=0.0)
-        if DECODE == 1:  # W is the weight's bytes (uint8)
-            wf = e4m3_f32(w.to(tl.int32))
-        elif DECODE == 2:  # W is the weight's bytes as int8
-            wf = e4m3_f32_sext(w.to(tl.int32))
-        else:  # W is float8e4nv
-            wf = w.to(tl.float32)
-        acc += wf * xv.to(tl.float32)[None, :]
+    even = EVEN_K and EVEN_N
+    w = _load_w(w_ptrs, k_lo, K, offs_k, mask_n, even)  # (before x: see wait_for_inputs)
+    wait_for_inputs(PDL)
+    acc = _bytes_step(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), w, x_row, k_lo, K,
+                      offs_k, EVEN_K, DECODE)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w = _load_w(w_ptrs, k0, K, offs_k, mask_n, even)
+        acc = _bytes_step(acc, w, x_row, k0, K, offs_k, EVEN_K, DECODE)
     y = tl.sum(acc, axis=1)
     if DECODE != 0:
         y = y * 1.329227995784916e36  # 2^120: the bit tricks' values are the weights / 2^120
     y = y * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
     store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
                stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
-
 
 @triton.jit
 def e4m3x4_f32(words, ASM: tl.constexpr):
@@ -147,14 +162,17 @@ def _words_x(X, X32, inner, k0, K, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _words_step(acc, w_ptrs, X, X32, inner, mask_n, k0, K, EVEN_N: tl.constexpr,
-                EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, ASM: tl.constexpr):
+def _load_words(w_ptrs, inner, mask_n, k0, K, EVEN: tl.constexpr):
+    """A K step's weight words [BLOCK_N, BLOCK_V, 4] (0 past N and K)."""
+    if EVEN:
+        return tl.load(w_ptrs + k0 // 4)
+    return tl.load(w_ptrs + k0 // 4, mask=mask_n[:, None, None] & (k0 + inner * 4 < K), other=0)
+
+
+@triton.jit
+def _words_step(acc, w, X, X32, inner, k0, K, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr,
+                ASM: tl.constexpr):
     """acc [BLOCK_N, BLOCK_V, 4] + the products of one K step (one FMA per weight)."""
-    if EVEN_N and EVEN_K:
-        w = tl.load(w_ptrs + k0 // 4)
-    else:
-        w = tl.load(w_ptrs + k0 // 4, mask=mask_n[:, None, None] & (k0 + inner * 4 < K),
-                    other=0)
     x0, x1, x2, x3 = _words_x(X, X32, inner, k0, K, EVEN_K, X_PAIRS)
     f0, f1, f2, f3 = e4m3x4_f32(w, ASM)
     return tl.fma(f3, x3, tl.fma(f2, x2, tl.fma(f1, x1, tl.fma(f0, x0, acc))))
@@ -167,7 +185,7 @@ def _fp8_words_kernel(
     stride_xm, stride_wn, stride_ym, stride_ps,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, ASM: tl.constexpr,
-    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
+    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """The FP8 GEMV on int32 words (`fp8_decode="words"`). W: the weight's bytes as int32
     words [N, K / 4] (stride_wn in words). A thread owns 16-byte vectors of a row (four
@@ -178,7 +196,7 @@ def _fp8_words_kernel(
     shape (the row axis a broadcast: repeated addresses, L1 hits), so no step converts a
     layout through shared memory; with X_PAIRS as bf16 pairs, widened in registers."""
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
-    k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # (multiples of BLOCK_K: of 16)
+    k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # (multiples of BLOCK_K: of 16; not empty)
     BLOCK_V: tl.constexpr = BLOCK_K // 16
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -188,14 +206,17 @@ def _fp8_words_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None, None] * stride_wn + inner
     x_row = X + row.to(tl.int64) * stride_xm
     x32 = X.to(tl.pointer_type(tl.int32), bitcast=True) + row.to(tl.int64) * (stride_xm // 2)
-    acc = tl.zeros([BLOCK_N, BLOCK_V, 4], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        acc = _words_step(acc, w_ptrs, x_row, x32, inner, mask_n, k0, K, EVEN_N, EVEN_K,
-                          X_PAIRS, ASM)
+    even = EVEN_N and EVEN_K
+    w = _load_words(w_ptrs, inner, mask_n, k_lo, K, even)  # (before x: wait_for_inputs)
+    wait_for_inputs(PDL)
+    acc = _words_step(tl.zeros([BLOCK_N, BLOCK_V, 4], dtype=tl.float32), w, x_row, x32, inner,
+                      k_lo, K, EVEN_K, X_PAIRS, ASM)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w = _load_words(w_ptrs, inner, mask_n, k0, K, even)
+        acc = _words_step(acc, w, x_row, x32, inner, k0, K, EVEN_K, X_PAIRS, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
     store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
                stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
-
 
 def fp8_gemv(
     x: torch.Tensor,  # [..., K]
@@ -219,6 +240,8 @@ def fp8_gemv(
         grid, rows_first = row_grid(m, n_blocks)
         sk = split_launch(y, cdiv(k, cfg.block_k), cfg.block_k, n_blocks, cfg.split_k,
                           cfg.split_reduce)
+        pdl = pdl_launch(x.device, _fp8_gemv_kernel)
+        early = {"launch_pdl": True} if pdl else {}  # (triton_compat: PDL)
         if mode == 3:
             words = weight.view(torch.int32)  # [N, K / 4]
             pairs = (x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0
@@ -230,8 +253,8 @@ def fp8_gemv(
                 HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, X_PAIRS=pairs,
                 ASM=not is_interpreted(_fp8_words_kernel), ROWS_FIRST=rows_first,
-                SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
+                SPLIT=sk.split, LAST=sk.last, PDL=pdl, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **early,
             )
             finish_split(sk, bias, y)
             return y.reshape(*x.shape[:-1], n)
@@ -243,8 +266,8 @@ def fp8_gemv(
             x2.stride(0), weight.stride(0), y.stride(0), sk.slice_stride,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
-            ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **early,
         )
         finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
