@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sgl.backend.kernels import triton_activation, triton_rmsnorm
 from sgl.backend.quant import triton_fp8, triton_gemv, triton_q4gemv, triton_split
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -88,6 +89,16 @@ def main() -> None:
     check_loads_around_wait(code)
     check_loads_around_wait(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
                                 dict(fp8, PDL=True, SPLIT=1, LAST=False)))
+    # The kernels before the GEMVs let them launch early: the trigger is in their PTX.
+    norm = ptx(triton_rmsnorm._rmsnorm_kernel,
+               {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
+                "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32",
+                "hidden": "i32", "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True))
+    silu = ptx(triton_activation._silu_and_mul_kernel,
+               {"X": "*bf16", "Out": "*bf16", "stride_xt": "i32", "stride_ot": "i32",
+                "inter": "i32"}, dict(BLOCK=1024, PDL=True))
+    for code in (norm, silu):
+        assert "griddepcontrol.launch_dependents" in code, "no early launch"
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",
                                       "stride_ps": "i32", "stride_ym": "i32"},
         dict(HAS_BIAS=True, SPLIT=4, BLOCK=triton_split.REDUCE_BLOCK))
