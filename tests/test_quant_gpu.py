@@ -496,8 +496,9 @@ def test_gpu_fp8_engine_early_launches_change_no_token() -> None:
             finally:
                 e.close()
         finally:
-            PDL_SWITCH[0] = True
+            PDL_SWITCH[0] = shipped
 
+    shipped = PDL_SWITCH[0]
     early = tokens(True)
     assert tokens(False) == early
     assert tokens(True, disable_cuda_graph=True) == early

@@ -86,18 +86,21 @@ def is_interpreted(kernel: Any) -> bool:
 # while the kernel before it on the stream is still running, as soon as every program of that
 # one has called `let_next_launch` (or exited); it must call `wait_for_inputs` before it reads
 # anything the kernel before wrote (or writes anything at all: the memory may be that kernel's
-# still). The one-row FP8 GEMVs launch so (quant/triton_fp8.py): their weights never change, so
-# they load the first K step's before waiting, which hides their start (launch and the first
-# DRAM round trip) behind the small kernel before them; that kernel (RMSNorm, SiLU x mul,
-# decode attention's second stage) lets them launch as it starts. Both calls are no-ops where
-# nothing is launched so; CUDA graphs keep the launches' programmatic edges.
+# still). The one-row FP8 GEMVs can launch so (quant/triton_fp8.py): their weights never
+# change, so they load the first K step's before waiting, which would hide their start (launch
+# and the first DRAM round trip) behind the small kernel before them; that kernel (RMSNorm,
+# SiLU x mul, decode attention's second stage) lets them launch as it starts. Both calls are
+# no-ops where nothing is launched so. OFF by default (`PDL_SWITCH`): built and compiled for
+# sm_90 in session 10, but the device could not be had again to run it (CUDA-graph capture of
+# the programmatic edges, tokens, speed): tests/test_quant_gpu.py's early-launch test and
+# `bench/gpu_bench.py --quant-engines fp8,fp8_pdl` are the checks to run before turning it on.
 try:  # (triton.language.extra.cuda's grid dependency control: Triton 3.3 and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_PDL = True
 except ImportError:  # pragma: no cover - older Triton, or none
     HAS_PDL = False
-PDL_SWITCH = [True]  # [0] False: never launch so (benchmarks' before-variants)
+PDL_SWITCH = [False]  # [0] True: launch the kernels above so, on devices that can
 _PDL_DEVICES: dict[int, bool] = {}
 
 
