@@ -33,9 +33,15 @@ FP8_ARGS = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "B": "*bf16", "Y": 
             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ps": "i32"}
 
 
-def ptx(kernel: Any, args: dict[str, str], consts: dict[str, Any]) -> str:
+def ptx(kernel: Any, args: dict[str, str], consts: dict[str, Any], aligned: bool = False) -> str:
+    """`aligned`: pointers, strides, N and K divisible by 16, as Triton specializes them at
+    launch for the 8B shapes (what lets loads become 16-byte vectors)."""
     signature = {**args, **{name: "constexpr" for name in consts}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in
+             args.items() if aligned and (kind.startswith("*") or name.startswith("stride")
+                                          or name in ("N", "K"))}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts,
+                                        attrs=attrs),
                               target=TARGET, options={"num_warps": 4, "num_stages": 3})
     assert compiled.asm.get("cubin"), "no cubin"
     return compiled.asm["ptx"]
@@ -89,6 +95,16 @@ def main() -> None:
     check_loads_around_wait(code)
     check_loads_around_wait(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
                                 dict(fp8, PDL=True, SPLIT=1, LAST=False)))
+    # Unmasked tiles at aligned shapes: the weights load as 16-byte vectors (a constexpr lost
+    # on the way to the load, e.g. through a local `a and b`, makes it one byte per load).
+    even = dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, EVEN_N=True, EVEN_K=True,
+                ROWS_FIRST=False, SPLIT=1, LAST=False, PDL=False)
+    for kernel, args, consts in ((triton_fp8._fp8_gemv_kernel, FP8_ARGS, dict(even, DECODE=0)),
+                                 (triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
+                                  dict(even, X_PAIRS=True, ASM=True))):
+        code = ptx(kernel, args, consts, aligned=True)
+        assert code.count("ld.global.v4.b32") >= 4, "weights not loaded as 16-byte vectors"
+        assert "ld.global.b8" not in code and "ld.global.u8" not in code, "byte loads"
     # The kernels before the GEMVs let them launch early: the trigger is in their PTX.
     norm = ptx(triton_rmsnorm._rmsnorm_kernel,
                {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",

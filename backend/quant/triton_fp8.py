@@ -13,7 +13,7 @@ GEMV's `split_k` cuts K into slices as the codes' GEMV does (quant/triton_split.
 How the GEMV turns e4m3 bytes into float32 is a config switch (`fp8_decode`), since which is
 fastest is a question of instruction rates the device answers (bench/quant_gemv_bench.py,
 bench/fp8_gemv_sweep.py):
-- "words": the second GEMV kernel (`_fp8_words_kernel`, below), the default: see there;
+- "words": the second GEMV kernel (`_fp8_words_kernel`, below; the default above N = 4096);
 - "bits": the byte's sign to bit 31 and exponent|mantissa to bits 20..26, four integer ops
   (`e4m3_f32`);
 - "sext": the byte loaded as int8 (sign-extended by the load's conversion), then one shift
@@ -57,9 +57,9 @@ def e4m3_f32_sext(b):
 
 
 @triton.jit
-def _load_w(w_ptrs, k0, K, offs_k, mask_n, EVEN: tl.constexpr):
+def _load_w(w_ptrs, k0, K, offs_k, mask_n, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """A K step's weights [BLOCK_N, BLOCK_K] of the first kernel (0 past N and K)."""
-    if EVEN:
+    if EVEN_N and EVEN_K:
         return tl.load(w_ptrs + k0)
     return tl.load(w_ptrs + k0, mask=mask_n[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
 
@@ -90,19 +90,21 @@ def _fp8_gemv_kernel(
     ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
-    k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # this program's weights of K (not empty)
+    k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # this program's weights of K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     mask_n = offs_n < N
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_row = X + row.to(tl.int64) * stride_xm
-    even = EVEN_K and EVEN_N
-    w = _load_w(w_ptrs, k_lo, K, offs_k, mask_n, even)  # (before x: see wait_for_inputs)
-    wait_for_inputs(PDL)
-    acc = _bytes_step(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), w, x_row, k_lo, K,
-                      offs_k, EVEN_K, DECODE)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = _load_w(w_ptrs, k0, K, offs_k, mask_n, even)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_first = k_lo
+    if PDL:  # launched early: the first weights load before waiting for x (triton_compat)
+        w = _load_w(w_ptrs, k_lo, K, offs_k, mask_n, EVEN_N, EVEN_K)
+        wait_for_inputs(PDL)
+        acc = _bytes_step(acc, w, x_row, k_lo, K, offs_k, EVEN_K, DECODE)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
+        w = _load_w(w_ptrs, k0, K, offs_k, mask_n, EVEN_N, EVEN_K)
         acc = _bytes_step(acc, w, x_row, k0, K, offs_k, EVEN_K, DECODE)
     y = tl.sum(acc, axis=1)
     if DECODE != 0:
@@ -110,6 +112,7 @@ def _fp8_gemv_kernel(
     y = y * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
     store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
                stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
+
 
 @triton.jit
 def e4m3x4_f32(words, ASM: tl.constexpr):
@@ -162,9 +165,9 @@ def _words_x(X, X32, inner, k0, K, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _load_words(w_ptrs, inner, mask_n, k0, K, EVEN: tl.constexpr):
+def _load_words(w_ptrs, inner, mask_n, k0, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """A K step's weight words [BLOCK_N, BLOCK_V, 4] (0 past N and K)."""
-    if EVEN:
+    if EVEN_N and EVEN_K:
         return tl.load(w_ptrs + k0 // 4)
     return tl.load(w_ptrs + k0 // 4, mask=mask_n[:, None, None] & (k0 + inner * 4 < K), other=0)
 
@@ -206,17 +209,20 @@ def _fp8_words_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None, None] * stride_wn + inner
     x_row = X + row.to(tl.int64) * stride_xm
     x32 = X.to(tl.pointer_type(tl.int32), bitcast=True) + row.to(tl.int64) * (stride_xm // 2)
-    even = EVEN_N and EVEN_K
-    w = _load_words(w_ptrs, inner, mask_n, k_lo, K, even)  # (before x: wait_for_inputs)
-    wait_for_inputs(PDL)
-    acc = _words_step(tl.zeros([BLOCK_N, BLOCK_V, 4], dtype=tl.float32), w, x_row, x32, inner,
-                      k_lo, K, EVEN_K, X_PAIRS, ASM)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = _load_words(w_ptrs, inner, mask_n, k0, K, even)
+    acc = tl.zeros([BLOCK_N, BLOCK_V, 4], dtype=tl.float32)
+    k_first = k_lo
+    if PDL:  # launched early: the first weights load before waiting for x (triton_compat)
+        w = _load_words(w_ptrs, inner, mask_n, k_lo, K, EVEN_N, EVEN_K)
+        wait_for_inputs(PDL)
+        acc = _words_step(acc, w, x_row, x32, inner, k_lo, K, EVEN_K, X_PAIRS, ASM)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
+        w = _load_words(w_ptrs, inner, mask_n, k0, K, EVEN_N, EVEN_K)
         acc = _words_step(acc, w, x_row, x32, inner, k0, K, EVEN_K, X_PAIRS, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
     store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
                stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
+
 
 def fp8_gemv(
     x: torch.Tensor,  # [..., K]
