@@ -17,7 +17,8 @@ Sources (`load_format`):
   Linears, 8-bit table and head: quant/install.py), for benchmarks at a real shape.
 
 `quantization="fp8"` converts every Linear of a float load (safetensors, dummy, a GGUF's
-float path) to FP8 with per-channel scales after loading (quant/fp8.py); table and head stay.
+float path) to FP8 with per-channel scales after loading (quant/fp8.py), and an untied LM
+head too; the embedding table (and so a tied head) stays.
 - ``auto``: a preset name means dummy, a `.gguf` file gguf, a folder safetensors.
 
 `model=None` is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI wheel

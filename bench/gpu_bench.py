@@ -35,9 +35,10 @@ import random
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ensure_sgl_importable  # noqa: E402
@@ -626,27 +627,69 @@ def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
 # -- main -----------------------------------------------------------------------------------
 
 QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quantization="fp8"),
-                 "q4_bytes": dict(quantization="gguf")}
+                 "q4_bytes": dict(quantization="gguf"), "fp8_s9": dict(quantization="fp8"),
+                 "fp8_pdl": dict(quantization="fp8")}
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
-                 "q4_bytes": "single output_tok_s >= 500"}
+                 "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
+                 "fp8_pdl": "single output_tok_s >= 380"}
 
 
-def q4_gemv_table(name: str) -> Any:
-    """The 4-bit GEMV defaults an engine of QUANT_ENGINES runs with: "q4_bytes" is "q4" on the
-    first GEMV kernel (unpack="bytes") with its session-6 tiles, the before of a before/after
-    run of the lop3 kernel (quant/triton_q4gemv.py); the others, the shipped table."""
+@contextmanager
+def engine_variant(name: str) -> Iterator[None]:
+    """The code an engine of QUANT_ENGINES runs with, for the before of a before/after run:
+    "q4_bytes" is "q4" on the first 4-bit GEMV kernel (unpack="bytes") with its session-6
+    tiles (before the lop3 kernel, quant/triton_q4gemv.py); "fp8_s9" is "fp8" as session 9
+    left it: the first FP8 GEMV kernel (fp8_decode="cvt") with its session-6 tiles and the LM
+    head in bf16, no early launches (before the word kernel and the FP8 head); "fp8_pdl" is
+    "fp8" with the GEMVs' early launches (kernels/triton_compat.py: off by default until
+    measured). The others: the shipped code.
+    (The tables are read at capture and at eager calls; install_fp8 at load.)"""
+    from sgl.backend.kernels.triton_compat import PDL_SWITCH
+    from sgl.backend.quant import install
     from sgl.backend.quant.triton_gemv import GEMV_DEFAULTS, QGemvConfig
 
-    if name != "q4_bytes":
-        return GEMV_DEFAULTS["q4"]
-    return ((8192, QGemvConfig(4, 1024, 4, magic=False)),
-            (1 << 62, QGemvConfig(8, 512, 4, magic=False)))
+    shipped, install_fp8 = dict(GEMV_DEFAULTS), install.install_fp8
+    if name == "q4_bytes":
+        GEMV_DEFAULTS["q4"] = ((8192, QGemvConfig(4, 1024, 4, magic=False)),
+                               (1 << 62, QGemvConfig(8, 512, 4, magic=False)))
+    elif name == "fp8_s9":
+        GEMV_DEFAULTS["fp8"] = ((8192, QGemvConfig(8, 1024, 4, fp8_decode="cvt")),
+                                (1 << 62, QGemvConfig(4, 1024, 4, fp8_decode="cvt")))
+        install.install_fp8 = lambda model: install_fp8(model, head=False)
+    early = PDL_SWITCH[0]
+    PDL_SWITCH[0] = name == "fp8_pdl" or (early and name != "fp8_s9")
+    try:
+        yield
+    finally:
+        GEMV_DEFAULTS.update(shipped)
+        install.install_fp8 = install_fp8
+        PDL_SWITCH[0] = early
+
+
+def quant_engine(name: str, opts: dict[str, Any], rates: Rates, shape: Shape,
+                 fixed: list[Request]) -> dict[str, Any]:
+    """One engine of the quant section: single stream, then `fixed` if time is left."""
+    e = make_engine("llama3-8b", **opts)
+    try:
+        held = e.stats().weights_bytes
+        warmup(e, shape.vocab)
+        floor = held / rates.copy_bw  # one decode step streams every weight once
+        single = run(e, w_single(shape.vocab))
+        out = {"single": report("llama3-8b", f"single ({name})", single,
+                                weights_gib=held / 2**30, single_floor_tok_s=1 / floor,
+                                target=QUANT_TARGETS.get(name, ""))}
+        if left() > 60:
+            out["fixed"] = report("llama3-8b", f"fixed ({name})", run(e, fixed),
+                                  weights_gib=held / 2**30)
+        return out
+    finally:
+        close_engine(e)
 
 
 def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any]) -> None:
     """Issue 14 on the GPU: the 8B shape with bf16, random 4-bit (quantization="gguf" on a
     dummy model: Q4_K-layout Linears, Q6_K-layout table and head, quant/install.py) and FP8
-    weights (bf16 head), single stream and `fixed` throughput, each against bf16's run here.
+    weights (the untied head too), single stream and `fixed` throughput, each against bf16's.
     The single-stream floor counts the bytes the engine really holds (`weights_bytes`); the
     note names the kernel routes in force (quant/linear.py CUDA_ROUTES), so a figure can be
     traced to the path that produced it."""
@@ -657,32 +700,16 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
     ensure_8b_state(args, state)
     shape, res = state["shape"], {}
     fixed = w_fixed(max(8, int(512 * args.scale)), shape.vocab)
-    shipped = GEMV_DEFAULTS["q4"]
     for name in args.quant_engines.split(","):
         opts = QUANT_ENGINES[name]
         if left() < 90:
             note(f"quant: {name} skipped: out of time")
             continue
-        GEMV_DEFAULTS["q4"] = q4_gemv_table(name)  # (read at capture and at eager calls)
-        note(f"quant: {name}: q4 GEMV table {GEMV_DEFAULTS['q4']}")
-        e = make_engine("llama3-8b", **opts)
-        try:
-            held = e.stats().weights_bytes
-            warmup(e, shape.vocab)
-            floor = held / rates.copy_bw  # one decode step streams every weight once
-            single = run(e, w_single(shape.vocab))
-            res[name] = {"single": report("llama3-8b", f"single ({name})", single,
-                                          weights_gib=held / 2**30,
-                                          single_floor_tok_s=1 / floor,
-                                          target=QUANT_TARGETS.get(name, ""))}
-            if left() > 60:
-                res[name]["fixed"] = report("llama3-8b", f"fixed ({name})", run(e, fixed),
-                                            weights_gib=held / 2**30)
-        finally:
-            close_engine(e)
-            GEMV_DEFAULTS["q4"] = shipped
+        with engine_variant(name):
+            note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
+            res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4", "fp8"):
+    for name in ("q4_bytes", "q4", "fp8_s9", "fp8", "fp8_pdl"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]
@@ -707,7 +734,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny counts: check that every section runs")
     ap.add_argument("--quant-engines", default="bf16,q4,fp8",
                     help=f"quant section's engines, in order, of {sorted(QUANT_ENGINES)} "
-                         "(q4_bytes: q4 on the first GEMV kernel, the before of a before/after)")
+                         "(q4_bytes, fp8_s9: the befores of before/after runs, engine_variant)")
     args = ap.parse_args()
     args.sections = args.only.split(",")
     if args.smoke:

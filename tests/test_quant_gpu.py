@@ -55,10 +55,33 @@ def test_fp8_load_converts_every_linear_and_keeps_table_and_head() -> None:
                            expected.weight.view(torch.uint8)), name
         assert torch.equal(module.qweight.scale, expected.scale), name
     assert fp8.model.embed_tokens.weight is not None and fp8.model.embed_tokens.qweight is None
+    assert fp8.tie_word_embeddings and fp8.lm_head is fp8.model.embed_tokens  # tied: stays
     assert weight_bytes(fp8) < weight_bytes(floats)
     x = torch.randn(3, fp8.config.hidden_size)
     layer = fp8.model.layers[0].mlp.gate_up_proj
     torch.testing.assert_close(layer(x), F.linear(x, layer.qweight.dequantize()))
+
+
+def test_fp8_load_converts_an_untied_head_and_keeps_the_table() -> None:
+    """An untied LM head is a linear like the others: FP8 with per-channel scales, its
+    logits those of its dequantized weight; the input embedding stays in the model's dtype."""
+    untied = dict(SMALL, tie_word_embeddings=False)
+    floats, _ = load_model("smollm2-135m", device="cpu", dtype=torch.float32,
+                           model_config=untied, seed=3, quantization="none")
+    fp8, _ = load_model("smollm2-135m", device="cpu", dtype=torch.float32, model_config=untied,
+                        seed=3, quantization="fp8")
+    head = fp8.lm_head
+    assert head is not fp8.model.embed_tokens and head.weight is None
+    assert isinstance(head.qweight, Fp8Weight)
+    expected = Fp8Weight.quantize(floats.lm_head.weight)
+    assert torch.equal(head.qweight.weight.view(torch.uint8), expected.weight.view(torch.uint8))
+    assert torch.equal(head.qweight.scale, expected.scale)
+    table = fp8.model.embed_tokens
+    assert table.qweight is None and torch.equal(table.weight, floats.model.embed_tokens.weight)
+    hidden = torch.randn(2, fp8.config.hidden_size)
+    torch.testing.assert_close(fp8.compute_logits(hidden),
+                               F.linear(hidden, expected.dequantize()))
+    assert weight_bytes(fp8) < weight_bytes(floats) - floats.lm_head.weight.numel() * 3
 
 
 def test_dummy_model_with_gguf_gets_random_quantized_weights() -> None:
@@ -170,13 +193,14 @@ def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", LAYER_SHAPES + [ODD_SHAPE])
-@pytest.mark.parametrize("decode", ["bits", "sext", "cvt"])
+@pytest.mark.parametrize("decode", ["bits", "sext", "cvt", "words"])
 def test_gpu_fp8_gemv_decodes_8b_shapes(n: int, k: int, decode: str) -> None:
     w = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
     ref = w.dequantize(torch.float32)  # e4m3 times the row's float32 scale, not rounded
     x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
-    for tiles in GEMV_TILES:
-        cfg = QGemvConfig(*tiles, fp8_decode=decode)
+    tiles = GEMV_TILES + ([(2, 1024, 1), (4, 2048, 2), (16, 512, 2)] if decode == "words" else [])
+    for tile in tiles:
+        cfg = QGemvConfig(*tile, fp8_decode=decode)
         assert_tight(fp8_gemv(x, w.weight, w.scale, config=cfg), x, ref)
 
 
@@ -437,3 +461,44 @@ async def test_gpu_quantized_engine_graphs_equal_eager(quantization: str) -> Non
     _, eager, _ = await _greedy(dict(quantization=quantization, disable_cuda_graph=True),
                                 prompts=4, new_tokens=32)
     assert graphs == eager
+
+
+FP8_TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=4608, vocab_size=8192,
+                max_position_embeddings=2048, eos_token_id=0, tie_word_embeddings=False)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_engine_early_launches_change_no_token() -> None:
+    """The FP8 GEMVs' early launch (PDL, kernels/triton_compat.py) changes when they start,
+    never what they read: a dummy FP8 model (untied FP8 head; both GEMV kernels: N <= 4096
+    and above) decodes the same greedy tokens with early launches in its CUDA graphs,
+    without them, and eagerly."""
+    import asyncio
+
+    from sgl.backend.kernels.triton_compat import PDL_SWITCH
+
+    def tokens(pdl: bool, **options: object) -> list[list[int]]:
+        PDL_SWITCH[0] = pdl
+        try:
+            e = sgl.Engine(model_config=FP8_TINY, load_format="dummy", device="cuda",
+                           quantization="fp8", max_total_tokens=8192, **options)
+            try:
+                assert isinstance(e._rt.runner.model.lm_head.qweight, Fp8Weight)
+
+                async def run() -> list[list[int]]:
+                    outs = await asyncio.gather(*(
+                        e.generate(input_ids=[1 + i, 7, 300 + 5 * i], max_new_tokens=12,
+                                   temperature=0, ignore_eos=True) for i in range(3)))
+                    return [o.token_ids for o in outs]
+
+                return asyncio.run(run())
+            finally:
+                e.close()
+        finally:
+            PDL_SWITCH[0] = shipped
+
+    shipped = PDL_SWITCH[0]
+    early = tokens(True)
+    assert tokens(False) == early
+    assert tokens(True, disable_cuda_graph=True) == early

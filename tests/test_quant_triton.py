@@ -27,7 +27,7 @@ from test_quant_formats import random_blocks
 from sgl.backend.quant import FORMATS, QuantizedWeight, decode, linear
 from sgl.backend.quant.factored import factor, unfactor
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear, fp8_linear_reference
-from sgl.backend.quant.triton_fp8 import fp8_gemv
+from sgl.backend.quant.triton_fp8 import FP8_DECODES, fp8_gemv
 from sgl.backend.quant.triton_gemm import gemm_config, qdequant, qgemm
 from sgl.backend.quant.triton_gemv import QGemvConfig, qgemv
 
@@ -281,7 +281,8 @@ def test_configs_are_shape_only_and_valid() -> None:
                 assert t.block_k % gs == 0 and pow2(t.block_k // gs)
                 assert min(t.block_m, t.block_n) >= 16 and t.block_m >= min(m, 128) // 2
         f = gemv_config("fp8", n, k, 64)
-        assert pow2(f.block_n) and pow2(f.block_k) and f.fp8_decode in ("bits", "sext", "cvt")
+        assert pow2(f.block_n) and pow2(f.block_k) and f.fp8_decode in FP8_DECODES
+        assert f.fp8_decode != "words" or f.block_k % 16 == 0  # (whole 16-byte vectors)
         for m in (2, 16, 256):
             t = gemm_config(m, n, k, kind="fp8")
             assert pow2(t.block_k) and min(t.block_m, t.block_n) >= 16

@@ -1,6 +1,7 @@
-"""The FP8 kernels (backend/quant/triton_fp8.py: GEMV with its three e4m3 decodes, tiled in
-both operand orders, dequantize) and Fp8Weight.quantize, against dequantize-then-matmul;
-the two bit-trick decodes on every one of the 256 bytes. Helpers and the bound:
+"""The FP8 kernels (backend/quant/triton_fp8.py: the first GEMV with its three e4m3 decodes,
+the word GEMV, tiled in both operand orders, dequantize) and Fp8Weight.quantize, against
+dequantize-then-matmul; the two bit-trick decodes and the word kernel on every one of the
+256 bytes. Helpers and the bound:
 tests/test_quant_triton.py; the interpreter set-up: tests/triton_interp.py.
 """
 
@@ -86,7 +87,7 @@ def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
         assert_matches(fp8_gemv(x, w.weight, w.scale, b), x, ref, b)
         _, even = fp8_weight(32, 256, seed=m)  # no tile on an edge: the unmasked loads
         xe, be = inputs(m, 256, 32, torch.float32, bias, seed=m)
-        for decode in ("bits", "sext", "cvt"):  # integer ops, two of them, the hardware's
+        for decode in ("bits", "sext", "cvt", "words"):  # integer ops, the hardware's, words
             cfg = QGemvConfig(8, 64, 1, fp8_decode=decode)
             assert_matches(fp8_gemv(x, w.weight, w.scale, b, config=cfg), x, ref, b)
             assert_matches(fp8_gemv(xe, even.weight, even.scale, be, config=cfg), xe,
@@ -104,6 +105,39 @@ def test_fp8_kernels_match_dequantize_then_matmul(m: int, bias: bool) -> None:
         fp8_gemv(x[:1], w.weight, w.scale, config=QGemvConfig(8, 64, 1, fp8_decode="e5m2"))
     assert_same_16_bit(fp8_dequant(w.weight, w.scale, torch.bfloat16, slice(3, 9)),
                        w.dequantize(torch.bfloat16)[3:9])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_word_gemv_decodes_every_byte_exactly(dtype: torch.dtype) -> None:
+    """Row r of the weight holds byte r once (the NaNs as zeros), x is ones: y[r] is byte r's
+    value times the scale, exactly (one nonzero product; e4m3 values are exact in bf16 too),
+    whichever byte of its int32 word the byte sits in (r % 4), bf16 x read as pairs."""
+    raw = torch.zeros(256, 64, dtype=torch.uint8)
+    rows = torch.arange(256)
+    raw[rows, rows % 64] = rows.to(torch.uint8)
+    raw[0x7F] = raw[0xFF] = 0
+    weight = raw.view(torch.float8_e4m3fn).to(DEVICE)
+    scale = torch.full((256,), 0.5, device=DEVICE)
+    x = torch.ones(1, 64, device=DEVICE, dtype=dtype)
+    y = fp8_gemv(x, weight, scale, config=QGemvConfig(16, 64, 1, fp8_decode="words"))
+    expected = weight.float().nan_to_num(0.0)[rows, rows % 64] * 0.5
+    assert torch.equal(y.float()[0], expected.to(dtype).float())
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 2])
+def test_fp8_word_gemv_bf16_rows_offsets_and_splits(split: int) -> None:
+    """The word kernel with bf16 x: as pairs (aligned rows), one value per load (a row that
+    starts 2 bytes into a word), two rows, ragged N and K, split-K with either reduction."""
+    n, k = 37, 200
+    _, w = fp8_weight(n, k, seed=split)
+    ref = w.dequantize()
+    wide = torch.randn(2, k + 1, device=DEVICE).bfloat16()
+    for x in (wide[:, :k].contiguous(), wide[:1, 1:], wide[:, 1:]):
+        for reduce in ("kernel", "last"):
+            cfg = QGemvConfig(8, 64, 1, fp8_decode="words", split_k=split, split_reduce=reduce)
+            assert_matches(fp8_gemv(x, w.weight, w.scale, config=cfg), x, ref, None)
 
 
 @skip_unless_rerun_needed(TRITON_HERE)

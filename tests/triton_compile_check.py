@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sgl.backend.kernels import triton_activation, triton_rmsnorm
 from sgl.backend.quant import triton_fp8, triton_gemv, triton_q4gemv, triton_split
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -32,9 +33,15 @@ FP8_ARGS = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "B": "*bf16", "Y": 
             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ps": "i32"}
 
 
-def ptx(kernel: Any, args: dict[str, str], consts: dict[str, Any]) -> str:
+def ptx(kernel: Any, args: dict[str, str], consts: dict[str, Any], aligned: bool = False) -> str:
+    """`aligned`: pointers, strides, N and K divisible by 16, as Triton specializes them at
+    launch for the 8B shapes (what lets loads become 16-byte vectors)."""
     signature = {**args, **{name: "constexpr" for name in consts}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in
+             args.items() if aligned and (kind.startswith("*") or name.startswith("stride")
+                                          or name in ("N", "K"))}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts,
+                                        attrs=attrs),
                               target=TARGET, options={"num_warps": 4, "num_stages": 3})
     assert compiled.asm.get("cubin"), "no cubin"
     return compiled.asm["ptx"]
@@ -47,6 +54,14 @@ def check_last_slice_reduction(code: str) -> None:
     store = max(i for i, line in enumerate(lines[:atom]) if "st.global" in line)
     assert any("bar.sync" in line for line in lines[store:atom]), "no barrier before the atom"
     assert any("ld.global.cg" in line for line in lines[atom:]), "partials not read at L2"
+
+
+def check_loads_around_wait(code: str) -> None:
+    """PDL: a weight load before griddepcontrol.wait, and no store before it."""
+    lines = code.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    assert any("ld.global" in line for line in lines[:wait]), "no load before the wait"
+    assert not any("st.global" in line for line in lines[:wait]), "a store before the wait"
 
 
 def main() -> None:
@@ -66,9 +81,40 @@ def main() -> None:
     assert code.count("lop3.b32") >= 8, "the codes are not unpacked by lop3"
     check_last_slice_reduction(code)
     fp8 = dict(HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, EVEN_N=True, EVEN_K=False, DECODE=0,
-               ROWS_FIRST=False)
+               ROWS_FIRST=False, PDL=False)
     check_last_slice_reduction(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
                                    dict(fp8, SPLIT=8, LAST=True)))
+    # The FP8 word kernel: the hardware e4m3x2 conversions survive to the PTX (two per word).
+    # Launched early (PDL): the first weights load before the wait, x after it.
+    words = dict(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=1024, EVEN_N=False, EVEN_K=False,
+                 X_PAIRS=True, ASM=True, ROWS_FIRST=False, PDL=True)
+    code = ptx(triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
+               dict(words, SPLIT=2, LAST=True))
+    assert code.count("cvt.rn.f16x2.e4m3x2") >= 2, "e4m3 not converted by the hardware"
+    check_last_slice_reduction(code)
+    check_loads_around_wait(code)
+    check_loads_around_wait(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
+                                dict(fp8, PDL=True, SPLIT=1, LAST=False)))
+    # Unmasked tiles at aligned shapes: the weights load as 16-byte vectors (a constexpr lost
+    # on the way to the load, e.g. through a local `a and b`, makes it one byte per load).
+    even = dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, EVEN_N=True, EVEN_K=True,
+                ROWS_FIRST=False, SPLIT=1, LAST=False, PDL=False)
+    for kernel, args, consts in ((triton_fp8._fp8_gemv_kernel, FP8_ARGS, dict(even, DECODE=0)),
+                                 (triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
+                                  dict(even, X_PAIRS=True, ASM=True))):
+        code = ptx(kernel, args, consts, aligned=True)
+        assert code.count("ld.global.v4.b32") >= 4, "weights not loaded as 16-byte vectors"
+        assert "ld.global.b8" not in code and "ld.global.u8" not in code, "byte loads"
+    # The kernels before the GEMVs let them launch early: the trigger is in their PTX.
+    norm = ptx(triton_rmsnorm._rmsnorm_kernel,
+               {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
+                "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32",
+                "hidden": "i32", "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True))
+    silu = ptx(triton_activation._silu_and_mul_kernel,
+               {"X": "*bf16", "Out": "*bf16", "stride_xt": "i32", "stride_ot": "i32",
+                "inter": "i32"}, dict(BLOCK=1024, PDL=True))
+    for code in (norm, silu):
+        assert "griddepcontrol.launch_dependents" in code, "no early launch"
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",
                                       "stride_ps": "i32", "stride_ym": "i32"},
         dict(HAS_BIAS=True, SPLIT=4, BLOCK=triton_split.REDUCE_BLOCK))

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, tl, triton
+from sgl.backend.kernels.triton_compat import cdiv, let_next_launch, pdl_launch, tl, triton
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_xt, stride_ot, inter, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -33,6 +35,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     if x2.shape[0] > 0:
         block = 1024
         _silu_and_mul_kernel[(x2.shape[0], cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block,
+            PDL=pdl_launch(x2.device, _silu_and_mul_kernel),
         )
     return out.reshape(*x.shape[:-1], inter)

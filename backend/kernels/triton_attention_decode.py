@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import is_interpreted, mma, next_power_of_2, tl, triton
+from sgl.backend.kernels.triton_compat import (is_interpreted, let_next_launch, mma,
+                                               next_power_of_2, pdl_launch, tl, triton)
 
 _LOG2E = 1.4426950408889634
 
@@ -98,8 +99,9 @@ def _decode_stage2(
     MidO, MidLse, Out,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     head_dim_v, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
+    let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -169,6 +171,6 @@ def decode_attention_triton(
         head_dim_v, num_kv_splits,
         BLOCK_S=next_power_of_2(num_kv_splits),
         BLOCK_DV=next_power_of_2(head_dim_v),
-        num_warps=4,
+        PDL=pdl_launch(q.device, _decode_stage2), num_warps=4,
     )
     return out

@@ -82,4 +82,55 @@ def is_interpreted(kernel: Any) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-__all__ = ["HAS_TRITON", "triton", "tl", "mma", "next_power_of_2", "cdiv", "is_interpreted"]
+# Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start
+# while the kernel before it on the stream is still running, as soon as every program of that
+# one has called `let_next_launch` (or exited); it must call `wait_for_inputs` before it reads
+# anything the kernel before wrote (or writes anything at all: the memory may be that kernel's
+# still). The one-row FP8 GEMVs can launch so (quant/triton_fp8.py): their weights never
+# change, so they load the first K step's before waiting, which would hide their start (launch
+# and the first DRAM round trip) behind the small kernel before them; that kernel (RMSNorm,
+# SiLU x mul, decode attention's second stage) lets them launch as it starts. Both calls are
+# no-ops where nothing is launched so. OFF by default (`PDL_SWITCH`): built and compiled for
+# sm_90 in session 10, but the device could not be had again to run it (CUDA-graph capture of
+# the programmatic edges, tokens, speed): tests/test_quant_gpu.py's early-launch test and
+# `bench/gpu_bench.py --quant-engines fp8,fp8_pdl` are the checks to run before turning it on.
+try:  # (triton.language.extra.cuda's grid dependency control: Triton 3.3 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = True
+except ImportError:  # pragma: no cover - older Triton, or none
+    HAS_PDL = False
+PDL_SWITCH = [False]  # [0] True: launch the kernels above so, on devices that can
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl_launch(device: Any, kernel: Any) -> bool:
+    """Whether `kernel` launches on `device` (a torch.device) may use PDL: Hopper or later,
+    compiled (not interpreted), Triton with grid dependency control, the switch on."""
+    if not (HAS_PDL and PDL_SWITCH[0]) or device.type != "cuda" or is_interpreted(kernel):
+        return False
+    index = device.index if device.index is not None else -1
+    if index not in _PDL_DEVICES:
+        import torch
+
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL_DEVICES[index]
+
+
+@triton.jit
+def let_next_launch(PDL: tl.constexpr):
+    """Let the next kernel on the stream start now, if it was launched with PDL (it waits in
+    `wait_for_inputs` for this one to finish)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Under PDL: wait until the kernel before has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+__all__ = ["HAS_PDL", "HAS_TRITON", "PDL_SWITCH", "triton", "tl", "mma", "next_power_of_2",
+           "cdiv", "is_interpreted", "let_next_launch", "pdl_launch", "wait_for_inputs"]

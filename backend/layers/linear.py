@@ -99,14 +99,16 @@ class Embedding(nn.Module):
         self.kernels = kernels
         self.weight: nn.Parameter | None = empty_param(vocab_size, dim, device=device,
                                                        dtype=dtype)
-        self.qweight: QuantizedWeight | None = None
+        # A quantized table (quant/install.py): a GGUF file's, or an untied head's FP8 copy
+        # (`quantization="fp8"`, used by `project` only: the input embedding is another table).
+        self.qweight: QuantizedWeight | Fp8Weight | None = None
         self.dtype = dtype  # of the rows a quantized table's lookup returns
         # On the CPU (pack_for_cpu), the table packed for oneDNN when this embedding is both
         # the input embedding and the LM head: a copy, since the lookup needs the plain table.
         self.packed_projection: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
+        if isinstance(self.qweight, QuantizedWeight):
             rows = self.qweight.dequantize(ids.reshape(-1), self.dtype)  # [T, dim]
             return rows.view(*ids.shape, rows.shape[-1])
         return F.embedding(ids, self.weight)

@@ -92,15 +92,22 @@ def quantize_after_load(model: nn.Module, quantization: str, device: torch.devic
 
 
 @torch.no_grad()
-def install_fp8(model: nn.Module) -> None:
+def install_fp8(model: nn.Module, *, head: bool = True) -> None:
     """Every Linear's float weight (the fused ones included) becomes an `Fp8Weight`, one layer
-    at a time (peak: the float model plus one layer's temporaries). The embedding and the LM
-    head stay in the model's dtype, as in SGLang's fp8: the head is one projection of the
-    step, and its rounding would reach every logit directly."""
+    at a time (peak: the float model plus one layer's temporaries), and so does an untied LM
+    head (`head`): at one row it is the step's largest product (the 8B head is 1 GB in bf16,
+    ~7% of a step), and it is a linear like the others, with the same per-channel rounding.
+    The embedding table stays in the model's dtype, and with it a tied head (the same table:
+    quantizing it would change the lookup too, or need a second copy)."""
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None and module.qweight is None:
             module.qweight = Fp8Weight.quantize(module.weight)
             module.weight = None
+    lm_head = getattr(model, "lm_head", None)
+    if (head and isinstance(lm_head, Embedding) and not getattr(model, "tie_word_embeddings", True)
+            and lm_head.weight is not None and lm_head.qweight is None):
+        lm_head.qweight = Fp8Weight.quantize(lm_head.weight)
+        lm_head.weight = None
 
 
 @torch.no_grad()

@@ -11,7 +11,9 @@ in x's dtype (no `torch._scaled_mm`, which would quantize them).
 Configs: the "fp8" entries of triton_gemv.GEMV_DEFAULTS and triton_gemm.GEMM_DEFAULTS; the
 GEMV's `split_k` cuts K into slices as the codes' GEMV does (quant/triton_split.py).
 How the GEMV turns e4m3 bytes into float32 is a config switch (`fp8_decode`), since which is
-fastest is a question of instruction rates the device answers (bench/quant_gemv_bench.py):
+fastest is a question of instruction rates the device answers (bench/quant_gemv_bench.py,
+bench/fp8_gemv_sweep.py):
+- "words": the second GEMV kernel (`_fp8_words_kernel`, below; the default above N = 4096);
 - "bits": the byte's sign to bit 31 and exponent|mantissa to bits 20..26, four integer ops
   (`e4m3_f32`);
 - "sext": the byte loaded as int8 (sign-extended by the load's conversion), then one shift
@@ -29,15 +31,17 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
+from sgl.backend.kernels.triton_compat import (cdiv, is_interpreted, mma, pdl_launch, tl,
+                                               triton, wait_for_inputs)
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
 from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
 from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice, split_launch,
                                             store_rows)
 
-__all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "fp8_dequant", "fp8_gemm", "fp8_gemv"]
+__all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "e4m3x4_f32", "fp8_dequant", "fp8_gemm",
+           "fp8_gemv"]
 
-FP8_DECODES = {"cvt": 0, "bits": 1, "sext": 2}  # QGemvConfig.fp8_decode -> kernel constexpr
+FP8_DECODES = {"cvt": 0, "bits": 1, "sext": 2, "words": 3}  # QGemvConfig.fp8_decode
 
 @triton.jit
 def e4m3_f32(b):
@@ -53,13 +57,37 @@ def e4m3_f32_sext(b):
 
 
 @triton.jit
+def _load_w(w_ptrs, k0, K, offs_k, mask_n, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """A K step's weights [BLOCK_N, BLOCK_K] of the first kernel (0 past N and K)."""
+    if EVEN_N and EVEN_K:
+        return tl.load(w_ptrs + k0)
+    return tl.load(w_ptrs + k0, mask=mask_n[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _bytes_step(acc, w, x_row, k0, K, offs_k, EVEN: tl.constexpr, DECODE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] + a K step's products, w decoded as DECODE says."""
+    if EVEN:
+        xv = tl.load(x_row + k0 + offs_k)
+    else:
+        xv = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+    if DECODE == 1:  # W is the weight's bytes (uint8)
+        wf = e4m3_f32(w.to(tl.int32))
+    elif DECODE == 2:  # W is the weight's bytes as int8
+        wf = e4m3_f32_sext(w.to(tl.int32))
+    else:  # W is float8e4nv
+        wf = w.to(tl.float32)
+    return acc + wf * xv.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     X, W, SCALE, B, Y, P, CNT,
     N, K, SLICE_K,
     stride_xm, stride_wn, stride_ym, stride_ps,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
-    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
+    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
     k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # this program's weights of K
@@ -69,26 +97,129 @@ def _fp8_gemv_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_row = X + row.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + offs_k
-        if EVEN_K and EVEN_N:
-            w = tl.load(w_ptrs + k0)
-            xv = tl.load(x_row + kk)
-        else:
-            mask_k = kk < K
-            w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            xv = tl.load(x_row + kk, mask=mask_k, other=0.0)
-        if DECODE == 1:  # W is the weight's bytes (uint8)
-            wf = e4m3_f32(w.to(tl.int32))
-        elif DECODE == 2:  # W is the weight's bytes as int8
-            wf = e4m3_f32_sext(w.to(tl.int32))
-        else:  # W is float8e4nv
-            wf = w.to(tl.float32)
-        acc += wf * xv.to(tl.float32)[None, :]
+    k_first = k_lo
+    if PDL:  # launched early: the first weights load before waiting for x (triton_compat)
+        w = _load_w(w_ptrs, k_lo, K, offs_k, mask_n, EVEN_N, EVEN_K)
+        wait_for_inputs(PDL)
+        acc = _bytes_step(acc, w, x_row, k_lo, K, offs_k, EVEN_K, DECODE)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
+        w = _load_w(w_ptrs, k0, K, offs_k, mask_n, EVEN_N, EVEN_K)
+        acc = _bytes_step(acc, w, x_row, k0, K, offs_k, EVEN_K, DECODE)
     y = tl.sum(acc, axis=1)
     if DECODE != 0:
         y = y * 1.329227995784916e36  # 2^120: the bit tricks' values are the weights / 2^120
     y = y * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
+    store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
+               stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
+
+
+@triton.jit
+def e4m3x4_f32(words, ASM: tl.constexpr):
+    """int32 words of four e4m3 bytes -> their four values as float32 (byte 0 first), exact.
+    ASM: two hardware conversions e4m3x2 -> f16x2 per word, then f16 -> f32 per value (the
+    compiler's HADD2.F32); otherwise (the interpreter) the integer decode of e4m3_f32, times
+    2^120 (a power of two: exact)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h, a0, a1, b0, b1; .reg .b32 a, b;"
+            " mov.b32 {l, h}, $4;"
+            " cvt.rn.f16x2.e4m3x2 a, l; cvt.rn.f16x2.e4m3x2 b, h;"
+            " mov.b32 {a0, a1}, a; mov.b32 {b0, b1}, b;"
+            " cvt.f32.f16 $0, a0; cvt.f32.f16 $1, a1; cvt.f32.f16 $2, b0; cvt.f32.f16 $3, b1; }",
+            "=r,=r,=r,=r,r", [words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+    two120 = 1.329227995784916e36
+    return (e4m3_f32(words & 255) * two120, e4m3_f32((words >> 8) & 255) * two120,
+            e4m3_f32((words >> 16) & 255) * two120, e4m3_f32((words >> 24) & 255) * two120)
+
+
+@triton.jit
+def _words_x(X, X32, inner, k0, K, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr):
+    """The activations the words `inner` ([BLOCK_N (broadcast), BLOCK_V, 4] word indices from
+    k0 / 4) meet, as four float32 tensors of that shape (byte 0..3 of each word).
+    X_PAIRS: bf16 x read as int32 words of two values (X32), widened by a shift and a mask;
+    otherwise one load per byte position in x's dtype."""
+    if X_PAIRS:
+        pair = X32 + k0 // 2 + inner * 2  # x[4w], x[4w+1]; the next word: x[4w+2], x[4w+3]
+        if EVEN_K:
+            xa = tl.load(pair)
+            xb = tl.load(pair + 1)
+        else:
+            mask = k0 + inner * 4 < K
+            xa = tl.load(pair, mask=mask, other=0)
+            xb = tl.load(pair + 1, mask=mask, other=0)
+        return ((xa << 16).to(tl.float32, bitcast=True),
+                (xa & -65536).to(tl.float32, bitcast=True),
+                (xb << 16).to(tl.float32, bitcast=True),
+                (xb & -65536).to(tl.float32, bitcast=True))
+    at = X + k0 + inner * 4
+    if EVEN_K:
+        return (tl.load(at).to(tl.float32), tl.load(at + 1).to(tl.float32),
+                tl.load(at + 2).to(tl.float32), tl.load(at + 3).to(tl.float32))
+    mask = k0 + inner * 4 < K
+    return (tl.load(at, mask=mask, other=0.0).to(tl.float32),
+            tl.load(at + 1, mask=mask, other=0.0).to(tl.float32),
+            tl.load(at + 2, mask=mask, other=0.0).to(tl.float32),
+            tl.load(at + 3, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _load_words(w_ptrs, inner, mask_n, k0, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """A K step's weight words [BLOCK_N, BLOCK_V, 4] (0 past N and K)."""
+    if EVEN_N and EVEN_K:
+        return tl.load(w_ptrs + k0 // 4)
+    return tl.load(w_ptrs + k0 // 4, mask=mask_n[:, None, None] & (k0 + inner * 4 < K), other=0)
+
+
+@triton.jit
+def _words_step(acc, w, X, X32, inner, k0, K, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr,
+                ASM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_V, 4] + the products of one K step (one FMA per weight)."""
+    x0, x1, x2, x3 = _words_x(X, X32, inner, k0, K, EVEN_K, X_PAIRS)
+    f0, f1, f2, f3 = e4m3x4_f32(w, ASM)
+    return tl.fma(f3, x3, tl.fma(f2, x2, tl.fma(f1, x1, tl.fma(f0, x0, acc))))
+
+
+@triton.jit
+def _fp8_words_kernel(
+    X, W, SCALE, B, Y, P, CNT,
+    N, K, SLICE_K,
+    stride_xm, stride_wn, stride_ym, stride_ps,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, ASM: tl.constexpr,
+    ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """The FP8 GEMV on int32 words (`fp8_decode="words"`). W: the weight's bytes as int32
+    words [N, K / 4] (stride_wn in words). A thread owns 16-byte vectors of a row (four
+    words, one 128-bit load), the tile being [BLOCK_N, BLOCK_K / 16, 4] words; every weight
+    costs half a hardware e4m3x2 conversion, one f16 -> f32 and one FMA into a float32
+    partial of that word position (acc has BLOCK_K / 4 lanes per row, a quarter of the first
+    kernel's [BLOCK_N, BLOCK_K]: fewer registers). The activations load in the weights' own
+    shape (the row axis a broadcast: repeated addresses, L1 hits), so no step converts a
+    layout through shared memory; with X_PAIRS as bf16 pairs, widened in registers."""
+    row, pid_n, pid_s = gemv_program(ROWS_FIRST)
+    k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # (multiples of BLOCK_K: of 16; not empty)
+    BLOCK_V: tl.constexpr = BLOCK_K // 16
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    # word indices of a step from k0 / 4, broadcast over the rows: [BLOCK_N, BLOCK_V, 4]
+    inner = ((offs_n * 0)[:, None, None] + tl.arange(0, BLOCK_V)[None, :, None] * 4
+             + tl.arange(0, 4)[None, None, :])
+    w_ptrs = W + offs_n.to(tl.int64)[:, None, None] * stride_wn + inner
+    x_row = X + row.to(tl.int64) * stride_xm
+    x32 = X.to(tl.pointer_type(tl.int32), bitcast=True) + row.to(tl.int64) * (stride_xm // 2)
+    acc = tl.zeros([BLOCK_N, BLOCK_V, 4], dtype=tl.float32)
+    k_first = k_lo
+    if PDL:  # launched early: the first weights load before waiting for x (triton_compat)
+        w = _load_words(w_ptrs, inner, mask_n, k_lo, K, EVEN_N, EVEN_K)
+        wait_for_inputs(PDL)
+        acc = _words_step(acc, w, x_row, x32, inner, k_lo, K, EVEN_K, X_PAIRS, ASM)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
+        w = _load_words(w_ptrs, inner, mask_n, k0, K, EVEN_N, EVEN_K)
+        acc = _words_step(acc, w, x_row, x32, inner, k0, K, EVEN_K, X_PAIRS, ASM)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
     store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
                stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
 
@@ -109,20 +240,40 @@ def fp8_gemv(
         if cfg.fp8_decode not in FP8_DECODES:
             raise ValueError(f"fp8_decode {cfg.fp8_decode!r}: use one of {sorted(FP8_DECODES)}")
         mode = FP8_DECODES[cfg.fp8_decode]
-        w = weight.view(torch.uint8) if mode == 1 else weight.view(torch.int8) if mode == 2 \
-            else weight
+        if mode == 3 and (k % 4 or cfg.block_k % 16):  # (rows of whole words only)
+            cfg, mode = cfg._replace(fp8_decode="cvt"), 0
         n_blocks = cdiv(n, cfg.block_n)
         grid, rows_first = row_grid(m, n_blocks)
         sk = split_launch(y, cdiv(k, cfg.block_k), cfg.block_k, n_blocks, cfg.split_k,
                           cfg.split_reduce)
+        pdl = pdl_launch(x.device, _fp8_gemv_kernel)
+        early = {"launch_pdl": True} if pdl else {}  # (triton_compat: PDL)
+        if mode == 3:
+            words = weight.view(torch.int32)  # [N, K / 4]
+            pairs = (x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0
+                     and x2.stride(0) % 2 == 0)  # every row's pairs 4-byte aligned
+            _fp8_words_kernel[(*grid, sk.split)](
+                x2, words, scale, bias if bias is not None else scale, y, sk.partials,
+                sk.counters, n, k, sk.slice_units,
+                x2.stride(0), words.stride(0), y.stride(0), sk.slice_stride,
+                HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, X_PAIRS=pairs,
+                ASM=not is_interpreted(_fp8_words_kernel), ROWS_FIRST=rows_first,
+                SPLIT=sk.split, LAST=sk.last, PDL=pdl, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **early,
+            )
+            finish_split(sk, bias, y)
+            return y.reshape(*x.shape[:-1], n)
+        w = weight.view(torch.uint8) if mode == 1 else weight.view(torch.int8) if mode == 2 \
+            else weight
         _fp8_gemv_kernel[(*grid, sk.split)](
             x2, w, scale, bias if bias is not None else scale, y, sk.partials, sk.counters,
             n, k, sk.slice_units,
             x2.stride(0), weight.stride(0), y.stride(0), sk.slice_stride,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
-            ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **early,
         )
         finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)

@@ -70,14 +70,19 @@ class QGemvConfig(NamedTuple):
 # trick there, for FP8 the hardware e4m3 conversion beat the integer decodes. 4-bit codes:
 # the lop3 kernel (quant/triton_q4gemv.py) with bench/q4_gemv_sweep.py's winners (session
 # 9, H200): 8 rows by 1-2K weights on 2 warps at N <= 8192, 16 rows by 1K on one warp above
-# (small programs, many of them per SM); its prefetch and split-K lost everywhere.
+# (small programs, many of them per SM); its prefetch and split-K lost everywhere. FP8:
+# bench/fp8_gemv_sweep.py's winners (session 10, H200): the first kernel at N = 4096 (o_proj,
+# down), the word kernel (quant/triton_fp8.py) on 4 rows above (qkv; gate_up and the head on
+# one warp).
 _Q = QGemvConfig
 GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
     "q4": ((4096, _Q(8, 2048, 2, num_stages=1, unpack="lop3")),
            (8192, _Q(8, 1024, 2, num_stages=1, unpack="lop3")),
            (1 << 62, _Q(16, 1024, 1, num_stages=1, unpack="lop3"))),
     "q8": ((8192, _Q(4, 2048, 4, magic=False)), (1 << 62, _Q(4, 1024, 4, magic=False))),
-    "fp8": ((8192, _Q(8, 1024, 4, fp8_decode="cvt")), (1 << 62, _Q(4, 1024, 4, fp8_decode="cvt"))),
+    "fp8": ((4096, _Q(8, 1024, 4, fp8_decode="cvt")),
+            (8192, _Q(4, 1024, 2, num_stages=1, fp8_decode="words")),
+            (1 << 62, _Q(4, 512, 1, num_stages=1, fp8_decode="words"))),
 }
 
 
