@@ -628,10 +628,10 @@ def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
 
 QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quantization="fp8"),
                  "q4_bytes": dict(quantization="gguf"), "fp8_s9": dict(quantization="fp8"),
-                 "fp8_pdl": dict(quantization="fp8")}
+                 "fp8_nopdl": dict(quantization="fp8")}
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
                  "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
-                 "fp8_pdl": "single output_tok_s >= 380"}
+                 "fp8_nopdl": "single output_tok_s >= 380"}
 
 
 @contextmanager
@@ -640,9 +640,9 @@ def engine_variant(name: str) -> Iterator[None]:
     "q4_bytes" is "q4" on the first 4-bit GEMV kernel (unpack="bytes") with its session-6
     tiles (before the lop3 kernel, quant/triton_q4gemv.py); "fp8_s9" is "fp8" as session 9
     left it: the first FP8 GEMV kernel (fp8_decode="cvt") with its session-6 tiles and the LM
-    head in bf16, no early launches (before the word kernel and the FP8 head); "fp8_pdl" is
-    "fp8" with the GEMVs' early launches (kernels/triton_compat.py: off by default until
-    measured). The others: the shipped code.
+    head in bf16, no early launches (before the word kernel and the FP8 head); "fp8_nopdl" is
+    "fp8" without the GEMVs' early launches (kernels/triton_compat.py). The others: the
+    shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH
     from sgl.backend.quant import install
@@ -657,7 +657,7 @@ def engine_variant(name: str) -> Iterator[None]:
                                 (1 << 62, QGemvConfig(4, 1024, 4, fp8_decode="cvt")))
         install.install_fp8 = lambda model: install_fp8(model, head=False)
     early = PDL_SWITCH[0]
-    PDL_SWITCH[0] = name == "fp8_pdl" or (early and name != "fp8_s9")
+    PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
     try:
         yield
     finally:
@@ -709,7 +709,7 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4", "fp8_s9", "fp8", "fp8_pdl"):
+    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]

@@ -90,17 +90,17 @@ def is_interpreted(kernel: Any) -> bool:
 # change, so they load the first K step's before waiting, which would hide their start (launch
 # and the first DRAM round trip) behind the small kernel before them; that kernel (RMSNorm,
 # SiLU x mul, decode attention's second stage) lets them launch as it starts. Both calls are
-# no-ops where nothing is launched so. OFF by default (`PDL_SWITCH`): built and compiled for
-# sm_90 in session 10, but the device could not be had again to run it (CUDA-graph capture of
-# the programmatic edges, tokens, speed): tests/test_quant_gpu.py's early-launch test and
-# `bench/gpu_bench.py --quant-engines fp8,fp8_pdl` are the checks to run before turning it on.
+# no-ops where nothing is launched so. On by default (`PDL_SWITCH`) since it was checked on
+# the H200 (session 10): the same greedy tokens with and without it, in CUDA graphs and eagerly
+# (tests/test_quant_gpu.py's early-launch test), and the 8B FP8 single stream 326.1 -> 333.0
+# tok/s (`bench/gpu_bench.py --quant-engines fp8_nopdl,fp8`).
 try:  # (triton.language.extra.cuda's grid dependency control: Triton 3.3 and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_PDL = True
 except ImportError:  # pragma: no cover - older Triton, or none
     HAS_PDL = False
-PDL_SWITCH = [False]  # [0] True: launch the kernels above so, on devices that can
+PDL_SWITCH = [True]  # [0] True: launch the kernels above so, on devices that can
 _PDL_DEVICES: dict[int, bool] = {}
 
 
