@@ -9,8 +9,8 @@
 CPU, a weight with `int8_activations` (the engine's `activation_quantization="int8"`): up to
 `INT8_MAX_ROWS` rows run the integer-activation kernel (cpu_int8.c); more rows, and every
 product of a weight without the mark, keep float activations:
-decode steps and prefill chunks (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on the
-codes, converted once per tile of four rows. Larger products dequantize the weight into
+decode steps and short prefills (up to `GEMV_MAX_ROWS` rows) run the C kernel straight on
+the codes, converted once per tile of four rows. Larger products dequantize the weight into
 float32 and multiply it with BLAS. A
 weight over `TILE_BYTES` as float32 is done a tile of output features at a time, so the
 scratch stays bounded (SmolLM2's tied 49k-row head is 113 MB as float32, which a 32-request
@@ -43,11 +43,12 @@ __all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", 
 
 # CPU: products of up to this many rows run the C kernel on the codes, larger ones dequantize
 # and use BLAS. Since the kernel converts a group's codes once per tile of four rows it is
-# bound by the multiply-adds like BLAS, without BLAS's float copy of every weight per call:
-# it measured faster at every row count up to a 512-token prefill chunk (`python
-# bench/cpu_linear.py`, docs/benchmarks.md), so prefill chunks take it too. Its rows are
-# also batch-invariant (a prompt's KV has the same bits in one chunk or several).
-GEMV_MAX_ROWS = 1024
+# bound by the multiply-adds like BLAS, without BLAS's float copy of every weight per call.
+# One prompt's prefill on the quiet 2-core VM (default model, interleaved, medians of 5),
+# C kernel / dequantize + BLAS: 0.71 at 64 tokens, 0.88 at 128, 0.99 at 200, 1.11 at 256,
+# 1.15 at 512 (on a loaded VM the kernel wins at every size: BLAS's threads wait for each
+# other). So decode steps, verify rows and short prompts take the kernel, 512-token chunks BLAS.
+GEMV_MAX_ROWS = 192
 # CPU, int8 activations: products of up to this many rows run the integer kernel; larger ones
 # (prefill chunks) take the float path below (dequantize + BLAS), exact, which measured faster
 # there on the 2-core AVX2 VM (docs/benchmarks.md: the int8 kernel 1.4x the float kernel at
