@@ -40,16 +40,14 @@ from common import ensure_sgl_importable  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
-from quant_sweep import WeightSet  # noqa: E402
+from quant_sweep import WEIGHT, WeightSet  # noqa: E402
+from quant_sweep import N_CLASSES as CLASSES  # noqa: E402
 
 from sgl.backend.kernels.triton_compat import PDL_SWITCH  # noqa: E402
 from sgl.backend.kernels.triton_rmsnorm import rmsnorm_triton  # noqa: E402
 from sgl.backend.quant.triton_fp8 import fp8_gemv  # noqa: E402
 from sgl.backend.quant.triton_gemv import QGemvConfig  # noqa: E402
 
-LAYERS = 32
-CLASSES = {"4096": ("o_proj", "down"), "6144": ("qkv",), "large": ("gate_up", "lm_head")}
-WEIGHT = {name: 1 if name == "lm_head" else LAYERS for name in SHAPES}
 # The first kernel's defaults before the word kernel (session 6's sweep)
 FIRST = {"4096": QGemvConfig(8, 1024, 4, fp8_decode="cvt"),
          "6144": QGemvConfig(8, 1024, 4, fp8_decode="cvt"),

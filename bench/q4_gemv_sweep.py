@@ -37,13 +37,11 @@ from common import ensure_sgl_importable  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
-from quant_sweep import WeightSet, nbytes_of  # noqa: E402
+from quant_sweep import WEIGHT, WeightSet, nbytes_of  # noqa: E402
+from quant_sweep import N_CLASSES as CLASSES  # noqa: E402
 
 from sgl.backend.quant.triton_gemv import QGemvConfig, gemv_config, qgemv  # noqa: E402
 
-LAYERS = 32
-CLASSES = {"4096": ("o_proj", "down"), "6144": ("qkv",), "large": ("gate_up", "lm_head")}
-WEIGHT = {name: 1 if name == "lm_head" else LAYERS for name in SHAPES}
 
 
 def lop3_grid(quick: bool) -> list[QGemvConfig]:

@@ -25,6 +25,8 @@ from sgl.backend.quant.weight import QuantizedWeight
 DEV = torch.device("cuda")
 LAYERS = 32  # an 8B step: 32 layers of qkv/o/gate_up/down, one head
 WEIGHT = {name: (1 if name == "lm_head" else LAYERS) for name in SHAPES}
+# The one-row sweeps' N classes (q4_gemv_sweep, fp8_gemv_sweep): the shapes each best config serves
+N_CLASSES = {"4096": ("o_proj", "down"), "6144": ("qkv",), "large": ("gate_up", "lm_head")}
 SWEEP_ROWS = (16, 64, 256, 1024)  # one per GEMM_DEFAULTS entry
 SWEEP_ORDER = (256, 64, 16, 1024)  # the `fixed` batch first: the budget may stop the rest
 LIMIT = {"small": 8192, "large": 1 << 62}  # the N classes of every defaults table
