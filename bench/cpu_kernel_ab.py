@@ -40,20 +40,15 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def build_at(rev: str | None, out: Path) -> ctypes.CDLL:
     """The library from the sources at `rev` (None: the working tree), built into `out`."""
-    src = out.parent / f"src-{out.stem}"
-    src.mkdir()
-    for path in (*cpu_build.SOURCES, cpu_build.HEADER):
-        rel = path.relative_to(ROOT).as_posix()
-        text = path.read_bytes() if rev is None else subprocess.run(
-            ["git", "show", f"{rev}:{rel}"], cwd=ROOT, check=True, capture_output=True).stdout
-        (src / path.name).write_bytes(text)
-    cc = cpu_build.compiler()
-    objects = []
-    for path in cpu_build.SOURCES:
-        obj = src / f"{path.stem}.o"
-        subprocess.run([cc, *cpu_build.FLAGS, "-c", "-o", str(obj), str(src / path.name)], check=True)
-        objects.append(str(obj))
-    subprocess.run([cc, "-shared", "-fopenmp", "-o", str(out), *objects], check=True)
+    src = cpu_build.HERE
+    if rev is not None:
+        src = out.parent / f"src-{out.stem}"
+        src.mkdir()
+        for name in (*cpu_build.SOURCE_NAMES, cpu_build.HEADER_NAME):
+            rel = (cpu_build.HERE / name).relative_to(ROOT).as_posix()
+            (src / name).write_bytes(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT,
+                                                    check=True, capture_output=True).stdout)
+    cpu_build.build(out, src)
     lib = ctypes.CDLL(str(out))
     assert lib.sgl_cpu_ok(), "the CPU lacks AVX2/FMA/F16C"
     lib.sgl_qlinear.argtypes = [_INT, _INT, _P, _I64, _I64, _P, _P, _P, _INT, _I64, _P, _P, _INT]

@@ -116,7 +116,7 @@ def test_a_stale_installed_library_is_replaced_by_a_build_of_the_current_sources
     # an editable install whose C files were edited after `pip install -e .`
     packaged = tmp_path / "pkg" / "lib.so"
     with monkeypatch.context() as m:
-        m.setattr(cpu_build, "source_key", lambda: "0123456789abcdef")
+        m.setattr(cpu_build, "source_key", lambda source_dir=None: "0123456789abcdef")
         cpu_build.build(packaged)
     assert _key_of(packaged) == "0123456789abcdef"
     _point_at(monkeypatch, packaged, tmp_path / "cache")
