@@ -117,7 +117,7 @@ AVX2 INLINE void zero_terms(const void* z, int f16, const float* xsum, int64_t G
 // 32 products of codes and x folded to 16 lanes (d = lo * x + hi * x'), then acc += d * scale;
 // at the end the lanes summed (hsum8 of the halves' sum). out[r * F + f], without zero terms.
 // A group's codes are converted once for the tile's R rows. F and R are constants at each call
-// (the TILES dispatch), so the accumulators stay in registers; the codes of the features
+// (tiles4_512's switch), so the accumulators stay in registers; the codes of the features
 // PREFETCH_ROWS further on are requested as we go.
 AVX512 INLINE void tile4_512(const uint8_t* c, int64_t rb, const float* s, int64_t G,
                              const float* xp, int64_t K, int64_t m0, const int F, const int R,
@@ -182,7 +182,8 @@ AVX2 INLINE void tile4_256(const uint8_t* c, int64_t rb, const float* s, int64_t
 // 8-bit codes in groups of GS (16 or 32): each (feature, row) one 8-lane accumulator; per
 // group d = sum over its vectors of code * x (a chain of FMAs from zero), then acc += d * scale.
 // The codes of a feature are converted once for the tile's R rows (F * R <= 4; one row: four
-// features side by side, whose chains overlap).
+// features side by side, whose chains overlap). Its rows of codes are twice a 4-bit row's
+// bytes, so the prefetch looks half as many features ahead.
 AVX2 INLINE void tile8(const int8_t* c, int64_t rb, const float* s, const int GS, int64_t G,
                        const float* x, int64_t K, int64_t m0, const int F, const int R,
                        float* out) {
