@@ -40,7 +40,7 @@ from common import ensure_sgl_importable  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
-from quant_sweep import WEIGHT, WeightSet  # noqa: E402
+from quant_sweep import WEIGHT, WeightSet, write_report  # noqa: E402
 from quant_sweep import N_CLASSES as CLASSES  # noqa: E402
 
 from sgl.backend.kernels.triton_compat import PDL_SWITCH  # noqa: E402
@@ -176,12 +176,7 @@ def main() -> int:
     lines.append("")
     lines.append(f"(--norm {args.norm}: times include an RMSNorm per call; first kernel: "
                  "session-6 tiles, no PDL)")
-    lines.append("GEMV_DEFAULTS['fp8'] candidates: " + ", ".join(
-        f"{cls}: {cfg} ({us:.0f} us per step)" for cls, (cfg, us, _) in best.items()))
-    text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
-                               f"{time.monotonic() - t0:.0f} s\n")
-    print(text, flush=True)
-    (out / "fp8_gemv_sweep.md").write_text(text)
+    write_report(out, "fp8_gemv_sweep", lines, "fp8", best, t0)
     return 0
 
 

@@ -37,7 +37,7 @@ from common import ensure_sgl_importable  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
-from quant_sweep import WEIGHT, WeightSet, nbytes_of  # noqa: E402
+from quant_sweep import WEIGHT, WeightSet, nbytes_of, write_report  # noqa: E402
 from quant_sweep import N_CLASSES as CLASSES  # noqa: E402
 
 from sgl.backend.quant.triton_gemv import QGemvConfig, gemv_config, qgemv  # noqa: E402
@@ -183,12 +183,7 @@ def main() -> int:
                          f"{lo or float('nan'):.1f} | best | "
                          f"{(lo / s) if lo and s else float('nan'):.2f} |")
     lines.append("")
-    lines.append("GEMV_DEFAULTS['q4'] candidates: " + ", ".join(
-        f"{cls}: {cfg} ({us:.0f} us per step)" for cls, (cfg, us, _) in best.items()))
-    text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
-                               f"{time.monotonic() - t0:.0f} s\n")
-    print(text, flush=True)
-    (out / "q4_gemv_sweep.md").write_text(text)
+    write_report(out, "q4_gemv_sweep", lines, "q4", best, t0)
     return 0
 
 

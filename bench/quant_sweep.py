@@ -35,6 +35,18 @@ GROUP = {"q4": 32, "q8g16": 16, "fp8": 64}  # (FP8: the smallest K step, no grou
 MIN_BYTES = 256 << 20  # weight copies cycled per timing: more than the L2 can hold
 
 
+
+def write_report(out: Path, name: str, lines: list[str], kind: str, best: dict, t0: float) -> None:
+    """A one-row sweep's tables (`lines`), the GEMV_DEFAULTS candidates of `kind` per N class
+    (`best`: class -> (config, us per step, label)) and the machine, to stdout and
+    `out/<name>.md`."""
+    lines = [*lines, f"GEMV_DEFAULTS['{kind}'] candidates: " + ", ".join(
+        f"{cls}: {cfg} ({us:.0f} us per step)" for cls, (cfg, us, _) in best.items())]
+    text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+                               f"{time.monotonic() - t0:.0f} s\n")
+    print(text, flush=True)
+    (out / f"{name}.md").write_text(text)
+
 def class_of(name: str) -> str:
     return "small" if SHAPES[name][0] <= LIMIT["small"] else "large"
 
