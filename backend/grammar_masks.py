@@ -16,9 +16,12 @@ still running, before its tokens are accepted. Its masks are then a `DeferredMas
 states are listed in `prepare`, and the loop calls `start()` right after `update(N)`, so the
 fill runs beside the scheduling of step N+2 and the device's forward of step N+1.
 
-Safety: the fill only reads the matchers; they change only in `Scheduler.update` (accepting
-tokens, jump-forward, rollback). A fill starts after the update before it and the next update
-waits for the step whose sampling waited for the fill. A step whose forward fails before
+Safety: a fill is a write as far as threads go (xgrammar walks each matcher's parser forward
+and back while it fills), so while a fill runs no other thread may touch its matchers: two
+threads filling the same matchers at once segfault inside xgrammar within a few hundred tries.
+The matchers change only in `Scheduler.update` (accepting tokens, jump-forward, rollback) and
+in drafting, which runs only for synchronous steps (engine_loop.py). A fill starts after the
+update before it and the next update waits for the step whose sampling waited for the fill. A step whose forward fails before
 sampling may leave its fill running: its requests are failed (no matcher is advanced again),
 and the next fill queues behind it on the same thread.
 """

@@ -33,9 +33,12 @@ def _states(backend: GrammarBackend, n: int) -> list[ConstraintState | None]:
 
 def test_async_fill_equals_the_fill_in_place(backend: GrammarBackend) -> None:
     states = _states(backend, 12)  # 9 constrained rows: the fill thread
-    masks = backend.fill_bitmasks_async(states, allocate_bitmask(12, VOCAB))
+    # The reference first: a matcher must never be filled by two threads at once (xgrammar's
+    # fill walks its parser forward and back; filling the same matchers here while the fill
+    # thread did crashed the CI run with a segfault inside xgrammar).
     expected = allocate_bitmask(12, VOCAB)
     fill_bitmasks(states, expected)
+    masks = backend.fill_bitmasks_async(states, allocate_bitmask(12, VOCAB))
     got = masks.result(timeout=30)
     assert got is not None and masks.ready and torch.equal(got, expected)
 
