@@ -21,6 +21,7 @@ import torch
 from sgl._spec import RequestSpec
 from sgl.backend import gc_freeze
 from sgl.backend.model_source import resolve_model_source
+from sgl.backend.quant.cpu_layer import MAX_ROWS as CPU_DECODE_ROWS
 from sgl.backend.quant.policy import (check_activation_quantization, require_gguf_model,
                                       resolve_quantization)
 from sgl.backend.req import Req
@@ -37,6 +38,9 @@ logger = logging.getLogger("sgl.engine")
 CPU_KV_BYTES_CAP = 2 << 30  # the default CPU pool never takes more than 2 GiB
 CPU_MEM_FRACTION = 0.2
 GPU_MEM_FRACTION = 0.85
+# The CPU's default cap on running requests: every decode step then fits the one-call quantized
+# decode step (cpu_layer.MAX_ROWS rows; a larger step would run the op path).
+CPU_MAX_RUNNING = CPU_DECODE_ROWS
 # kv_cache_dtype "auto" on the CPU under a float32 model (docs/benchmarks.md, "Quantized
 # weights on the CPU", gives the fidelity evidence for the choice).
 CPU_AUTO_KV_CACHE_DTYPE = "float16"
@@ -116,7 +120,7 @@ def resolve_sizes(config: EngineConfig, *, device_type: str, available_bytes: in
         if not cuda:
             budget = min(budget, CPU_KV_BYTES_CAP)
         max_total = max(budget // kv_bytes_per_token, 256)
-    max_running = min(config.max_running_requests or (256 if cuda else 64), max_total)
+    max_running = min(config.max_running_requests or (256 if cuda else CPU_MAX_RUNNING), max_total)
     chunk = config.chunked_prefill_size or (8192 if cuda else 512)
     if chunk == -1:
         chunk = context_length  # chunking off: a whole prompt per step

@@ -40,9 +40,9 @@ from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["MAX_ROWS", "CpuDecodeStep"]
 
-# Rows the one-call step takes (a CPU engine's default cap on running requests; a larger
-# decode step runs the op path): the op path's quantized linear runs the same C kernel on
-# them, so both give the same bits.
+# Rows the one-call step takes (runtime.CPU_MAX_RUNNING, a CPU engine's default cap on running
+# requests, is this; a larger decode step runs the op path): the op path's quantized linear
+# runs the same C kernel on them, so both give the same bits.
 MAX_ROWS = 64
 assert MAX_ROWS <= GEMV_MAX_ROWS
 
