@@ -175,7 +175,8 @@ def test_engine_frees_the_stage_when_idle_and_rebuilds_it(overlap: bool) -> None
             input_ids=prompts(6), max_new_tokens=12, temperature=0)]
         assert max(sizes) == engine._rt.model_config.num_layers  # the batch ran staged
         deadline = time.monotonic() + 10
-        while stage.k and time.monotonic() < deadline:
+        # (both: the engine thread empties k, then slots; seen between them, the check failed)
+        while (stage.k or stage.capacity) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not stage.k and stage.capacity == 0  # released while idle
         engine.flush_cache()
