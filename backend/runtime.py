@@ -193,6 +193,10 @@ class Runtime:
             from sgl.backend.quant.cpu_int8 import use_int8_activations
 
             use_int8_activations(model)
+        if config.activation_quantization == "fp8":
+            from sgl.backend.quant.fp8 import use_fp8_activations
+
+            use_fp8_activations(model)
         model.use_kernels(self.kernels)  # CPU: packs the linears for oneDNN in "auto" mode
         from sgl.backend.quant.install import weight_bytes
 

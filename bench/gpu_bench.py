@@ -628,10 +628,11 @@ def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
 
 QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quantization="fp8"),
                  "q4_bytes": dict(quantization="gguf"), "fp8_s9": dict(quantization="fp8"),
-                 "fp8_nopdl": dict(quantization="fp8")}
+                 "fp8_nopdl": dict(quantization="fp8"),
+                 "fp8_a8": dict(quantization="fp8", activation_quantization="fp8")}
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
                  "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
-                 "fp8_nopdl": "single output_tok_s >= 380"}
+                 "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380"}
 
 
 @contextmanager
@@ -709,7 +710,7 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8"):
+    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8", "fp8_a8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]

@@ -70,7 +70,12 @@ class EngineConfig:
     # weight (32 values, or 16) to int8 with one float32 scale and computes the group dot
     # products in integers (faster, not exact: outputs differ slightly from the float path).
     # "none": activations stay float32. Refused where it cannot apply (GPU, float weights).
-    activation_quantization: Literal["none", "int8"] = "none"
+    # GPU, quantization="fp8": "fp8" quantizes each product's input per row (token) to e4m3
+    # with one float32 scale where the product has more rows than the FP8 GEMV and tiled
+    # kernels take (prefill, large decode batches), and multiplies on the FP8 tensor cores
+    # (torch._scaled_mm): SGLang's W8A8 for `fp8`; faster at batch, not exact. Smaller
+    # products (single streams) keep unquantized activations.
+    activation_quantization: Literal["none", "int8", "fp8"] = "none"
 
     # -- memory ---------------------------------------------------------------------------
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
@@ -199,6 +204,10 @@ class EngineConfig:
                  "'gguf' with a GGUF file, or 'none'")
         if self.activation_quantization == "int8":
             self._validate_int8(fail)
+        if self.activation_quantization == "fp8" and self.quantization != "fp8":
+            fail("activation_quantization", f"'fp8' quantizes the inputs of FP8 weights, but "
+                 f"quantization={self.quantization!r}: use quantization='fp8' (CUDA), or "
+                 "activation_quantization='none'")
         if self.page_size < 1:
             fail("page_size", "must be >= 1")
         if self.kv_cache_dtype in _KV_NOT_BUILT:

@@ -1,16 +1,25 @@
 """FP8 weights (`quantization="fp8"`, SGLang's name): float8_e4m3fn with one float32 scale
-per output channel, converted at load from a float checkpoint; weight-only (activations stay
-in the model's dtype, so no calibration and no activation rounding).
+per output channel, converted at load from a float checkpoint; weight-only by default
+(activations stay in the model's dtype, so no calibration and no activation rounding).
 
     w = Fp8Weight.quantize(float_weight [N, K])      # scale[n] = amax(|W[n, :]|) / 448
     fp8_linear(x [..., K], w, bias) -> [..., N]      (x's dtype)
     fp8_linear_reference(x, w, bias)                 same signature: dequantize, then F.linear
 
 On CUDA (quant/linear.py's CUDA_ROUTES, kind "fp8"): the FP8 GEMV, the tiled kernel or a
-dequantized scratch in x's dtype and cuBLAS, by rows (kernels in triton_fp8.py).
-`torch._scaled_mm` is not used: it multiplies fp8 by fp8, i.e. it would quantize the
-activations too, a different accuracy contract than "the weights are rounded, nothing else".
-On the CPU there is no FP8 kernel: the runtime refuses `fp8` there (runtime.py).
+dequantized scratch in x's dtype and cuBLAS, by rows (kernels in triton_fp8.py). The scratch
+path (past the tiled kernel's rows: prefill, large decode batches) moves three bytes per weight
+for the one it holds (read e4m3, write and read the scratch), so at batch it is slower than
+bf16 weights (docs/benchmarks.md).
+
+Opt-in W8A8 (`activation_quantization="fp8"`, `use_fp8_activations`; SGLang's `fp8` always
+works so): the products that would take the scratch path quantize their input per row to
+e4m3 instead (`quantize_rows`: scale amax/448, the weights' rule) and multiply on the FP8
+tensor cores, both scales applied in the product's epilogue (`torch._scaled_mm`, row-wise
+scales). Not exact: each input row is rounded to 3 mantissa bits. The smaller products keep
+unquantized inputs: at a few rows a product streams its weights, and the activations' bytes
+and precision cost more than they would save. On the CPU there is no FP8 kernel: the runtime
+refuses `fp8` there (runtime.py); `fp8_scaled_linear` itself runs on either device (tests).
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FP8_MAX", "Fp8Weight", "fp8_linear", "fp8_linear_reference"]
+__all__ = ["FP8_MAX", "Fp8Weight", "fp8_linear", "fp8_linear_reference", "fp8_scaled_linear",
+           "fp8_scaled_linear_reference", "quantize_rows", "use_fp8_activations"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -29,6 +39,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 class Fp8Weight:
     weight: torch.Tensor  # [N, K] float8_e4m3fn, rows contiguous
     scale: torch.Tensor  # [N] float32
+    # W8A8 where the scratch path would serve (module docstring); set after loading.
+    fp8_activations: bool = False
 
     def __post_init__(self) -> None:
         n = self.weight.shape[0]
@@ -96,5 +108,61 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
         return fp8_gemv(x, w.weight, w.scale, bias)
     if path == "gemm":
         return fp8_gemm(x, w.weight, w.scale, bias)
+    if w.fp8_activations and scaled_mm_fits(w):
+        return fp8_scaled_linear(x, w, bias)
     return dense_via_scratch(x, w.out_features, w.in_features, bias,
                              lambda sl: fp8_dequant(w.weight, w.scale, x.dtype, sl))
+
+
+def use_fp8_activations(model: torch.nn.Module) -> int:
+    """Mark every Linear's FP8 weight for W8A8 (`activation_quantization="fp8"`; the LM head,
+    whose logits sampling reads, keeps unquantized inputs); returns how many."""
+    import dataclasses
+
+    from sgl.backend.layers.linear import Linear
+
+    marked = 0
+    for module in model.modules():
+        w = getattr(module, "qweight", None)
+        if isinstance(module, Linear) and isinstance(w, Fp8Weight):
+            module.qweight = dataclasses.replace(w, fp8_activations=True)
+            marked += 1
+    return marked
+
+
+def scaled_mm_fits(w: Fp8Weight) -> bool:
+    """torch._scaled_mm's shape rule: both dimensions of the weight multiples of 16."""
+    return w.in_features % 16 == 0 and w.out_features % 16 == 0
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with x[m] ~ q[m] * scale[m]: scale
+    amax(|x[m]|) / 448 (a zero row: 1), values rounded to nearest, the weights' own rule."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_scaled_linear(x: torch.Tensor, w: Fp8Weight,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: [..., K] -> [..., N] in x's dtype: x quantized per row (`quantize_rows`) times the
+    e4m3 weight, float32 accumulation, both scales applied to the product (torch._scaled_mm,
+    bfloat16 out)."""
+    lead = x.shape[:-1]
+    q, sx = quantize_rows(x.reshape(-1, w.in_features))
+    y = torch._scaled_mm(q, w.weight.t(), scale_a=sx, scale_b=w.scale.view(1, -1),
+                         out_dtype=torch.bfloat16)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).view(*lead, w.out_features)
+
+
+def fp8_scaled_linear_reference(x: torch.Tensor, w: Fp8Weight,
+                                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_scaled_linear` as float32 arithmetic: the dequantized input times the dequantized
+    weight (what the kernel computes, up to summation order and its bfloat16 output)."""
+    q, sx = quantize_rows(x.reshape(-1, w.in_features))
+    y = F.linear(q.float() * sx, w.dequantize(torch.float32),
+                 None if bias is None else bias.float())
+    return y.to(x.dtype).view(*x.shape[:-1], w.out_features)
