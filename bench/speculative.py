@@ -97,15 +97,22 @@ def measure(engines: dict[str, sgl.Engine], requests: list[tuple[Any, Any]], con
 
 
 def _median_round(rounds: list[dict[str, dict[str, float]]], name: str) -> dict[str, Any]:
-    """`name`'s figures from the round whose speedup over plain (same round) is the median,
-    with every round's speedup listed."""
+    """`name`'s figures over the rounds: tok_s, decode_tok_s and seconds the median of its own
+    rounds, speedup and decode_speedup the median of its per-round ratios to plain (same
+    round), every round's speedup listed; the counts (steps, drafts, ...) are the same every
+    round (greedy, caches flushed)."""
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    figures = dict(rounds[0][name])
+    for key in ("tok_s", "decode_tok_s", "seconds"):
+        figures[key] = median([r[name][key] for r in rounds])
     speedups = [r[name]["tok_s"] / r["plain"]["tok_s"] for r in rounds]
-    decode = sorted(r[name]["decode_tok_s"] / r["plain"]["decode_tok_s"] for r in rounds)
-    order = sorted(range(len(rounds)), key=lambda i: speedups[i])
-    mid = order[len(order) // 2]
-    return dict(rounds[mid][name], speedup=round(speedups[mid], 2),
-                decode_speedup=round(decode[len(decode) // 2], 2),
-                round_speedups=" ".join(f"{x:.2f}" for x in speedups))
+    figures["speedup"] = round(median(speedups), 2)
+    figures["decode_speedup"] = round(median(
+        [r[name]["decode_tok_s"] / r["plain"]["decode_tok_s"] for r in rounds]), 2)
+    figures["round_speedups"] = " ".join(f"{x:.2f}" for x in speedups)
+    return figures
 
 
 def main() -> None:
@@ -136,7 +143,6 @@ def main() -> None:
             for engine in engines.values():
                 engine.flush_cache()
             rounds.append(measure(engines, requests, constrained, args.max_new_tokens))
-        # per engine, its median round by speed against plain's in the same round
         figures = {name: _median_round(rounds, name) for name in engines}
         for name, f in figures.items():
             mode = "json" if constrained else "free text"
