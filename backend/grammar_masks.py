@@ -21,9 +21,9 @@ and back while it fills), so while a fill runs no other thread may touch its mat
 threads filling the same matchers at once segfault inside xgrammar within a few hundred tries.
 The matchers change only in `Scheduler.update` (accepting tokens, jump-forward, rollback) and
 in drafting, which runs only for synchronous steps (engine_loop.py). A fill starts after the
-update before it and the next update waits for the step whose sampling waited for the fill. A step whose forward fails before
-sampling may leave its fill running: its requests are failed (no matcher is advanced again),
-and the next fill queues behind it on the same thread.
+update before it and the next update waits for the step whose sampling waited for the fill.
+A step whose forward fails before sampling may leave its fill running: its requests are
+failed (no matcher is advanced again), and the next fill queues behind it on the same thread.
 """
 
 from __future__ import annotations

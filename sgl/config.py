@@ -73,8 +73,8 @@ class EngineConfig:
     # GPU, quantization="fp8": "fp8" quantizes each product's input per row (token) to e4m3
     # with one float32 scale where the product has more rows than the FP8 GEMV and tiled
     # kernels take (prefill, large decode batches), and multiplies on the FP8 tensor cores
-    # (torch._scaled_mm): SGLang's W8A8 for `fp8`; faster at batch, not exact. Smaller
-    # products (single streams) keep unquantized activations.
+    # (torch._scaled_mm): SGLang's W8A8 for `fp8`; meant for speed at batch (not yet measured
+    # on the device), not exact. Smaller products (single streams) keep unquantized inputs.
     activation_quantization: Literal["none", "int8", "fp8"] = "none"
 
     # -- memory ---------------------------------------------------------------------------

@@ -12,8 +12,8 @@ path (past the tiled kernel's rows: prefill, large decode batches) moves three b
 for the one it holds (read e4m3, write and read the scratch), so at batch it is slower than
 bf16 weights (docs/benchmarks.md).
 
-Opt-in W8A8 (`activation_quantization="fp8"`, `use_fp8_activations`; SGLang's `fp8` always
-works so): the products that would take the scratch path quantize their input per row to
+Opt-in W8A8 (`activation_quantization="fp8"`, marked by `use_fp8_activations`; SGLang's
+`fp8` always computes so): the products that would take the scratch path quantize their input per row to
 e4m3 instead (`quantize_rows`: scale amax/448, the weights' rule) and multiply on the FP8
 tensor cores, both scales applied in the product's epilogue (`torch._scaled_mm`, row-wise
 scales). Not exact: each input row is rounded to 3 mantissa bits. The smaller products keep
