@@ -137,6 +137,34 @@ def test_many_rows_run_tile_by_tile(fmt: str, bias: bool,
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [65, 96, 130])
+def test_prefill_products_reach_onednn_in_few_row_counts(rows: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past GEMV_MAX_ROWS the dequantized product runs through oneDNN with its rows padded to
+    a multiple of DENSE_ROW_BUCKET (oneDNN keeps a primitive per shape: unpadded, every prompt
+    length grew the process), and the padding rows never reach the output."""
+    from sgl.backend.kernels import onednn_linear
+
+    if not onednn_linear.available(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+    seen: list[int] = []
+    real = onednn_linear.plain_linear
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(onednn_linear, "plain_linear", spy)
+    w = weight("Q4_1", 48, 96, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    x, b = torch.randn(rows, 96, generator=gen), torch.randn(48, generator=gen)
+    got = quant_linear(x, w, b)
+    assert got.shape == (rows, 48)
+    assert_close_to_sum_order(got, x, w.dequantize(), b)
+    assert seen == [-(-rows // linear.DENSE_ROW_BUCKET) * linear.DENSE_ROW_BUCKET]
+
+
+@needs_kernel
 def test_leading_dims_bfloat16_and_empty_batches() -> None:
     w = weight("Q4_1", 48, 64)
     x = torch.randn(2, 3, 64)

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from sgl.backend.kernels import onednn_linear
 from sgl.backend.kernels.dispatch import has_triton
 from sgl.backend.quant import cpu_kernel
 from sgl.backend.quant.cpu_int8 import int8_linear
@@ -42,13 +43,14 @@ __all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", 
            "use_triton", "weight_kind"]
 
 # CPU: products of up to this many rows run the C kernel on the codes, larger ones dequantize
-# and use BLAS. Since the kernel converts a group's codes once per tile of four rows it is
-# bound by the multiply-adds like BLAS, without BLAS's float copy of every weight per call.
-# One prompt's prefill on the quiet 2-core VM (default model, interleaved, medians of 5),
-# C kernel / dequantize + BLAS: 0.71 at 64 tokens, 0.88 at 128, 0.99 at 200, 1.11 at 256,
-# 1.15 at 512 (on a loaded VM the kernel wins at every size: BLAS's threads wait for each
-# other). So decode steps, verify rows and short prompts take the kernel, 512-token chunks BLAS.
-GEMV_MAX_ROWS = 192
+# and multiply through oneDNN (`_dense`). One prompt's prefill on the 2-core AVX-512 VM
+# (bench/cpu_prefill_route.py, default model, interleaved, medians of 5), C kernel / dequantize
+# + oneDNN: 0.98 at 48 tokens, 1.12 at 64, 1.36 at 128, 1.53 at 200. The limit stays at the
+# one-call decode step's 64 rows (cpu_layer.MAX_ROWS) all the same: a decode step the one-call
+# step does not serve runs this op path, and its rows must have the bits the C kernel gives
+# them there, whatever the batch (verify rows and jumped tokens equal plain decoding). (Before
+# `_dense`, with F.linear's sgemm, the crossover was at ~200 rows and this limit 192.)
+GEMV_MAX_ROWS = 64
 # CPU, int8 activations: products of up to this many rows run the integer kernel; larger ones
 # (prefill chunks) take the float path below (dequantize + BLAS), exact, which measured faster
 # there on the 2-core AVX2 VM (docs/benchmarks.md: the int8 kernel 1.4x the float kernel at
@@ -126,14 +128,34 @@ def _tiled_linear(x: torch.Tensor, w: QuantizedWeight,
                   bias: torch.Tensor | None) -> torch.Tensor:  # [M, K] -> [M, N]
     tile = max(64, TILE_BYTES // (4 * w.in_features))  # output features per tile
     if tile >= w.out_features:
-        return F.linear(x, cpu_kernel.dequantize(w), bias)
+        return _dense(x, cpu_kernel.dequantize(w), bias)
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
     for start in range(0, w.out_features, tile):
         rows = slice(start, min(start + tile, w.out_features))
-        y[:, rows] = x @ cpu_kernel.dequantize(w, rows).t()  # [M, tile]
+        y[:, rows] = _dense(x, cpu_kernel.dequantize(w, rows), None)  # [M, tile]
     if bias is not None:
         y += bias
     return y
+
+
+# oneDNN keeps a compiled primitive per product shape (up to 1,024 of them, ~0.6 MB each on
+# SmolLM2's shapes), and prompts make every row count from 65 to the chunk size: 300 products
+# of random row counts grew the process by 720 MB. Rows are padded to a multiple of this, so a
+# 512-token chunk size gives at most 14 row counts per weight shape.
+DENSE_ROW_BUCKET = 32
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias), float32 on the CPU: through oneDNN where torch has
+    it (2.1-2.3x MKL's sgemm at 512 rows: onednn_linear.plain_linear), else F.linear."""
+    if not onednn_linear.available(x.device, x.dtype):
+        return F.linear(x, weight, bias)
+    m = x.shape[0]
+    pad = -m % DENSE_ROW_BUCKET
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    y = onednn_linear.plain_linear(x.contiguous(), weight, bias)
+    return y[:m] if pad else y
 
 
 def weight_kind(w: QuantizedWeight | Fp8Weight) -> str:
