@@ -141,27 +141,27 @@ def test_many_rows_run_tile_by_tile(fmt: str, bias: bool,
 def test_prefill_products_reach_onednn_in_few_row_counts(rows: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Past GEMV_MAX_ROWS the dequantized product runs through oneDNN with its rows padded to
-    a multiple of DENSE_ROW_BUCKET (oneDNN keeps a primitive per shape: unpadded, every prompt
-    length grew the process), and the padding rows never reach the output."""
+    a multiple of onednn_linear.ROW_BUCKET (oneDNN keeps a primitive per shape: unpadded, every
+    prompt length grew the process), and the padding rows never reach the output."""
     from sgl.backend.kernels import onednn_linear
 
     if not onednn_linear.available(torch.device("cpu"), torch.float32):
         pytest.skip("no oneDNN in this torch build")
     seen: list[int] = []
-    real = onednn_linear.plain_linear
+    real = torch.ops.mkldnn._linear_pointwise
 
-    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
         seen.append(x.shape[0])
-        return real(x, w, b)
+        return real(x, *args)
 
-    monkeypatch.setattr(onednn_linear, "plain_linear", spy)
+    monkeypatch.setattr(onednn_linear.torch.ops.mkldnn, "_linear_pointwise", spy)
     w = weight("Q4_1", 48, 96, seed=5)
     gen = torch.Generator().manual_seed(5)
     x, b = torch.randn(rows, 96, generator=gen), torch.randn(48, generator=gen)
     got = quant_linear(x, w, b)
     assert got.shape == (rows, 48)
     assert_close_to_sum_order(got, x, w.dequantize(), b)
-    assert seen == [-(-rows // linear.DENSE_ROW_BUCKET) * linear.DENSE_ROW_BUCKET]
+    assert seen == [-(-rows // onednn_linear.ROW_BUCKET) * onednn_linear.ROW_BUCKET]
 
 
 @needs_kernel

@@ -48,12 +48,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N, K] oneDNN layou
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
 
 
+# oneDNN compiles and keeps a primitive per product shape (up to 1,024, ~0.6 MB each on
+# SmolLM2's shapes), and prompts make every row count up to the chunk size: 300 products of
+# random row counts grew a process by 720 MB. Past PAD_ABOVE rows (decode steps stay exact
+# sizes) the rows are padded to a multiple of ROW_BUCKET: a 512-token chunk size then gives
+# at most 14 row counts per weight shape.
+PAD_ABOVE = 64
+ROW_BUCKET = 32
+
+
 def packed_linear(
     x: torch.Tensor,  # [..., K]
     packed: torch.Tensor,  # [N, K] from pack()
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [..., N]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _bucketed(x, packed, bias)
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -61,4 +70,15 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor,
     """`packed_linear` on a plain [N, K] weight used once (a weight dequantized for one
     prefill product): oneDNN reorders it itself. At 512 rows on SmolLM2's shapes it runs in
     0.43-0.47x the time of F.linear's sgemm, the reorder included (2-core AVX-512 VM)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight.contiguous(), bias, "none", [], "")
+    return _bucketed(x, weight.contiguous(), bias)
+
+
+def _bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    pad = -rows % ROW_BUCKET if rows > PAD_ABOVE else 0
+    if not pad:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    x2 = torch.cat([x.reshape(rows, k), x.new_zeros(pad, k)])
+    y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+    return y[:rows].view(*x.shape[:-1], y.shape[-1])

@@ -138,24 +138,12 @@ def _tiled_linear(x: torch.Tensor, w: QuantizedWeight,
     return y
 
 
-# oneDNN keeps a compiled primitive per product shape (up to 1,024 of them, ~0.6 MB each on
-# SmolLM2's shapes), and prompts make every row count from 65 to the chunk size: 300 products
-# of random row counts grew the process by 720 MB. Rows are padded to a multiple of this, so a
-# 512-token chunk size gives at most 14 row counts per weight shape.
-DENSE_ROW_BUCKET = 32
-
-
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias), float32 on the CPU: through oneDNN where torch has
     it (2.1-2.3x MKL's sgemm at 512 rows: onednn_linear.plain_linear), else F.linear."""
     if not onednn_linear.available(x.device, x.dtype):
         return F.linear(x, weight, bias)
-    m = x.shape[0]
-    pad = -m % DENSE_ROW_BUCKET
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    y = onednn_linear.plain_linear(x.contiguous(), weight, bias)
-    return y[:m] if pad else y
+    return onednn_linear.plain_linear(x.contiguous(), weight, bias)  # (rows padded there)
 
 
 def weight_kind(w: QuantizedWeight | Fp8Weight) -> str:
