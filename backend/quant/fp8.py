@@ -13,12 +13,12 @@ for the one it holds (read e4m3, write and read the scratch), so at batch it is 
 bf16 weights (docs/benchmarks.md).
 
 Opt-in W8A8 (`activation_quantization="fp8"`, marked by `use_fp8_activations`; SGLang's
-`fp8` always computes so): the products that would take the scratch path quantize their input per row to
-e4m3 instead (`quantize_rows`: scale amax/448, the weights' rule) and multiply on the FP8
-tensor cores, both scales applied in the product's epilogue (`torch._scaled_mm`, row-wise
-scales). Not exact: each input row is rounded to 3 mantissa bits. The smaller products keep
-unquantized inputs: at a few rows a product streams its weights, and the activations' bytes
-and precision cost more than they would save. On the CPU there is no FP8 kernel: the runtime
+`fp8` always computes so): the products that would take the scratch path quantize their
+input per row to e4m3 instead (`quantize_rows`: scale amax/448, the weights' rule) and
+multiply on the FP8 tensor cores, both scales applied in the product's epilogue
+(`torch._scaled_mm`, row-wise scales). Not exact: each input row is rounded to 3 mantissa
+bits. The smaller products keep unquantized inputs: at a few rows a product streams its
+weights, and the activations' bytes and precision cost more than they would save. On the CPU there is no FP8 kernel: the runtime
 refuses `fp8` there (runtime.py); `fp8_scaled_linear` itself runs on either device (tests).
 """
 
