@@ -64,7 +64,8 @@ def test_only_the_avx512_twins_use_avx512(built: Path) -> None:
         head = re.match(r"^[0-9a-f]+ <(.+)>:$", line)
         if head:
             function = head.group(1)
-        elif _AVX512.search(line) and not function.endswith("_512"):
+        # (a GCC clone, tiles8_512.constprop.0, is its function specialised)
+        elif _AVX512.search(line) and not function.split(".")[0].endswith("_512"):
             offenders.add(function)
     assert not offenders, offenders
     assert "<tiles4_512>:" in listing  # (the twins are there, and were looked at)

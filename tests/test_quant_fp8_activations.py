@@ -15,7 +15,7 @@ from sgl.backend.model_loader import load_model
 from sgl.backend.quant import linear
 from sgl.backend.quant.fp8 import (FP8_MAX, Fp8Weight, fp8_linear_reference, fp8_scaled_linear,
                                    fp8_scaled_linear_reference, quantize_rows,
-                                   use_fp8_activations)
+                                   quantize_rows_reference, use_fp8_activations)
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
@@ -33,7 +33,7 @@ def test_quantize_rows_scales_each_row_by_its_amax() -> None:
     q, scale = quantize_rows(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 1)
     amax = x.abs().amax(dim=1, keepdim=True)
-    expected = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    expected = torch.where(amax > 0, amax * torch.tensor(1 / FP8_MAX), torch.ones_like(amax))
     assert torch.equal(scale, expected)  # the zero row: scale 1, codes 0
     assert q[2].float().abs().max() == 0
     # each row's largest value lands on +-448 and every value within e4m3's half step (2^-4)
@@ -137,8 +137,24 @@ def test_gpu_engine_with_fp8_activations_serves_a_large_batch() -> None:
     engine = sgl.Engine(model="smollm2-135m", load_format="dummy", device="cuda",
                         quantization="fp8", activation_quantization="fp8", random_seed=1)
     try:
-        outs = engine.generate_sync([f"request {i}:" for i in range(80)], max_new_tokens=12,
-                                    temperature=0, ignore_eos=True)
+        outs = engine.generate_sync(input_ids=[[5 + i, 17, 3 + i] for i in range(80)],
+                                    max_new_tokens=12, temperature=0, ignore_eos=True)
     finally:
         engine.close()
     assert [len(o.token_ids) for o in outs] == [12] * 80
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [576, 1000, 4096, 14336])
+def test_gpu_row_quantization_kernel_equals_the_torch_ops(k: int) -> None:
+    """The fused kernel (one read for the amax, one to quantize) gives the reference's scales
+    and bytes: zero rows, rows of one large value, ties of the e4m3 rounding included."""
+    gen = torch.Generator(CUDA).manual_seed(k)
+    x = torch.randn(37, k, device=CUDA, generator=gen).to(torch.bfloat16)
+    x[3] = 0
+    x[5, 7] = 3e4
+    x[6] = torch.arange(k, device=CUDA) % 17 * 0.5  # many values on e4m3 half steps
+    q, s = quantize_rows(x)
+    q_ref, s_ref = quantize_rows_reference(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

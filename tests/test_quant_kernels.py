@@ -63,8 +63,8 @@ def test_quant_linear_matches_dequantize_then_matmul(fmt: str, rows: int, bias: 
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])  # 4-bit codes
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])  # one row (fours + tail), the 8-row passes
+@pytest.mark.parametrize("fmt", sorted(FORMATS))  # 4-bit and 8-bit codes, groups of 32 and 16
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9])  # one row (fours + tail), tiles of 4 and 5
 def test_avx512_loops_give_the_bits_of_the_avx2_ones(fmt: str, rows: int) -> None:
     w = weight(fmt, 37, 512, seed=rows)  # 37 features: fours, a tail, blocks of 16
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -76,9 +76,28 @@ def test_avx512_loops_give_the_bits_of_the_avx2_ones(fmt: str, rows: int) -> Non
         narrow = cpu_kernel.qlinear(x, w, None)
     finally:
         cpu_kernel.use_avx512(True)
-    assert w.bits == 4
     assert torch.equal(wide, narrow)
     assert_close_to_sum_order(wide, x, w.dequantize(), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("wide", [True, False])
+def test_the_kernel_multiplies_the_references_weights(fmt: str, wide: bool) -> None:
+    """Each weight is rebuilt as `dequantize` rebuilds it (code * scale, then + zero, in
+    float32), so a product with a one-hot row is the reference weight itself, bit for bit."""
+    in_features = 96 if FORMATS[fmt][0] == 32 else 512
+    w = weight(fmt, 38, in_features, seed=7)
+    ks = torch.arange(0, in_features, 5)
+    x = torch.zeros(len(ks), in_features)
+    x[torch.arange(len(ks)), ks] = 1.0
+    if wide and not cpu_kernel.use_avx512(True):
+        pytest.skip("no AVX-512 on this CPU")
+    try:
+        cpu_kernel.use_avx512(wide)
+        assert torch.equal(cpu_kernel.qlinear(x, w, None), w.dequantize()[:, ks].t())
+    finally:
+        cpu_kernel.use_avx512(True)
 
 
 @needs_kernel

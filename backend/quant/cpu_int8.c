@@ -349,7 +349,7 @@ AVX2 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, in
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias) with x quantized per group (module comment). Threads split
-// the blocks of output features (OpenMP, as sgl_qlinear_into). Returns -1 if out of memory.
+// the blocks of output features (OpenMP, as sgl_qlinear). Returns -1 if out of memory.
 AVX2 int sgl_q8_linear(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
                        const void* scale, const void* zero, int f16, int64_t N, const float* bias,
                        float* y, int threads) {

@@ -6,13 +6,13 @@
 // values, so the hidden states (and the KV written to the pool) are bitwise equal to it:
 //
 //   h = rmsnorm(x + residual)                 sgl_rmsnorm (layer 0: rmsnorm(x), residual = x)
-//   qkv = h @ Wqkv^T (+ b)                     sgl_qlinear_into
+//   qkv = h @ Wqkv^T (+ b)                     sgl_qlinear
 //   rotate q|k of qkv in place                 sgl_rope
 //   k, v -> pool slots out_loc                 sgl_kv_store
 //   attn = decode attention over the pool      sgl_decode_attn
-//   x = attn @ Wo^T (+ b)                      sgl_qlinear_into
+//   x = attn @ Wo^T (+ b)                      sgl_qlinear
 //   h = rmsnorm(x + residual)                  sgl_rmsnorm
-//   x = silu(h @ Wgu^T) * ... @ Wdown^T        sgl_qlinear_into, sgl_silu_mul, sgl_qlinear_into
+//   x = silu(h @ Wgu^T) * ... @ Wdown^T        sgl_qlinear, sgl_silu_mul, sgl_qlinear
 //
 // What it saves is the Python between them: ~12 module calls, views and ctypes calls per
 // layer (about a third of a one-row step on SmolLM2-135M). Nothing here allocates: the
@@ -55,12 +55,10 @@ typedef struct {
 } sgl_model;
 
 // (cpu_kernel.c, cpu_ops.c)
-void sgl_qlinear_prepare(int bits, int gs, const float* x, int64_t M, int64_t K, float* xsum,
-                         float* xp);
 int64_t sgl_qlinear_blocks(int64_t N);
-void sgl_qlinear_block(int bits, int gs, const float* x, const float* xp, int64_t M, int64_t K,
-                       const void* codes, const void* scale, const void* zero, int f16,
-                       int64_t N, const float* bias, const float* xsum, float* y, int64_t blk);
+void sgl_qlinear_block(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
+                       const void* scale, const void* zero, int f16, int64_t N, const float* bias,
+                       float* y, int64_t blk);
 void sgl_q8_quantize(int bits, int gs, const float* x, int64_t M, int64_t K, float* buf,
                      float* xsum, int threads);
 void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, int64_t M, int64_t K,
@@ -155,7 +153,7 @@ typedef struct {
 #define JOB_BITS 20
 #define JOB_MASK ((1ull << JOB_BITS) - 1)
 
-// Block `blk` of y = x @ W^T (+ b) on the input `project` prepared (int8: xp holds it quantized).
+// Block `blk` of y = x @ W^T (+ b); int8 weights read the input `project` quantized into xp.
 static void block(const sgl_qweight* w, const float* x, const float* xp, const float* xsum,
                   int64_t T, float* y, int64_t blk) {
   int bits = (int)w->bits, gs = (int)w->group_size;
@@ -163,8 +161,8 @@ static void block(const sgl_qweight* w, const float* x, const float* xp, const f
     sgl_q8_block(bits, gs, xp, xsum, T, w->in_features, w->codes, w->scale, w->zero,
                  (int)w->f16, w->out_features, w->bias, y, blk);
   else
-    sgl_qlinear_block(bits, gs, x, xp, T, w->in_features, w->codes, w->scale, w->zero,
-                      (int)w->f16, w->out_features, w->bias, xsum, y, blk);
+    sgl_qlinear_block(bits, gs, x, T, w->in_features, w->codes, w->scale, w->zero, (int)w->f16,
+                      w->out_features, w->bias, y, blk);
 }
 
 // work: this thread's attention buffer (sgl_decode_attn_head's `work`).
@@ -219,16 +217,11 @@ static void share(team_t* t, int64_t blocks, float* work) {
 }
 
 // y [T, N] = x [T, K] @ W^T (+ b), shared with the helpers; the same blocks, so the same bits,
-// as sgl_qlinear_into. `t` NULL: alone.
+// as sgl_qlinear. `t` NULL: alone.
 static void project(team_t* t, const sgl_qweight* w, const float* x, int64_t T, float* y,
                     float* xsum, float* xp) {
   int bits = (int)w->bits, gs = (int)w->group_size;
-  if (w->int8) {
-    sgl_q8_quantize(bits, gs, x, T, w->in_features, xp, xsum, 1);
-  } else {
-    if (bits != 4) xp = NULL;
-    sgl_qlinear_prepare(bits, gs, x, T, w->in_features, xsum, xp);
-  }
+  if (w->int8) sgl_q8_quantize(bits, gs, x, T, w->in_features, xp, xsum, 1);
   int64_t blocks = sgl_qlinear_blocks(w->out_features);
   if (t == NULL) {
     for (int64_t b = 0; b < blocks; b++) block(w, x, xp, xsum, T, y, b);

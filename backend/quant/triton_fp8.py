@@ -3,6 +3,7 @@
     fp8_gemv(x [M, K], weight fp8 [N, K], scale [N] f32, bias) -> [M, N]   (one row: decode)
     fp8_gemm(x [M, K], weight, scale, bias) -> [M, N]                      (tiled: batches)
     fp8_dequant(weight, scale, dtype) -> [N, K]                            (scratch: prefill)
+    fp8_quantize_rows(x [M, K]) -> (e4m3 [M, K], scale [M, 1] f32)         (W8A8's inputs)
 
 The per-channel scale factors out of a whole output row, so every kernel accumulates
 w_fp8 * x in float32 and multiplies by scale[n] once at the end. Weight-only: activations stay
@@ -39,7 +40,7 @@ from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice,
                                             store_rows)
 
 __all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "e4m3x4_f32", "fp8_dequant", "fp8_gemm",
-           "fp8_gemv"]
+           "fp8_gemv", "fp8_quantize_rows"]
 
 FP8_DECODES = {"cvt": 0, "bits": 1, "sext": 2, "words": 3}  # QGemvConfig.fp8_decode
 
@@ -364,3 +365,52 @@ def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         _fp8_dequant_kernel[(cdiv(n, 16), cdiv(k, 256))](
             w, s, out, n, k, w.stride(0), out.stride(0), BLOCK_N=16, BLOCK_K=256)
     return out
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32.
+    Adding 2^23 times the value's e4m3 step (2^(e - 3); 2^-9 below e4m3's smallest normal
+    2^-6) and subtracting it again makes float32's own rounding do it. (Triton's float32 ->
+    e4m3 conversion goes through float16 and so rounds twice: 41.99999 became 44, not 40.)"""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magic = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3 + 23)
+    r = (tl.abs(v) + magic) - magic
+    sign = (bits >> 31) << 31  # (arithmetic shift: the sign bit alone)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
+                          RECIPROCAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row per program: its amax in a first pass over x, then x / scale rounded to e4m3
+    (exactly representable then, so the conversion to the fp8 type is exact)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        v = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    m = tl.max(amax, axis=0)
+    scale = tl.where(m > 0, m * RECIPROCAL, 1.0)
+    tl.store(S + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + offs < K
+        v = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = _round_to_e4m3(tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX))
+        tl.store(Q + row * stride_q + k0 + offs, q.to(tl.float8e4nv), mask=mask)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8.quantize_rows in one kernel (one read of x for the amax, one to quantize; no float32
+    temporaries): the same scales and bytes as its torch reference."""
+    from sgl.backend.quant.fp8 import FP8_MAX
+
+    m, k = x.shape
+    q = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    if m and k:
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
+                                    RECIPROCAL=1.0 / FP8_MAX, BLOCK_K=1024, num_warps=4)
+    return q, scale
