@@ -135,12 +135,14 @@ def test_one_call_step_equals_the_op_path_bitwise(name: str, threads: int,
     assert isinstance(model.model.cpu_decode, cpu_layer.CpuDecodeStep)
     model.model.cpu_decode.thread_choice.threads = lambda cap: cap  # (no timing trial)
     pool = _pool(model, kv_dtype)
-    lengths = [5, 37, 12]
+    lengths = [5, 37, 12, 9, 20]
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
     _prefill(model, pool, prompts)
-    for step in range(4):  # three requests, then the middle one alone
-        reqs = [0, 1, 2] if step < 3 else [1]
+    # five requests (a team shares their attention a KV head's query heads at a time), then
+    # the second alone (one query head at a time)
+    for step in range(4):
+        reqs = [0, 1, 2, 3, 4] if step < 3 else [1]
         _decode_both_ways(model, pool, [Step(i, lengths[i] + step, [(7 * step + i) % 96])
                                         for i in reqs])
 

@@ -152,14 +152,17 @@ def test_kv_store_rounds_to_16_bits_exactly_as_torch(dtype: torch.dtype,
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 72, 128, 16, 20])
-def test_decode_attention_matches_a_float64_reference(head_dim: int, dtype: torch.dtype) -> None:
-    """Head sizes of every path of the kernel: 64 (registers, constant trip count), 72 and
-    128 (64-wide chunks plus a remainder), 16 (one chunk), 20 (not a multiple of 8: the
-    plain loop); lengths that are and are not multiples of the 4-key blocks; 3 query heads
-    per KV head, keys at scattered slots, one request's query row chosen by q_rows. A 16-bit
-    pool is read widened to float32 (exact), so the float32 tolerance holds for every dtype."""
+@pytest.mark.parametrize("heads", [6, 2, 8, 14])  # over 2 KV heads: groups of 3, 1, 4, 7
+def test_decode_attention_matches_a_float64_reference(head_dim: int, dtype: torch.dtype,
+                                                      heads: int) -> None:
+    """Head sizes of every path of the kernel: 64, 72 and 128 (several 8-wide chunks per
+    pass over the values, a partial last pass), 16 (one chunk), 20 (not a multiple of 8: the
+    plain loop); lengths that are and are not multiples of the 2-key blocks; 1 to 7 query
+    heads per KV head (read together in groups of up to four: 7 = 4 + 3), keys at scattered
+    slots, one request's query row chosen by q_rows. A 16-bit pool is read widened to float32
+    (exact), so the float32 tolerance holds for every dtype."""
     gen = _gen(head_dim)
-    heads, kv_heads, lens = 6, 2, [1, 3, 4, 37]
+    kv_heads, lens = 2, [1, 3, 4, 37]
     slots = sum(lens) + 8
     k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
     v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)

@@ -75,10 +75,11 @@ int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows, int
                     int64_t heads, int64_t kvh, int64_t D, const void* kbuf, const void* vbuf,
                     const int32_t* table, int64_t table_stride, const int64_t* table_rows,
                     const int64_t* lens, float scale, float* out, int threads, int kind);
-void sgl_decode_attn_head(const float* q, int64_t q_stride, int64_t b, int64_t hq, int64_t heads,
-                          int64_t kvh, int64_t D, const void* kbuf, const void* vbuf,
-                          const int32_t* table, int64_t table_stride, const int64_t* table_rows,
-                          const int64_t* lens, float scale, float* out, int kind, float* work);
+void sgl_decode_attn_heads(const float* q, int64_t q_stride, int64_t b, int64_t hq, int64_t n,
+                           int64_t heads, int64_t kvh, int64_t D, const void* kbuf,
+                           const void* vbuf, const int32_t* table, int64_t table_stride,
+                           const int64_t* table_rows, const int64_t* lens, float scale, float* out,
+                           int kind, float* work);
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
   int64_t m = a > b ? a : b;
@@ -119,7 +120,8 @@ int64_t sgl_decode_scratch_floats(const sgl_model* m, int64_t rows) {
 // claims blocks too and waits only for blocks someone else has *claimed*: a helper that is
 // not running claims nothing and delays nothing (its cost is one wait at the region's end).
 // A job is a projection (its blocks of output features) or a layer's decode attention (its
-// blocks are (row, query head) pairs, sgl_decode_attn_head: the same bits as one thread's).
+// blocks are a row's query heads of one KV head, all of them or (few rows) one each:
+// sgl_decode_attn_heads, the same bits as one thread's).
 //
 //   job = (stage << 40) | (blocks << 20) | next_block      one atomic word: a claim is a CAS
 //                                                          on it, so it cannot hit a newer job
@@ -133,6 +135,9 @@ typedef struct {
   int64_t table_stride;
   const int64_t* table_rows;
   const int64_t* lens;
+  // Query heads per block: a KV head's whole group (its keys and values read once for all of
+  // them), or one head where that leaves too few blocks to share (a row or two).
+  int64_t heads_per_block;
 } attn_job;
 
 typedef struct {
@@ -165,7 +170,7 @@ static void block(const sgl_qweight* w, const float* x, const float* xp, const f
                       w->out_features, w->bias, y, blk);
 }
 
-// work: this thread's attention buffer (sgl_decode_attn_head's `work`).
+// work: this thread's attention buffer (sgl_decode_attn_heads's `work`).
 static void run_block(team_t* t, int64_t blk, float* work) {
   const attn_job* a = t->attn;
   if (a == NULL) {
@@ -174,9 +179,10 @@ static void run_block(team_t* t, int64_t blk, float* work) {
   }
   const sgl_model* m = a->m;
   int64_t D = m->head_dim, qkv_w = (m->heads + 2 * m->kv_heads) * D;
-  sgl_decode_attn_head(a->qkv, qkv_w, blk / m->heads, blk % m->heads, m->heads, m->kv_heads, D,
-                       a->L->k_cache, a->L->v_cache, a->table, a->table_stride, a->table_rows,
-                       a->lens, m->attn_scale, a->out, (int)m->kv_kind, work);
+  int64_t n = a->heads_per_block, per_row = m->heads / n;
+  sgl_decode_attn_heads(a->qkv, qkv_w, blk / per_row, blk % per_row * n, n, m->heads,
+                        m->kv_heads, D, a->L->k_cache, a->L->v_cache, a->table, a->table_stride,
+                        a->table_rows, a->lens, m->attn_scale, a->out, (int)m->kv_kind, work);
 }
 
 // Claims and runs blocks of the current job until none is left; returns how many it ran.
@@ -232,7 +238,7 @@ static void project(team_t* t, const sgl_qweight* w, const float* x, int64_t T, 
 }
 
 // Decode attention of a layer's T rows into `out`: alone, sgl_decode_attn on this thread; in a
-// team, its T * heads (row, head) blocks shared. Returns -1 when a buffer could not be had.
+// team, its blocks of query heads shared. Returns -1 when a buffer could not be had.
 static int attend(team_t* t, const attn_job* a, int64_t T) {
   const sgl_model* m = a->m;
   int64_t D = m->head_dim, qkv_w = (m->heads + 2 * m->kv_heads) * D;
@@ -241,7 +247,7 @@ static int attend(team_t* t, const attn_job* a, int64_t T) {
                            a->L->v_cache, a->table, a->table_stride, a->table_rows, a->lens,
                            m->attn_scale, a->out, 1, (int)m->kv_kind);
   t->attn = a;
-  share(t, T * m->heads, t->work);
+  share(t, T * m->heads / a->heads_per_block, t->work);
   return 0;
 }
 
@@ -265,7 +271,9 @@ static int layer_step(team_t* team, const sgl_model* m, const sgl_layer* L, int 
   sgl_rope(qkv, T, qkv_w, m->heads + m->kv_heads, D, positions, m->rope_cache, m->rope_half);
   sgl_kv_store(L->k_cache, L->v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, out_loc, T, kv,
                (int)m->kv_kind);
-  attn_job job = {m, L, qkv, attn, table, table_stride, table_rows, lens};
+  int64_t group = m->heads / m->kv_heads;
+  attn_job job = {m, L, qkv, attn, table, table_stride, table_rows, lens,
+                  T * m->kv_heads >= 8 ? group : 1};
   if (attend(team, &job, T)) return -1;
   project(team, &L->o, attn, T, x, xsum, xp);  // [T, H]
   sgl_rmsnorm(x, residual, L->post_norm, m->eps, T, H, h, residual);
@@ -304,10 +312,11 @@ int sgl_decode_step(const sgl_model* m, int64_t T, const float* x, float* residu
   if (threads <= 1)
     return run_layers(NULL, m, T, x, residual, out, positions, out_loc, table, table_stride,
                       table_rows, lens, scratch);
-  // Each thread's attention buffer: one (row, head) block at a time, the longest row's keys.
+  // Each thread's attention buffer: one block at a time (up to a KV head's query heads), the
+  // longest row's keys.
   int64_t max_len = 0;
   for (int64_t b = 0; b < T; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-  size_t work_bytes = sizeof(float) * (size_t)(max_len + m->head_dim);
+  size_t work_bytes = sizeof(float) * (size_t)(m->heads / m->kv_heads * (max_len + m->head_dim));
   team_t team = {0};
   int failed = 0;
 #pragma omp parallel num_threads(threads)

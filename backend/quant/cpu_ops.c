@@ -200,73 +200,89 @@ AVX2 INLINE void softmax(float* s, int64_t n) {
   for (j = 0; j < n; j++) s[j] *= inv;
 }
 
-// Scores of keys [j0, j0 + 4) for query g: four dot products side by side (four independent
-// FMA chains instead of one latency-bound chain), each summed in dot_kv's order (same bits).
-// ki: the keys' first element indices in the pool buffer.
-KV INLINE void scores4(const float* qg, const void* kbuf, const int64_t* ki, int64_t D,
-                       float scale, float* out, int kind) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < D; i += 8) {
-    __m256 qv = _mm256_loadu_ps(qg + i);
-    a0 = _mm256_fmadd_ps(qv, kv_load8(kbuf, ki[0] + i, kind), a0);
-    a1 = _mm256_fmadd_ps(qv, kv_load8(kbuf, ki[1] + i, kind), a1);
-    a2 = _mm256_fmadd_ps(qv, kv_load8(kbuf, ki[2] + i, kind), a2);
-    a3 = _mm256_fmadd_ps(qv, kv_load8(kbuf, ki[3] + i, kind), a3);
+// A KV head's keys and values are read once for all of its query heads: GN <= 4 heads (a
+// constant at each call) side by side, each head's arithmetic exactly that of a head alone.
+// Scores of GN query heads (q [GN, D]) against keys [0, len) into scores[g * ls + j]: two keys
+// at a time, each score an 8-wide FMA chain over D then hsum8, times scale (dot_kv's order).
+KV INLINE void scores_heads(const float* q, const void* kbuf, const int32_t* row, int64_t stride,
+                            int64_t off, int64_t len, int64_t D, float scale, float* scores,
+                            int64_t ls, const int GN, int kind) {
+  int64_t j = 0;
+  for (; j + 2 <= len; j += 2) {
+    int64_t k0 = (int64_t)row[j] * stride + off, k1 = (int64_t)row[j + 1] * stride + off;
+    __m256 a[4][2];
+    for (int g = 0; g < GN; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      __m256 kv0 = kv_load8(kbuf, k0 + i, kind), kv1 = kv_load8(kbuf, k1 + i, kind);
+      for (int g = 0; g < GN; g++) {
+        __m256 qv = _mm256_loadu_ps(q + g * D + i);
+        a[g][0] = _mm256_fmadd_ps(qv, kv0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(qv, kv1, a[g][1]);
+      }
+    }
+    for (int g = 0; g < GN; g++) {
+      scores[g * ls + j] = hsum8(a[g][0]) * scale;
+      scores[g * ls + j + 1] = hsum8(a[g][1]) * scale;
+    }
   }
-  out[0] = hsum8(a0) * scale, out[1] = hsum8(a1) * scale;
-  out[2] = hsum8(a2) * scale, out[3] = hsum8(a3) * scale;
+  for (; j < len; j++)
+    for (int g = 0; g < GN; g++)
+      scores[g * ls + j] = dot_kv(q + g * D, kbuf, (int64_t)row[j] * stride + off, D, kind) * scale;
 }
 
-// acc [w floats, w <= 64, a multiple of 8] = sum over j of p[j] * V_j, the accumulator held
-// in registers across the keys (each element summed in key order, as an axpy per key would).
-KV INLINE void weighted_sum(const float* p, int64_t len, const void* vbuf, const int32_t* row,
-                            int64_t stride, int64_t off, int64_t w, float* acc, int kind) {
-  __m256 a[8];
-  for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
-  if (w == 64) {  // (the common head size: a constant trip count keeps a[] in registers)
+// out[g * D + i] = sum over j of p[g * ls + j] * V_j[i] for GN heads, each element summed in key
+// order (as an axpy per key would). CH vectors of 8 per pass over the keys, GN * CH
+// accumulators held in registers (AVX2's 16 with the broadcasts and the value loaded).
+KV INLINE void weighted_sum_heads(const float* p, int64_t ls, int64_t len, const void* vbuf,
+                                  const int32_t* row, int64_t stride, int64_t off, int64_t D,
+                                  float* out, const int GN, int kind) {
+  const int CH = GN == 1 ? 8 : GN == 2 ? 4 : 2;
+  for (int64_t c0 = 0; c0 < D; c0 += 8 * CH) {
+    const int n = D - c0 < 8 * CH ? (int)((D - c0) / 8) : CH;
+    __m256 a[4][8];
+    for (int g = 0; g < GN; g++)
+      for (int c = 0; c < CH; c++) a[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; j++) {
-      int64_t vi = (int64_t)row[j] * stride + off;
-      __m256 pj = _mm256_set1_ps(p[j]);
-      for (int v = 0; v < 8; v++)
-        a[v] = _mm256_fmadd_ps(pj, kv_load8(vbuf, vi + 8 * v, kind), a[v]);
+      int64_t vi = (int64_t)row[j] * stride + off + c0;
+      __m256 pj[4];
+      for (int g = 0; g < GN; g++) pj[g] = _mm256_set1_ps(p[g * ls + j]);
+      for (int c = 0; c < CH; c++) {
+        if (c >= n) break;
+        __m256 v = kv_load8(vbuf, vi + 8 * c, kind);
+        for (int g = 0; g < GN; g++) a[g][c] = _mm256_fmadd_ps(pj[g], v, a[g][c]);
+      }
     }
-  } else {
-    for (int64_t j = 0; j < len; j++) {
-      int64_t vi = (int64_t)row[j] * stride + off;
-      __m256 pj = _mm256_set1_ps(p[j]);
-      for (int v = 0; v < w / 8; v++)
-        a[v] = _mm256_fmadd_ps(pj, kv_load8(vbuf, vi + 8 * v, kind), a[v]);
-    }
+    for (int g = 0; g < GN; g++)
+      for (int c = 0; c < n; c++) _mm256_storeu_ps(out + g * D + c0 + 8 * c, a[g][c]);
   }
-  for (int v = 0; v < w / 8; v++) _mm256_storeu_ps(acc + 8 * v, a[v]);
 }
+
+#define HEADS_CASES(CALL)                                              \
+  switch (gn) {                                                        \
+    case 1: CALL(1); break; case 2: CALL(2); break;                    \
+    case 3: CALL(3); break; default: CALL(4); break; }
 
 // One (request, KV head) task with D a multiple of 8: the same arithmetic as attend_one (bit
-// for bit), reordered for the core: keys four at a time, the output accumulated in registers.
+// for bit), reordered for the core: the G query heads in groups of up to four that share each
+// key's and value's load and widening, two keys at a time, the output held in registers.
 KV INLINE void attend_one8(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
                            int64_t D, const void* kbuf, const void* vbuf, const int32_t* row,
                            int64_t len, float scale, float* scores, int kind) {
   const int64_t stride = kvh * D, off = h * D;
-  int64_t j = 0;
-  for (; j + 4 <= len; j += 4) {
-    int64_t ki[4];
-    for (int r = 0; r < 4; r++) ki[r] = (int64_t)row[j + r] * stride + off;
-    float s4[4];
-    for (int64_t g = 0; g < G; g++) {
-      scores4(q + g * D, kbuf, ki, D, scale, s4, kind);
-      for (int r = 0; r < 4; r++) scores[g * len + j + r] = s4[r];
-    }
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
+#define SCORES(GN) scores_heads(q + g0 * D, kbuf, row, stride, off, len, D, scale, \
+                                scores + g0 * len, len, GN, kind)
+    HEADS_CASES(SCORES)
+#undef SCORES
   }
-  for (; j < len; j++) {
-    int64_t ki = (int64_t)row[j] * stride + off;
-    for (int64_t g = 0; g < G; g++)
-      scores[g * len + j] = dot_kv(q + g * D, kbuf, ki, D, kind) * scale;
-  }
-  for (int64_t g = 0; g < G; g++) {
-    softmax(scores + g * len, len);
-    for (int64_t i = 0; i < D; i += 64)
-      weighted_sum(scores + g * len, len, vbuf, row, stride, off + i, D - i < 64 ? D - i : 64,
-                   out + g * D + i, kind);
+  for (int64_t g = 0; g < G; g++) softmax(scores + g * len, len);
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
+#define SUMS(GN) weighted_sum_heads(scores + g0 * len, len, len, vbuf, row, stride, off, D, \
+                                    out + g0 * D, GN, kind)
+    HEADS_CASES(SUMS)
+#undef SUMS
   }
 }
 
@@ -318,18 +334,18 @@ KV INLINE void attend_task(const float* q, float* out, int64_t G, int64_t kvh, i
 #undef SGL_ATTEND
 }
 
-// Query head hq of request b alone: attend_task with G = 1, whose arithmetic per query head
-// is the same as inside a task of G heads (every score, softmax and output sum is per head),
-// so the same bits as sgl_decode_attn. The decode step's team (cpu_layer.c) shares a step's
-// heads this way. work: at least lens[b] + D floats. Arguments as sgl_decode_attn's.
-KV void sgl_decode_attn_head(const float* q, int64_t q_stride, int64_t b, int64_t hq,
-                             int64_t heads, int64_t kvh, int64_t D, const void* kbuf,
-                             const void* vbuf, const int32_t* table, int64_t table_stride,
-                             const int64_t* table_rows, const int64_t* lens, float scale,
-                             float* out, int kind, float* work) {
-  int64_t h = hq / (heads / kvh);
-  attend_task(q + b * q_stride + hq * D, out + (b * heads + hq) * D, 1, kvh, h, D, kbuf, vbuf,
-              table + table_rows[b] * table_stride, lens[b], scale, work, kind);
+// Query heads [hq, hq + n) of request b, within one KV head's group: a task of sgl_decode_attn
+// (n = heads / kvh) or a part of one; the unit the decode step's team (cpu_layer.c) shares a
+// step's attention in. Every score, softmax and output sum is per query head, so the bits do
+// not depend on how heads are grouped. work: at least n * (lens[b] + D) floats. Arguments as
+// sgl_decode_attn's.
+KV void sgl_decode_attn_heads(const float* q, int64_t q_stride, int64_t b, int64_t hq, int64_t n,
+                              int64_t heads, int64_t kvh, int64_t D, const void* kbuf,
+                              const void* vbuf, const int32_t* table, int64_t table_stride,
+                              const int64_t* table_rows, const int64_t* lens, float scale,
+                              float* out, int kind, float* work) {
+  attend_task(q + b * q_stride + hq * D, out + (b * heads + hq) * D, n, kvh, hq / (heads / kvh),
+              D, kbuf, vbuf, table + table_rows[b] * table_stride, lens[b], scale, work, kind);
 }
 
 // Decode attention of B requests, one query row each.
