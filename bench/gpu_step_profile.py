@@ -47,9 +47,9 @@ def one_kind(kind: str, tokens: int, prefill: int) -> str:
         prompts = [[rng.randrange(vocab) for _ in range(1024 if prefill else 128)]
                    for _ in range(max(1, prefill))]
 
-        async def go(n: int, prompts: list[list[int]]) -> None:
-            await asyncio.gather(*(engine.generate(input_ids=p, max_new_tokens=n, temperature=0,
-                                                   ignore_eos=True) for p in prompts))
+        async def go(n: int, prompts: list[list[int]], e: sgl.Engine = engine) -> None:
+            await asyncio.gather(*(e.generate(input_ids=p, max_new_tokens=n, temperature=0,
+                                              ignore_eos=True) for p in prompts))
 
         asyncio.run(go(8, [p[:200] for p in prompts]))  # warm-up: compiles, graphs
         engine.flush_cache()
