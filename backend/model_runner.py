@@ -186,11 +186,11 @@ class ModelRunner:
                 one_row_per_token(inputs)
             if graph_bs > rows:
                 pad_decode_rows(inputs, graph_bs - rows)
-        elif mode is ForwardMode.EXTEND and past_prompts and rows <= self._cpu_decode_rows():
+        elif mode is ForwardMode.EXTEND and rows <= self._cpu_decode_rows():
             # The CPU's one-call decode step takes several tokens of a request (verify rows,
-            # jumped tokens) the way the decode graphs do, one row per token: without it they
-            # ran the op path, at twice a decode row's cost, and speculation lost to plain
-            # decoding.
+            # jumped tokens, and short prefills: a chat turn after its cached prefix) the way
+            # the decode graphs do, one row per token: without it they ran the op path, at
+            # twice a decode row's cost, and speculation lost to plain decoding.
             one_row_per_token(inputs)
             mode, row_seq_lens = ForwardMode.DECODE, list(inputs.seq_lens)
         writes = self._table_writes(batch.table_writes)
