@@ -4,6 +4,8 @@ that dispatch on a QuantizedWeight (Linear, Embedding as input table and tied he
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,11 +85,20 @@ def test_avx512_loops_give_the_bits_of_the_avx2_ones(fmt: str, rows: int) -> Non
 @needs_kernel
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("wide", [True, False])
-def test_the_kernel_multiplies_the_references_weights(fmt: str, wide: bool) -> None:
+@pytest.mark.parametrize("any_scales", [False, True])
+def test_the_kernel_multiplies_the_references_weights(fmt: str, wide: bool,
+                                                      any_scales: bool) -> None:
     """Each weight is rebuilt as `dequantize` rebuilds it (code * scale, then + zero, in
-    float32), so a product with a one-hot row is the reference weight itself, bit for bit."""
+    float32), so a product with a one-hot row is the reference weight itself, bit for bit.
+    `any_scales`: float32 scales and zeros of full precision, where code * scale rounds and
+    one fused multiply-add would give other bits (the files' own scales make it exact)."""
     in_features = 96 if FORMATS[fmt][0] == 32 else 512
     w = weight(fmt, 38, in_features, seed=7)
+    if any_scales:
+        gen = torch.Generator().manual_seed(8)
+        w = dataclasses.replace(w.float_scales(), scale=torch.randn(w.scale.shape, generator=gen),
+                                zero=torch.randn(w.zero.shape, generator=gen))
+        assert not w.f16_scales
     ks = torch.arange(0, in_features, 5)
     x = torch.zeros(len(ks), in_features)
     x[torch.arange(len(ks)), ks] = 1.0

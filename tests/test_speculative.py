@@ -15,6 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 import sgl
+from sgl.backend.quant import cpu_layer
 from sgl.backend.spec_text import TextDrafter
 from sgl.backend.speculative import NgramDrafter, SpecConfig, accepted_len
 
@@ -85,9 +86,13 @@ def engines():
     spec.close()
 
 
-def _run(engine: sgl.Engine, prompts: list[str], **kw) -> list[sgl.GenerateOutput]:
+def _run(engine: sgl.Engine, prompts: list[str] | list[list[int]],
+         **kw) -> list[sgl.GenerateOutput]:
+    """Outputs of `prompts`, texts or token ids, run concurrently."""
     async def go() -> list[sgl.GenerateOutput]:
-        return list(await asyncio.gather(*(engine.generate(p, **kw) for p in prompts)))
+        return list(await asyncio.gather(*(
+            engine.generate(input_ids=p, **kw) if isinstance(p, list) else engine.generate(p, **kw)
+            for p in prompts)))
 
     return asyncio.run(go())
 
@@ -113,12 +118,11 @@ def test_one_stream_alone_is_identical(engines) -> None:
     assert b.token_ids == a.token_ids
 
 
-def test_verify_rows_run_the_cpu_one_call_decode_step(engines) -> None:
-    """On the CPU a verify step (a request's last token plus its drafts) is laid out as decode
-    rows, one per token, and served by the quantized model's one-call decode step
-    (quant/cpu_layer.py), not the op path at twice the cost per row; outputs stay identical."""
-    plain, spec = engines
-    decoder = spec._rt.runner.model.model.cpu_decode
+def _served_rows(engine: sgl.Engine, prompts: list[str] | list[list[int]],
+                 **kw) -> tuple[list[sgl.GenerateOutput], list[int]]:
+    """The outputs of `prompts` (texts or token ids; the cache flushed first), and the rows of
+    every step the one-call CPU decode step (quant/cpu_layer.py) served."""
+    decoder = engine._rt.runner.model.model.cpu_decode
     assert decoder is not None, "the default model should get the one-call CPU step"
     served: list[int] = []
     run = decoder.run
@@ -129,13 +133,37 @@ def test_verify_rows_run_the_cpu_one_call_decode_step(engines) -> None:
             served.append(x.shape[0])
         return out
 
+    engine.flush_cache()
     decoder.run = counted
     try:
-        got = _run(spec, COPY_PROMPTS[:1], max_new_tokens=48, temperature=0)[0]
+        outs = _run(engine, prompts, **kw)
     finally:
         decoder.run = run
+    return outs, served
+
+
+def test_verify_rows_run_the_cpu_one_call_decode_step(engines) -> None:
+    """On the CPU a verify step (a request's last token plus its drafts) is laid out as decode
+    rows, one per token, and served by the quantized model's one-call decode step
+    (quant/cpu_layer.py), not the op path at twice the cost per row; outputs stay identical."""
+    plain, spec = engines
+    before = spec.stats().prompt_tokens
+    (got,), served = _served_rows(spec, COPY_PROMPTS[:1], max_new_tokens=48, temperature=0)
+    # (the prompt is prefilled on the op path: more rows than the step takes)
+    assert spec.stats().prompt_tokens - before > cpu_layer.MAX_ROWS
     assert got.token_ids == _run(plain, COPY_PROMPTS[:1], max_new_tokens=48, temperature=0)[0].token_ids
     assert any(rows > 1 for rows in served), "no multi-row verify step went through the C step"
+
+
+def test_a_short_prefill_runs_the_cpu_one_call_decode_step(engines) -> None:
+    """A prefill of at most MAX_ROWS tokens (a chat turn after its cached prefix) is laid out
+    as decode rows too; a longer one keeps the op path."""
+    plain, _ = engines
+    short, long = list(range(100, 112)), list(range(100, 100 + cpu_layer.MAX_ROWS + 1))
+    _, served = _served_rows(plain, [short], max_new_tokens=1, temperature=0)
+    assert served == [len(short)]
+    _, served = _served_rows(plain, [long], max_new_tokens=1, temperature=0)
+    assert served == []
 
 
 def test_seeded_sampling_is_identical(engines) -> None:
