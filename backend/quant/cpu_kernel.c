@@ -75,6 +75,14 @@ AVX512 INLINE __m512 weights16(__m512 q, __m512 s, __m512 z, const int fused) {
   return fused ? _mm512_fmadd_ps(q, s, z) : _mm512_add_ps(_mm512_mul_ps(q, s), z);
 }
 
+// An accumulator's lanes summed, in the one order both instruction sets share: lanes 0-7 plus
+// lanes 8-15, then hsum8. AVX-512: one 16-lane vector; AVX2: a pair of 8-lane ones.
+AVX512 INLINE float hsum16(__m512 a) {
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+}
+
+AVX2 INLINE float hsum_pair(const __m256 a[2]) { return hsum8(_mm256_add_ps(a[0], a[1])); }
+
 // 4-bit codes, AVX-512: features f < F (codes c + f * rb; scales s and zeros z [F, G]) by rows
 // r < R of x (from row m0). A group's 16 bytes widen to 16 dword lanes (byte i: code i in its
 // low nibble, code i + 16 in its high one); the permute reads a lane's low four bits, so the
@@ -107,9 +115,7 @@ AVX512 INLINE void tile4_512(const uint8_t* c, int64_t rb, const float* s, const
     }
   }
   UNROLL for (int r = 0; r < R; r++)
-    UNROLL for (int f = 0; f < F; f++)
-      out[r * F + f] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[f][r]),
-                                           _mm512_extractf32x8_ps(acc[f][r], 1)));
+    UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum16(acc[f][r]);
 }
 
 // tile4_512 on 8-lane vectors (CPUs without AVX-512): the same bits, each 16-lane vector a pair
@@ -143,7 +149,7 @@ AVX2 INLINE void tile4_256(const uint8_t* c, int64_t rb, const float* s, const f
     }
   }
   UNROLL for (int r = 0; r < R; r++)
-    UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum8(_mm256_add_ps(acc[f][r][0], acc[f][r][1]));
+    UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum_pair(acc[f][r]);
 }
 
 // 8-bit codes in groups of GS (16 or 32), AVX-512: as tile4_512 with each weight converted (16
@@ -176,9 +182,7 @@ AVX512 INLINE void tile8_512(const int8_t* c, int64_t rb, const float* s, const 
     }
   }
   UNROLL for (int r = 0; r < R; r++)
-    UNROLL for (int f = 0; f < F; f++)
-      out[r * F + f] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[f][r]),
-                                           _mm512_extractf32x8_ps(acc[f][r], 1)));
+    UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum16(acc[f][r]);
 }
 
 // tile8_512 on 8-lane vectors: the same bits (each 16-lane vector a pair), F * R <= 4.
@@ -207,7 +211,7 @@ AVX2 INLINE void tile8_256(const int8_t* c, int64_t rb, const float* s, const fl
     }
   }
   UNROLL for (int r = 0; r < R; r++)
-    UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum8(_mm256_add_ps(acc[f][r][0], acc[f][r][1]));
+    UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum_pair(acc[f][r]);
 }
 
 // The tile shapes, as constants: on AVX-512 up to four features by up to five rows (a 1 +

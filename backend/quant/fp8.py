@@ -14,12 +14,13 @@ bf16 weights (docs/benchmarks.md).
 
 Opt-in W8A8 (`activation_quantization="fp8"`, marked by `use_fp8_activations`; SGLang's
 `fp8` always computes so): the products that would take the scratch path quantize their
-input per row to e4m3 instead (`quantize_rows`: scale amax/448, the weights' rule) and
-multiply on the FP8 tensor cores, both scales applied in the product's epilogue
+input per row to e4m3 instead (`quantize_rows`: scale amax times 1/448, values rounded to
+nearest) and multiply on the FP8 tensor cores, both scales applied in the product's epilogue
 (`torch._scaled_mm`, row-wise scales). Not exact: each input row is rounded to 3 mantissa
 bits. The smaller products keep unquantized inputs: at a few rows a product streams its
-weights, and the activations' bytes and precision cost more than they would save. On the CPU there is no FP8 kernel: the runtime
-refuses `fp8` there (runtime.py); `fp8_scaled_linear` itself runs on either device (tests).
+weights, and the activations' bytes and precision cost more than they would save. On the
+CPU there is no FP8 kernel: the runtime refuses `fp8` there (runtime.py);
+`fp8_scaled_linear` itself runs on either device (tests).
 """
 
 from __future__ import annotations
@@ -138,11 +139,11 @@ def scaled_mm_fits(w: Fp8Weight) -> bool:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with x[m] ~ q[m] * scale[m]: scale
-    amax(|x[m]|) times 1/448 (the float32 reciprocal: torch divides by a scalar so on CUDA,
-    not on the CPU; written out, both agree; a zero row: 1), x / scale rounded to the nearest
-    e4m3 value, ties to even. On
-    the GPU one Triton kernel (triton_fp8.fp8_quantize_rows: the torch ops below cost a third
-    of a W8A8 prefill's GEMM time in float32 temporaries); `quantize_rows_reference` elsewhere."""
+    amax(|x[m]|) times the float32 1/448 (a zero row: 1), x / scale rounded to the nearest e4m3
+    value, ties to even. (Written as a product: torch on CUDA divides by a Python scalar that
+    way and on the CPU it does not, so `/ 448` would give two rules.) On the GPU one Triton
+    kernel (triton_fp8.fp8_quantize_rows: the torch ops cost a third of a W8A8 prefill's GEMM
+    time in float32 temporaries); `quantize_rows_reference` elsewhere."""
     from sgl.backend.quant.linear import use_triton
 
     if use_triton(x) and x.stride(-1) == 1:
