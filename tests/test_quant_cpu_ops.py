@@ -150,19 +150,12 @@ def test_kv_store_rounds_to_16_bits_exactly_as_torch(dtype: torch.dtype,
     assert torch.equal(got_v.view(bits), ref_v.view(bits))
 
 
-@pytest.mark.parametrize("dtype", KV_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 72, 128, 16, 20])
-@pytest.mark.parametrize("heads", [6, 2, 8, 14])  # over 2 KV heads: groups of 3, 1, 4, 7
-def test_decode_attention_matches_a_float64_reference(head_dim: int, dtype: torch.dtype,
-                                                      heads: int) -> None:
-    """Head sizes of every path of the kernel: 64, 72 and 128 (several 8-wide chunks per
-    pass over the values, a partial last pass), 16 (one chunk), 20 (not a multiple of 8: the
-    plain loop); lengths that are and are not multiples of the 2-key blocks; 1 to 7 query
-    heads per KV head (read together in groups of up to four: 7 = 4 + 3), keys at scattered
-    slots, one request's query row chosen by q_rows. A 16-bit pool is read widened to float32
-    (exact), so the float32 tolerance holds for every dtype."""
+def _attention_case(head_dim: int, heads: int, dtype: torch.dtype, lens: list[int]):
+    """A pool of 2 KV heads with the requests' keys at scattered slots, and query rows:
+    (q, k_buf, v_buf, table, lens, rows), request b's query in row rows[b] of q (row 3 is
+    nobody's)."""
     gen = _gen(head_dim)
-    kv_heads, lens = 2, [1, 3, 4, 37]
+    kv_heads = 2
     slots = sum(lens) + 8
     k_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
     v_buf = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dtype)
@@ -173,17 +166,59 @@ def test_decode_attention_matches_a_float64_reference(head_dim: int, dtype: torc
         table[b, :n] = order[start:start + n].int()
         start += n
     q = torch.randn(len(lens) + 1, heads, head_dim, generator=gen) * 2
-    rows = torch.tensor([1, 0, 4, 2])  # request b's query row (row 3 is nobody's)
+    rows = torch.tensor([1, 0, 4, 2, 5, 6][:len(lens)])
+    return q, k_buf, v_buf, table, torch.tensor(lens), rows
+
+
+def _decode_attention(q, k_buf, v_buf, table, lens, rows) -> torch.Tensor:
     out = torch.full_like(q, 7.0)
-    scale = head_dim ** -0.5
-    cpu_ops.decode_attention(q, k_buf, v_buf, table, torch.arange(len(lens)),
-                             torch.tensor(lens), scale, rows, out)
-    for b, n in enumerate(lens):
+    cpu_ops.decode_attention(q, k_buf, v_buf, table, torch.arange(len(lens)), lens,
+                             q.shape[-1] ** -0.5, rows, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 72, 128, 16, 20])
+@pytest.mark.parametrize("heads", [6, 2, 8, 14])  # over 2 KV heads: groups of 3, 1, 4, 7
+def test_decode_attention_matches_a_float64_reference(head_dim: int, dtype: torch.dtype,
+                                                      heads: int) -> None:
+    """Head sizes of every path of the kernel: 64, 72 and 128 (several 8-wide chunks per
+    pass over the values, a partial last pass), 16 (one chunk), 20 (not a multiple of 8: the
+    plain loop); lengths that are and are not multiples of the 2-key and 16-key blocks; 1 to 7
+    query heads per KV head (read together in groups of up to four: 7 = 4 + 3), keys at
+    scattered slots, one request's query row chosen by q_rows. A 16-bit pool is read widened
+    to float32 (exact), so the float32 tolerance holds for every dtype."""
+    case = _attention_case(head_dim, heads, dtype, [1, 3, 4, 37, 16])
+    q, k_buf, v_buf, table, lens, rows = case
+    out = _decode_attention(*case)
+    kv_heads = k_buf.shape[1]
+    for b, n in enumerate(lens.tolist()):
         keys = table[b, :n].long()
         for h in range(heads):
             kvh = h // (heads // kv_heads)
-            scores = k_buf[keys, kvh].double() @ q[rows[b], h].double() * scale  # [n]
+            scores = k_buf[keys, kvh].double() @ q[rows[b], h].double() * head_dim ** -0.5
             expected = torch.softmax(scores, 0) @ v_buf[keys, kvh].double()  # [head_dim]
             torch.testing.assert_close(out[rows[b], h].double(), expected, rtol=1e-5,
                                        atol=1e-5)
     assert torch.equal(out[3], torch.full_like(out[3], 7.0))  # other rows left alone
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 16, 72])  # 72: no 16-lane chunks, AVX2 only
+@pytest.mark.parametrize("heads", [6, 2, 8, 14])
+def test_decode_attention_avx512_gives_the_bits_of_avx2(head_dim: int, dtype: torch.dtype,
+                                                        heads: int) -> None:
+    """The AVX-512 twin (16 keys' scores summed together, 16-lane value chunks) reproduces
+    the AVX2 loops bit for bit: lengths below, at and past the 16-key blocks, with tails."""
+    from sgl.backend.quant import cpu_kernel
+
+    if not cpu_kernel.use_avx512(True):
+        pytest.skip("no AVX-512 on this CPU: the AVX2 loops serve")
+    case = _attention_case(head_dim, heads, dtype, [1, 15, 16, 37, 64, 70])
+    try:
+        wide = _decode_attention(*case)
+        assert not cpu_kernel.use_avx512(False)
+        narrow = _decode_attention(*case)
+    finally:
+        cpu_kernel.use_avx512(True)
+    assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))

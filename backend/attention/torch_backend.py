@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -111,7 +112,8 @@ class TorchAttentionBackend(AttentionBackend):
         query in order, on the fused CPU path; None otherwise. The one-call CPU decode step
         (quant/cpu_layer.py) attends these itself, the way `_forward_fused` would."""
         meta = fb.attn_metadata
-        if (isinstance(meta, TorchAttentionMetadata) and isinstance(meta.decode, _FusedDecodeRows)
+        if (fb.mode is ForwardMode.DECODE and isinstance(meta, TorchAttentionMetadata)
+                and isinstance(meta.decode, _FusedDecodeRows)
                 and meta.decode.rows is None and not meta.extends):
             return meta.decode.table_rows, meta.decode.lens
         return None
@@ -131,6 +133,9 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 decode = self._decode_rows(fb, list(range(fb.batch_size)), True)
             fb.attn_metadata = TorchAttentionMetadata(decode, [])
+            return
+        if fused:  # every row, prompt tokens included, is a query row of the C op
+            fb.attn_metadata = TorchAttentionMetadata(self._fused_extend_rows(fb), [])
             return
         single: list[int] = []
         extends: list[_ExtendRequest] = []
@@ -153,17 +158,29 @@ class TorchAttentionBackend(AttentionBackend):
                 query_pos = torch.arange(prefix, seq_len, device=device)  # [num_new]
                 mask = key_pos[None, :] <= query_pos[:, None]  # [num_new, seq_len]
             extends.append(_ExtendRequest(starts[b], num_new, row, mask))
-        mixed: _DecodeRows | _FusedDecodeRows | None = None
-        if single and fused:
-            sel = torch.tensor(single)
-            mixed = _FusedDecodeRows(None, fb.req_pool_indices[sel], fb.seq_lens[sel])
-        elif single:
+        mixed: _DecodeRows | None = None
+        if single:
             mixed = self._decode_rows(fb, single, False)
         if mixed is None and self.stage is not None:
             self.stage.reset()  # no request of the stage is in this step
         if mixed is not None:
             mixed.rows = torch.tensor([starts[b] for b in single], device=fb.seq_lens.device)
         fb.attn_metadata = TorchAttentionMetadata(mixed, extends)
+
+    @staticmethod
+    def _fused_extend_rows(fb: ForwardBatch) -> _FusedDecodeRows:
+        """An EXTEND step on the fused CPU path: each new token is a query row of its own
+        (the one-call decode step's one_row_per_token), token i of a request with `prefix`
+        cached tokens seeing keys 0 .. prefix + i. One C call per layer attends a prompt
+        chunk's rows, 2.5-3x faster than SDPA's CPU flash kernel on SmolLM2's 512-token
+        chunks (the causal block computed whole, its products on MKL's AVX2 path)."""
+        new = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
+        ends = np.asarray(fb.seq_lens_cpu, dtype=np.int64)
+        # lens of request b's rows: ends[b] - new[b] + 1 .. ends[b]
+        first = np.repeat(ends - new + 1, new)
+        lens = first + np.arange(new.sum()) - np.repeat(np.cumsum(new) - new, new)
+        table_rows = torch.repeat_interleave(fb.req_pool_indices.long(), torch.from_numpy(new))
+        return _FusedDecodeRows(None, table_rows, torch.from_numpy(lens))
 
     def _decode_rows(self, fb: ForwardBatch, reqs: list[int], every: bool) -> _DecodeRows:
         lens_cpu = [fb.seq_lens_cpu[b] for b in reqs]

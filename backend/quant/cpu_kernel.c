@@ -63,6 +63,8 @@ int sgl_use_avx512(int on) {
   return use_avx512;
 }
 
+int sgl_avx512_on(void) { return use_avx512; }
+
 // code * scale, then + zero: the reference's two roundings. `fused`: one multiply-add, the
 // same value where scales are float16 values (`f16`): code * scale then has at most 8 + 11
 // significant bits, so it is exact and only the sum rounds.

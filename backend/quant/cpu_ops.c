@@ -286,6 +286,144 @@ KV INLINE void attend_one8(const float* q, float* out, int64_t G, int64_t kvh, i
   }
 }
 
+// ---- The AVX-512 twin of attend_one8 for D a multiple of 16: the same bits, fewer instructions.
+// Scores: two keys share a 16-lane accumulator (lanes 0-7 the first key's 8-wide chain over D,
+// lanes 8-15 the second's), and 16 keys' chains are summed as hsum8 sums one chain (lanes l and
+// l + 4, then the pairs left, then the last two) on vectors holding several keys at once,
+// instead of one horizontal sum per key and head. Values: one pass of 16-lane chunks per key.
+
+// [K at element i0, 8 elements | K at i1, 8 elements] as 16 floats (exact).
+AVX512 INLINE __m512 kv_load8x2(const void* base, int64_t i0, int64_t i1, int kind) {
+  if (kind == KV_F32) {
+    const float* f = (const float*)base;
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f + i0)),
+                              _mm256_loadu_ps(f + i1), 1);
+  }
+  const uint16_t* h = (const uint16_t*)base;
+  __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(h + i0))),
+                                        _mm_loadu_si128((const __m128i*)(h + i1)), 1);
+  if (kind == KV_F16) return _mm512_cvtph_ps(two);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(two), 16));
+}
+
+// 16 pool elements from element index i, as floats (exact).
+AVX512 INLINE __m512 kv_load16(const void* base, int64_t i, int kind) {
+  if (kind == KV_F32) return _mm512_loadu_ps((const float*)base + i);
+  __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
+  if (kind == KV_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// hsum8's first two steps on 4 pair accumulators (8 keys): lane block m of the result is
+// [s(m)_0, s(m)_1, s(4 + m)_0, s(4 + m)_1], s(k)_0 = (v0 + v4) + (v2 + v6) and s(k)_1 =
+// (v1 + v5) + (v3 + v7) of key k's chain v.
+AVX512 INLINE __m512 halve8keys(const __m512 a[4]) {
+  const int lo = _MM_SHUFFLE(2, 0, 2, 0), hi = _MM_SHUFFLE(3, 1, 3, 1);
+  // blocks [k0, k1, k2, k3] and [k4, k5, k6, k7], each lane l = v_l + v_(l+4)
+  __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], lo), _mm512_shuffle_f32x4(a[0], a[1], hi));
+  __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], lo), _mm512_shuffle_f32x4(a[2], a[3], hi));
+  return _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// Scores of GN heads against the 16 keys at element offsets k[0..16): hsum8(chain) * scale each.
+AVX512 INLINE void scores16_heads(const float* q, const void* kbuf, const int64_t k[16], int64_t D,
+                                  float scale, float* scores, int64_t ls, const int GN, int kind) {
+  __m512 half[2][4];
+  for (int h = 0; h < 2; h++) {
+    __m512 a[4][4];
+    for (int g = 0; g < GN; g++)
+      for (int p = 0; p < 4; p++) a[g][p] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      __m512 kv[4];
+      for (int p = 0; p < 4; p++) kv[p] = kv_load8x2(kbuf, k[8 * h + 2 * p] + i, k[8 * h + 2 * p + 1] + i, kind);
+      for (int g = 0; g < GN; g++) {
+        __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * D + i));
+        for (int p = 0; p < 4; p++) a[g][p] = _mm512_fmadd_ps(qv, kv[p], a[g][p]);
+      }
+    }
+    for (int g = 0; g < GN; g++) half[h][g] = halve8keys(a[g]);
+  }
+  // lane 4m + t of the last sum is key 4t + m: permuted back to key order
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int g = 0; g < GN; g++) {
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(half[0][g], half[1][g], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(half[0][g], half[1][g], _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(scores + g * ls, _mm512_mul_ps(_mm512_permutexvar_ps(order, s), sc));
+  }
+}
+
+// weighted_sum_heads on 16-lane chunks (D a multiple of 16): each element summed in key order.
+AVX512 INLINE void weighted_sum16_heads(const float* p, int64_t ls, int64_t len, const void* vbuf,
+                                        const int32_t* row, int64_t stride, int64_t off, int64_t D,
+                                        float* out, const int GN, int kind) {
+  const int CH = GN == 1 ? 8 : 4;
+  for (int64_t c0 = 0; c0 < D; c0 += 16 * CH) {
+    const int n = D - c0 < 16 * CH ? (int)((D - c0) / 16) : CH;
+    __m512 a[4][8];
+    for (int g = 0; g < GN; g++)
+      for (int c = 0; c < CH; c++) a[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j++) {
+      int64_t vi = (int64_t)row[j] * stride + off + c0;
+      __m512 pj[4];
+      for (int g = 0; g < GN; g++) pj[g] = _mm512_set1_ps(p[g * ls + j]);
+      for (int c = 0; c < CH; c++) {
+        if (c >= n) break;
+        __m512 v = kv_load16(vbuf, vi + 16 * c, kind);
+        for (int g = 0; g < GN; g++) a[g][c] = _mm512_fmadd_ps(pj[g], v, a[g][c]);
+      }
+    }
+    for (int g = 0; g < GN; g++)
+      for (int c = 0; c < n; c++) _mm512_storeu_ps(out + g * D + c0 + 16 * c, a[g][c]);
+  }
+}
+
+AVX512 INLINE void attend_heads16(const float* q, float* out, int64_t G, int64_t stride, int64_t off,
+                                  int64_t D, const void* kbuf, const void* vbuf,
+                                  const int32_t* row, int64_t len, float scale, float* scores,
+                                  int kind) {
+  const int64_t full = len / 16 * 16;
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
+    for (int64_t j = 0; j < full; j += 16) {
+      int64_t k[16];
+      for (int t = 0; t < 16; t++) k[t] = (int64_t)row[j + t] * stride + off;
+#define SCORES16(GN) scores16_heads(q + g0 * D, kbuf, k, D, scale, scores + g0 * len + j, len, GN, kind)
+      HEADS_CASES(SCORES16)
+#undef SCORES16
+    }
+    if (full < len) {  // the last keys as attend_one8 scores them (the same bits)
+#define SCORES(GN) scores_heads(q + g0 * D, kbuf, row + full, stride, off, len - full, D, scale, \
+                                scores + g0 * len + full, len, GN, kind)
+      HEADS_CASES(SCORES)
+#undef SCORES
+    }
+  }
+  for (int64_t g = 0; g < G; g++) softmax(scores + g * len, len);
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
+#define SUMS16(GN) weighted_sum16_heads(scores + g0 * len, len, len, vbuf, row, stride, off, D, \
+                                        out + g0 * D, GN, kind)
+    HEADS_CASES(SUMS16)
+#undef SUMS16
+  }
+}
+
+// attend_one8 where D % 16 == 0 and the AVX-512 twins are on (a function of its own: AVX-512
+// code is never inlined into the AVX2 callers).
+AVX512 static void attend_one_512(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
+                                  int64_t D, const void* kbuf, const void* vbuf, const int32_t* row,
+                                  int64_t len, float scale, float* scores, int kind) {
+  const int64_t stride = kvh * D, off = h * D;
+  if (kind == KV_F16)
+    attend_heads16(q, out, G, stride, off, D, kbuf, vbuf, row, len, scale, scores, KV_F16);
+  else if (kind == KV_BF16)
+    attend_heads16(q, out, G, stride, off, D, kbuf, vbuf, row, len, scale, scores, KV_BF16);
+  else
+    attend_heads16(q, out, G, stride, off, D, kbuf, vbuf, row, len, scale, scores, KV_F32);
+}
+
 // One (request, KV head) task: the G = heads / kv_heads query heads that share KV head h.
 KV INLINE void attend_one(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
                           int64_t D, const void* kbuf, const void* vbuf, const int32_t* row,
@@ -319,6 +457,10 @@ KV INLINE void attend_one(const float* q, float* out, int64_t G, int64_t kvh, in
 KV INLINE void attend_task(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,
                            int64_t D, const void* kbuf, const void* vbuf, const int32_t* row,
                            int64_t len, float scale, float* work, int kind) {
+  if (D % 16 == 0 && sgl_avx512_on()) {
+    attend_one_512(q, out, G, kvh, h, D, kbuf, vbuf, row, len, scale, work, kind);
+    return;
+  }
 #define SGL_ATTEND(K)                                                                 \
   if (D % 8 == 0)                                                                     \
     attend_one8(q, out, G, kvh, h, D, kbuf, vbuf, row, len, scale, work, K);          \

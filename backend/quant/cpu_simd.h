@@ -14,6 +14,9 @@
 #define INLINE static inline __attribute__((always_inline))
 // The AVX-512 twins of some loops (cpu_kernel.c), chosen at run time where the CPU has it.
 #define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
+// Whether the AVX-512 twins run (cpu_kernel.c: set at load, switched by sgl_use_avx512). A twin
+// is a function of its own named *_512, never inlined into AVX2 code.
+int sgl_avx512_on(void);
 
 AVX2 INLINE float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
