@@ -170,9 +170,34 @@ def test_decode_long_keys_across_threads(head_dim: int, fused: bool) -> None:
               head_dim=head_dim)
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
-def test_extend_without_prefix(heads: int, kv_heads: int) -> None:
-    _run_case([0, 0, 0], [7, 1, 12], heads, kv_heads, ForwardMode.EXTEND)
+def test_extend_without_prefix(heads: int, kv_heads: int, fused: bool) -> None:
+    _run_case([0, 0, 0], [7, 1, 12], heads, kv_heads, ForwardMode.EXTEND, fused=fused)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler or no AVX2/FMA")
+def test_fused_path_attends_prompt_tokens_as_query_rows_of_the_c_op(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the fused CPU path a prompt chunk's tokens are query rows of the C op, token i of a
+    request with p cached tokens seeing its first p + i + 1 keys; SDPA (the per-request extend
+    path) is not called. (Both give the right values: only this test tells them apart.)"""
+    def sdpa_extend(*args: Any) -> None:
+        raise AssertionError("a prompt chunk took the SDPA extend path")
+
+    monkeypatch.setattr(TorchAttentionBackend, "_attend_extend", staticmethod(sdpa_extend))
+    pool = FakePool(2, 256, 2, 16)
+    backend = TorchAttentionBackend(fused_cpu=True)
+    steps = [Step(1, 9, [0] * 3), Step(2, 0, [0] * 2), Step(3, 30, [0])]
+    for step in steps:
+        pool.req_to_token[step.pool_index, :step.prefix_len] = pool.alloc(step.prefix_len).int()
+    fb = make_forward_batch(pool, backend, steps, ForwardMode.EXTEND)
+    meta = fb.attn_metadata
+    assert meta.extends == [] and meta.decode.rows is None
+    assert meta.decode.lens.tolist() == [10, 11, 12, 1, 2, 31]
+    assert meta.decode.table_rows.tolist() == [1, 1, 1, 2, 2, 3]
+    assert backend.fused_decode_rows(fb) is None  # (an EXTEND step: not the one-call step's)
+    _run_case([9, 0, 30, 4, 0], [6, 5, 1, 1, 3], 6, 2, ForwardMode.EXTEND, fused=True)
 
 
 @pytest.mark.parametrize("fused", FUSED)

@@ -25,10 +25,13 @@ is widened as it is read, so attention computes in the wider of the two dtypes; 
 float16 or bfloat16 to float32 is exact.
 
 With `fused_cpu` (the CPU engine in kernel mode "auto" under a float32 model, a float32,
-float16 or bfloat16 pool, the C library built) the single-token rows run
-`cpu_ops.decode_attention` instead: one C call per layer that reads each request's keys in
-place from the pool through its req_to_token row (no gather, no padded block, no stage
-memory), and new K/V rows are stored by `cpu_ops.kv_store`. Otherwise, with
+float16 or bfloat16 pool, the C library built) every row runs `cpu_ops.decode_attention`
+instead: one C call per layer that reads each request's keys in place from the pool through
+its req_to_token row (no gather, no padded block, no stage memory), and new K/V rows are
+stored by `cpu_ops.kv_store` first. A prompt chunk's tokens are query rows of that call too,
+token i of a request with `prefix` cached tokens seeing keys 0 .. prefix + i (its own
+included), so a token's attention has the same arithmetic whether it is prefilled, decoded,
+verified or jumped. Otherwise, with
 `stage_positions > 0` (the CPU engine) the single-token rows read their keys from a
 `DecodeStage`, which keeps the padded block from one step to the next and copies in only what
 changed (decode_stage.py); without it (the reference, and on GPUs) the block is gathered anew.

@@ -9,7 +9,8 @@ The norm, activation, rotary and KV-store ops have the signatures of the kernel 
 (kernels/dispatch.py): the CPU "auto" set takes them (`kernel_set_ops`). Inputs they
 do not cover (another dtype, non-contiguous layouts, rotary out of place) go to the torch
 reference, so a caller never needs to check. `decode_attention` is the torch attention
-backend's single-token path (attention/torch_backend.py).
+backend's fused path (attention/torch_backend.py): decode rows, and prompt chunks one query row
+per token. On AVX-512 CPUs it runs a twin with the AVX2 loops' bits (cpu_ops.c).
 
 The KV pool may hold float32, float16 or bfloat16 (`kv_dtype_supported`): `kv_store` rounds
 the float32 k/v rows to nearest even exactly as the reference's `.to()` does, and
