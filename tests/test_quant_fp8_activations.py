@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from sgl.backend.layers.linear import Linear
 from sgl.backend.model_loader import load_model
-from sgl.backend.quant import linear
+from sgl.backend.quant import fp8, linear
 from sgl.backend.quant.fp8 import (FP8_MAX, Fp8Weight, fp8_linear_reference, fp8_scaled_linear,
                                    fp8_scaled_linear_reference, quantize_rows,
                                    quantize_rows_reference, use_fp8_activations)
@@ -44,9 +44,15 @@ def test_quantize_rows_scales_each_row_by_its_amax() -> None:
 
 @pytest.mark.parametrize("m", [1, 3, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_scaled_linear_is_the_product_of_the_dequantized_operands(m: int, with_bias: bool) -> None:
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_scaled_linear_is_the_product_of_the_dequantized_operands(
+        m: int, with_bias: bool, rowwise: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8_scaled_linear = (q_x * s_x) @ (q_w * s_w)^T (+ b), up to float32 summation order and
-    its bfloat16 output's rounding; a leading batch shape is kept."""
+    its bfloat16 output's rounding; a leading batch shape is kept. `rowwise=False`: the path of
+    torch builds whose CPU `_scaled_mm` takes per-tensor scales only (2.11)."""
+    if rowwise and not fp8._cpu_rowwise_scaled_mm():
+        pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only")
+    monkeypatch.setattr(fp8, "_cpu_rowwise_scaled_mm", lambda: rowwise)
     gen = torch.Generator().manual_seed(m)
     w = _weight(48, 256, seed=m)
     x = torch.randn(2, m, 256, generator=gen).to(torch.bfloat16)
