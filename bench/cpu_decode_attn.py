@@ -11,8 +11,8 @@ read per second, and x30 layers (a whole step's attention).
 
 `--prefill N`: one request's N-token prompt chunk (no cached prefix), every token a query row
 of the C op seeing keys 0 .. its position (what the engine's EXTEND steps run), against what
-they ran before: the chunk's keys gathered from the pool, widened to float32 and attended by
-`F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`.
+they ran before: the backend's SDPA extend path (`TorchAttentionBackend._attend_extend`: the
+chunk's keys gathered from the pool, widened to float32, `F.scaled_dot_product_attention`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
+from sgl.backend.attention.torch_backend import TorchAttentionBackend, _ExtendRequest
 from sgl.backend.quant import cpu_kernel, cpu_ops
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -90,12 +90,10 @@ def prefill(args: argparse.Namespace) -> None:
     def c_op() -> None:
         cpu_ops.decode_attention(q, k, v, table, rows, lens, scale, None, out)
 
+    chunk = _ExtendRequest(0, n, table[0].long(), None)  # (no cached prefix: plain causal)
+
     def sdpa() -> None:
-        slots = table[0].long()
-        kk = k.index_select(0, slots).transpose(0, 1)[None].float()
-        vv = v.index_select(0, slots).transpose(0, 1)[None].float()
-        F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, is_causal=True,
-                                       scale=scale, enable_gqa=True)
+        TorchAttentionBackend._attend_extend(q, k, v, chunk, scale)
 
     for threads in args.threads:
         torch.set_num_threads(threads)

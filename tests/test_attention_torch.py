@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from sgl.backend.attention.torch_backend import TorchAttentionBackend
+from sgl.backend.attention.torch_backend import TorchAttentionBackend, _FusedDecodeRows
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.kernels.attention_decode import decode_attention_reference
 from sgl.backend.kernels.attention_extend import extend_attention_reference
@@ -193,7 +193,7 @@ def test_fused_path_attends_prompt_tokens_as_query_rows_of_the_c_op(
         pool.req_to_token[step.pool_index, :step.prefix_len] = pool.alloc(step.prefix_len).int()
     fb = make_forward_batch(pool, backend, steps, ForwardMode.EXTEND)
     meta = fb.attn_metadata
-    assert meta.extends == [] and meta.decode.rows is None
+    assert meta.extends == [] and isinstance(meta.decode, _FusedDecodeRows)  # all rows, in order
     assert meta.decode.lens.tolist() == [10, 11, 12, 1, 2, 31]
     assert meta.decode.table_rows.tolist() == [1, 1, 1, 2, 2, 3]
     assert backend.fused_decode_rows(fb) is None  # (an EXTEND step: not the one-call step's)

@@ -71,9 +71,9 @@ class _DecodeRows:
 
 @dataclass
 class _FusedDecodeRows:
-    """Single-token rows for `cpu_ops.decode_attention` (pool read in place)."""
+    """Every row of the step, in order, a query row of `cpu_ops.decode_attention` (pool read
+    in place): row t attends keys [0, lens[t]) of req_to_token row table_rows[t]."""
 
-    rows: torch.Tensor | None  # [B] int64 rows of q holding the queries; None: all rows
     table_rows: torch.Tensor  # [B] int64 rows of req_to_token
     lens: torch.Tensor  # [B] int64 keys per request (this step's token included)
 
@@ -116,8 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
         (quant/cpu_layer.py) attends these itself, the way `_forward_fused` would."""
         meta = fb.attn_metadata
         if (fb.mode is ForwardMode.DECODE and isinstance(meta, TorchAttentionMetadata)
-                and isinstance(meta.decode, _FusedDecodeRows)
-                and meta.decode.rows is None and not meta.extends):
+                and isinstance(meta.decode, _FusedDecodeRows)):
             return meta.decode.table_rows, meta.decode.lens
         return None
 
@@ -132,7 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
         if fb.mode is ForwardMode.DECODE:
             if fused:
                 decode: _DecodeRows | _FusedDecodeRows = _FusedDecodeRows(
-                    None, fb.req_pool_indices.contiguous(), fb.seq_lens.contiguous())
+                    fb.req_pool_indices.contiguous(), fb.seq_lens.contiguous())
             else:
                 decode = self._decode_rows(fb, list(range(fb.batch_size)), True)
             fb.attn_metadata = TorchAttentionMetadata(decode, [])
@@ -175,15 +174,16 @@ class TorchAttentionBackend(AttentionBackend):
         """An EXTEND step on the fused CPU path: each new token is a query row of its own
         (the one-call decode step's one_row_per_token), token i of a request with `prefix`
         cached tokens seeing keys 0 .. prefix + i. One C call per layer attends a prompt
-        chunk's rows, 2.5-3x faster than SDPA's CPU flash kernel on SmolLM2's 512-token
-        chunks (the causal block computed whole, its products on MKL's AVX2 path)."""
+        chunk's rows, in 0.44-0.48x the time of SDPA's CPU flash kernel on SmolLM2's 512-token
+        chunks (which computes the causal block whole, its products on MKL's AVX2 path on AMD
+        CPUs; bench/cpu_decode_attn.py --prefill)."""
         new = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
         ends = np.asarray(fb.seq_lens_cpu, dtype=np.int64)
         # lens of request b's rows: ends[b] - new[b] + 1 .. ends[b]
         first = np.repeat(ends - new + 1, new)
         lens = first + np.arange(new.sum()) - np.repeat(np.cumsum(new) - new, new)
         table_rows = torch.repeat_interleave(fb.req_pool_indices.long(), torch.from_numpy(new))
-        return _FusedDecodeRows(None, table_rows, torch.from_numpy(lens))
+        return _FusedDecodeRows(table_rows, torch.from_numpy(lens))
 
     def _decode_rows(self, fb: ForwardBatch, reqs: list[int], every: bool) -> _DecodeRows:
         lens_cpu = [fb.seq_lens_cpu[b] for b in reqs]
@@ -246,8 +246,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_buffer: torch.Tensor, v_buffer: torch.Tensor, scale: float,
                        fb: ForwardBatch) -> torch.Tensor:  # [T, num_heads, head_dim]
-        meta: TorchAttentionMetadata = fb.attn_metadata
-        decode = meta.decode
+        decode = fb.attn_metadata.decode
         assert isinstance(decode, _FusedDecodeRows)
         cpu_ops.kv_store(k_buffer, v_buffer, k, v, fb.out_cache_loc)
         dtype = q.dtype
@@ -257,8 +256,7 @@ class TorchAttentionBackend(AttentionBackend):
             q = q.float().contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)  # [T, heads, head_dim]
         cpu_ops.decode_attention(q, k_buffer, v_buffer, fb.req_to_token, decode.table_rows,
-                                 decode.lens, scale, decode.rows, out)
-        self._attend_extends(q, k_buffer, v_buffer, meta.extends, scale, out)
+                                 decode.lens, scale, None, out)
         return out.to(dtype)
 
     def _attend_extends(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
