@@ -97,6 +97,10 @@ class ModelRunner:
         self.verify_table = False
         # Fault injection for tests: called with the PreparedStep inside _execute.
         self.step_hook: Callable[[PreparedStep], None] | None = None
+        # `enable_deterministic_inference`: a step past the prompts (decode, jumped tokens,
+        # drafts) always runs as decode rows, one per token, also where no graph replays it, so
+        # that every token after a prompt gets the decode kernel's arithmetic.
+        self.decode_rows_past_prompts = False
         # Benchmarks: (start event, end event, mode, batch size) per step when a list.
         self.step_events: list[tuple[Any, Any, ForwardMode, int]] | None = None
 
@@ -186,7 +190,8 @@ class ModelRunner:
                 one_row_per_token(inputs)
             if graph_bs > rows:
                 pad_decode_rows(inputs, graph_bs - rows)
-        elif mode is ForwardMode.EXTEND and rows <= self._cpu_decode_rows():
+        elif mode is ForwardMode.EXTEND and (rows <= self._cpu_decode_rows() or (
+                self.decode_rows_past_prompts and past_prompts)):
             # The CPU's one-call decode step takes several tokens of a request (verify rows,
             # jumped tokens, and short prefills: a chat turn after its cached prefix) the way
             # the decode graphs do, one row per token: without it they ran the op path, at

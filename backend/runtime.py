@@ -22,8 +22,8 @@ from sgl._spec import RequestSpec
 from sgl.backend import gc_freeze
 from sgl.backend.model_source import resolve_model_source
 from sgl.backend.quant.cpu_layer import MAX_ROWS as CPU_DECODE_ROWS
-from sgl.backend.quant.policy import (check_activation_quantization, require_gguf_model,
-                                      resolve_quantization)
+from sgl.backend.quant.policy import (check_activation_quantization, check_deterministic,
+                                      require_gguf_model, resolve_quantization)
 from sgl.backend.req import Req
 from sgl.backend.spec_text import PieceTable, TextDrafter
 from sgl.backend.speculative import NgramDrafter, SpecConfig
@@ -58,10 +58,12 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     no_overlap = config.disable_overlap_schedule
     if no_overlap is None:
         no_overlap = not device.startswith("cuda")
-    return config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
-                          quantization=resolve_quantization(config, device),
-                          kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, device,
-                                                                dtype))
+    resolved = config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
+                              quantization=resolve_quantization(config, device),
+                              kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype,
+                                                                    device, dtype))
+    check_deterministic(resolved)
+    return resolved
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str, dtype: str) -> str:
@@ -184,7 +186,8 @@ class Runtime:
         from sgl.backend.model_loader import PRESETS, load_model, resolve_model_path
         from sgl.backend.tokenizer import load_tokenizer
 
-        self.kernels = resolve_kernels(config.kernels, self.device, self.dtype)  # before the slow load
+        self.kernels = resolve_kernels(config.kernels, self.device, self.dtype,  # before the slow load
+                                       batch_invariant=config.enable_deterministic_inference)
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,
@@ -197,6 +200,8 @@ class Runtime:
             from sgl.backend.quant.fp8 import use_fp8_activations
 
             use_fp8_activations(model)
+        if config.enable_deterministic_inference and self.device.type == "cpu":
+            _keep_rows_invariant(model)
         model.use_kernels(self.kernels)  # CPU: packs the linears for oneDNN in "auto" mode
         from sgl.backend.quant.install import weight_bytes
 
@@ -238,6 +243,7 @@ class Runtime:
         self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler, device=self.device,
                                   max_batch=max_running, vocab_size=mcfg.vocab_size, overlap=overlap)
         self.runner.verify_table = config.debug_integrity
+        self.runner.decode_rows_past_prompts = config.enable_deterministic_inference
         self.cuda_graph_sizes: list[int] = []
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             self._capture_cuda_graphs(config, attn, max_running)
@@ -246,7 +252,9 @@ class Runtime:
                             max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
                             policy=config.schedule_policy, conservativeness=config.schedule_conservativeness,
                             context_length=config.context_length, eos_token_ids=frozenset(mcfg.eos_token_ids),
-                            max_step_rows=self.cuda_graph_sizes[-1] if self.cuda_graph_sizes else 0),
+                            max_step_rows=self.cuda_graph_sizes[-1] if self.cuda_graph_sizes else 0,
+                            mix_decode_with_prefill=not (config.enable_deterministic_inference
+                                                         and self.device.type == "cuda")),
             KVManager(allocator, self.req_pool, self.tree, config.page_size), self.tree,
             self.runner.futures, self.tokenizer, drafter=_drafter(config, self.tokenizer),
         )  # fmt: skip
@@ -413,6 +421,20 @@ class Runtime:
 
 
 GRAPH_ROWS_PER_REQ = 2  # decode graphs hold up to 2 x cuda_graph_max_bs token rows
+
+
+def _keep_rows_invariant(model: Any) -> None:
+    """CPU, `enable_deterministic_inference`: every product on the C kernel (quant/linear.py).
+    A float weight left (a model folder under quantization "auto") has no such kernel."""
+    from sgl.backend.layers.linear import Linear
+    from sgl.backend.quant.linear import keep_rows_invariant
+
+    plain = [name for name, m in model.named_modules() if isinstance(m, Linear) and m.weight is not None]
+    if plain:
+        raise InvalidConfigError(
+            f"enable_deterministic_inference on the CPU needs GGUF-quantized weights, but "
+            f"{len(plain)} layers (e.g. {plain[0]}) hold float weights: use a .gguf model")
+    keep_rows_invariant(model)
 
 
 def _drafter(config: EngineConfig, tokenizer: Any) -> NgramDrafter | None:

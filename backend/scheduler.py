@@ -64,6 +64,11 @@ class SchedulerConfig:
     # rows (many requests jumping at once) would run eagerly, several times slower, so jumped
     # tokens beyond it wait for the next steps (`_fit_rows`).
     max_step_rows: int = 0
+    # Decoding requests ride in prefill steps (one extend step computes both). False
+    # (`enable_deterministic_inference` on CUDA): a step prefills or decodes, never both,
+    # prompts first, so a decoded token's attention always runs the decode kernel, whatever
+    # arrives meanwhile. (The CPU attends every row with one C op either way.)
+    mix_decode_with_prefill: bool = True
 
 
 @dataclass
@@ -149,9 +154,23 @@ class Scheduler(StepUpdate):
         for r in self.running:
             decodes = 1 <= r.extend_len <= 1 + r.jump_backlog and r.kv_len >= len(r.prompt_ids)
             (decoding if decodes else prefilling).append(r)
-        decoding = self._make_room_for_decode(decoding)
         items: list[ScheduledReq] = []
         locs: list[torch.Tensor] = []
+        prefill_only = not self.cfg.mix_decode_with_prefill and bool(prefilling or self.waiting)
+        if prefill_only:
+            self._fill_prefill_budget(prefilling, items, locs, 0)
+        if not items:  # (a prefill-only step that admitted nothing decodes instead)
+            self._decode_and_prefill(decoding, [] if prefill_only else prefilling, items, locs)
+        if not items:
+            return None
+        self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return self._commit(items, locs)
+
+    def _decode_and_prefill(self, decoding: list[Req], prefilling: list[Req],
+                            items: list[ScheduledReq], locs: list[torch.Tensor]) -> None:
+        """Every decoding request's next tokens (with drafts), then prompts in the budget left
+        (none when `prefilling` is empty and nobody waits)."""
+        decoding = self._make_room_for_decode(decoding)
         if decoding:
             drafts = [self._draft(r) for r in decoding] if self.drafter is not None else [()] * len(decoding)
             lens = [_decode_len(r) + len(d) for r, d in zip(decoding, drafts)]
@@ -161,12 +180,8 @@ class Scheduler(StepUpdate):
             assert slots is not None, "room for decode was ensured above"
             locs.append(slots)  # the decoding requests' slots, in `decoding` order
             items.extend(self._item(r, n, d) for r, n, d in zip(decoding, lens, drafts))
-        if prefilling or self.waiting:
+        if prefilling or (self.waiting and self.cfg.mix_decode_with_prefill):
             self._fill_prefill_budget(prefilling, items, locs, len(decoding))
-        if not items:
-            return None
-        self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return self._commit(items, locs)
 
     def _fill_prefill_budget(self, prefilling: list[Req], items: list[ScheduledReq],
                              locs: list[torch.Tensor], step_tokens: int) -> None:

@@ -53,6 +53,7 @@ _ABOUT = {
     "schedule_policy": "queue order: lpm (longest cached prefix first) or fcfs",
     "disable_radix_cache": "turn off prefix caching",
     "disable_overlap_schedule": "run the plain loop instead of overlapping scheduling with the model step",
+    "enable_deterministic_inference": "batch-invariant kernels: a request's tokens and logprobs do not depend on what runs beside it (slower)",
     "disable_jump_forward": "compute grammar-forced tokens one per step instead of together (same output, slower)",
     "schedule_conservativeness": "reserve factor for the future decode tokens of running requests",
     "speculative_algorithm": "ngram: verify draft tokens copied from the request's own text (same output, fewer steps)",

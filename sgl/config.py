@@ -115,6 +115,11 @@ class EngineConfig:
     kernels: Literal["auto", "reference", "triton"] = "auto"  # op implementations (kernels/dispatch.py)
     num_threads: int | None = None  # CPU: torch's intra-op threads; None: torch's default
     disable_cuda_graph: bool = False
+    # SGLang's flag: a request's tokens and logprobs keep their bits whatever else runs with it
+    # (batch size, speculation, jump-forward, chunking, prefix-cache hits). Batch-invariant
+    # kernels (one reduction order per row), steps that prefill or decode but never both; at
+    # some cost in speed (docs/operations.md, "Deterministic inference").
+    enable_deterministic_inference: bool = False
     cuda_graph_max_bs: int | None = None
 
     # -- request limits: checked before a request is queued (docs/operations.md, "Limits") ---

@@ -8,7 +8,9 @@ Per step, `prepare` decides the launch shapes from host data only (no device syn
 
 - DECODE: the number of KV splits of flash-decoding, from the batch size and the KV head count
   only, never from the sequence lengths, so a CUDA graph captured at one (padded) batch size
-  stays valid for every later step of that size.
+  stays valid for every later step of that size. With a batch-invariant kernel set
+  (`enable_deterministic_inference`) it is `DETERMINISTIC_KV_SPLITS` at every batch size: a
+  row's splits then follow its own length only, so its bits do not depend on the step.
 - EXTEND: the longest extend of the step (`max(fb.extend_seq_lens_cpu)`), which sizes the
   query-block axis of the extend grid. Decode rows riding along in an EXTEND step are simply
   requests with one new token.
@@ -41,6 +43,9 @@ from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.kernels.triton_attention_decode import decode_num_kv_splits
 from sgl.backend.kernels.dispatch import KernelSet
 
+# KV splits per decode row when the kernel set is batch-invariant: enough to keep a single
+# stream's long context spread over the SMs; a short row leaves most of them empty (they exit).
+DETERMINISTIC_KV_SPLITS = 16
 
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
@@ -65,9 +70,8 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         if fb.mode is ForwardMode.DECODE:
             num_kv_heads = int(fb.kv_pool.k_buffer[0].shape[1])
-            splits = decode_num_kv_splits(
-                fb.batch_size, num_kv_heads, self.num_sms, self.max_kv_splits
-            )
+            splits = DETERMINISTIC_KV_SPLITS if self.kernels.batch_invariant else (
+                decode_num_kv_splits(fb.batch_size, num_kv_heads, self.num_sms, self.max_kv_splits))
             fb.attn_metadata = TritonAttentionMetadata(fb.mode, splits, 1)
         else:
             max_extend = max(fb.extend_seq_lens_cpu, default=0)

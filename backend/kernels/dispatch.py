@@ -25,6 +25,13 @@ passes it here; this module never reads the environment:
                bisecting a numerical difference); attention "auto" means the torch backend.
     triton     the Triton kernels on every device; on the CPU that needs TRITON_INTERPRET=1 set
                before the kernel modules are imported (Triton's interpreter: slow, tests only).
+
+`batch_invariant` (the engine's `enable_deterministic_inference`) asks for kernels whose every
+row has the same bits whatever else is in the call. On a Triton set the linear op becomes
+`triton_matmul.linear_batch_invariant` (one tile configuration for every row count) and the
+attention backend fixes its KV splits (attention/triton_backend.py); the other Triton ops are
+row-wise already. The CPU's kernels are row-wise as they are (its one-call decode step and the
+quantized kernels by construction, tested), so there the flag changes no op.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ class KernelSet:
     apply_token_bitmask: Callable[[Tensor, Tensor, Tensor | None], None]
     pack_linears: bool  # pack linear weights for oneDNN at load (the CPU's linear fast path)
     attention: Literal["torch", "triton"]  # the attention backend that "auto" means
+    batch_invariant: bool = False  # rows keep their bits whatever else the call holds
 
     @classmethod
     def ops(cls) -> tuple[str, ...]:
@@ -90,11 +98,13 @@ class KernelSet:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name not in _NOT_OPS)
 
 
-_NOT_OPS = frozenset({"mode", "device", "pack_linears", "attention"})
+_NOT_OPS = frozenset({"mode", "device", "pack_linears", "attention", "batch_invariant"})
 
 
-def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -> KernelSet:
-    """The kernel set of a model on `device` in `dtype` under `mode` (auto/reference/triton).
+def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype, *,
+                    batch_invariant: bool = False) -> KernelSet:
+    """The kernel set of a model on `device` in `dtype` under `mode` (auto/reference/triton);
+    `batch_invariant`: see the module docstring.
 
     Raises InvalidConfigError for an unknown mode, and for "triton" where Triton cannot run.
     """
@@ -108,6 +118,10 @@ def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -
     use_triton = normalized == "triton" or (
         normalized == "auto" and device.type == "cuda" and has_triton())
     ops = _triton_ops() if use_triton else _reference_ops()
+    if use_triton and batch_invariant:
+        from sgl.backend.kernels.triton_matmul import linear_batch_invariant
+
+        ops["linear"] = linear_batch_invariant
     if normalized == "auto" and device.type == "cpu" and _HAS_XGRAMMAR:
         # Same layout and rule as the reference, about twice as fast on the CPU.
         ops["apply_token_bitmask"] = token_bitmask.apply_token_bitmask_xgrammar
@@ -123,6 +137,7 @@ def resolve_kernels(mode: str, device: torch.device | str, dtype: torch.dtype) -
         device=device,
         pack_linears=normalized == "auto" and onednn_linear.available(device, dtype),
         attention="triton" if use_triton else "torch",
+        batch_invariant=batch_invariant,
         **ops,
     )
 

@@ -89,15 +89,20 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    diag_start = prefix + block_start  # keys before this are visible to every row
+    # Keys before `full_end` are visible to every row of the block. It is rounded down to whole
+    # BLOCK_N tiles, so every row folds its keys in tiles at fixed positions (0, BLOCK_N, ...)
+    # whatever the prefix: a token's output then has the same bits whether its prompt came in
+    # one chunk or several, or after a cached prefix of any length (a fully masked tile leaves
+    # the state exactly as it was).
+    full_end = (prefix + block_start) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(seq_len, prefix + block_start + BLOCK_M)
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, K, V, ReqToToken, row, kv_head, q_pos, 0, diag_start,
+        q, acc, m_i, l_i, K, V, ReqToToken, row, kv_head, q_pos, 0, full_end,
         stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, head_dim, head_dim_v,
         False, BLOCK_N, BLOCK_D, BLOCK_DV, UPCAST, IEEE,
     )
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, K, V, ReqToToken, row, kv_head, q_pos, diag_start, kv_end,
+        q, acc, m_i, l_i, K, V, ReqToToken, row, kv_head, q_pos, full_end, kv_end,
         stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, head_dim, head_dim_v,
         True, BLOCK_N, BLOCK_D, BLOCK_DV, UPCAST, IEEE,
     )

@@ -54,14 +54,16 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 def mma(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """`tl.dot(a, b)` with fp32 accumulation; the flags keep one kernel source for all runs.
 
-    UPCAST: cast the operands to fp32 first. Set only under the interpreter, whose `tl.dot`
-    multiplies the raw bit patterns of bf16 operands (seen in triton 3.9); on a GPU the
-    operands stay bf16 and hit the tensor cores.
+    UPCAST: set only under the interpreter, whose `tl.dot` multiplies the raw bit patterns of
+    bf16 operands (seen in triton 3.9): the operands are cast to fp32, and the product is
+    summed over K element by element instead of by numpy's matmul, which blocks rows so that
+    a row's sums would follow its position in the tile. The tensor cores treat every element
+    alike, and the kernels' row invariance (tests/test_deterministic.py) must show in the
+    interpreter too. On a GPU the operands stay bf16 and hit the tensor cores.
     IEEE: exact fp32 products instead of TF32, for fp32 models that must match the CPU path.
     """
     if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     if IEEE:
         out = tl.dot(a, b, input_precision="ieee")
     else:

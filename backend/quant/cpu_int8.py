@@ -25,7 +25,7 @@ import ctypes
 import torch
 
 from sgl.backend.quant import cpu_kernel
-from sgl.backend.quant.weight import QuantizedWeight
+from sgl.backend.quant.weight import QuantizedWeight, mark_weights
 
 __all__ = ["declare", "int8_linear", "int8_linear_reference", "kernel_order", "quantize_rows",
            "quantize_rows_reference", "use_int8_activations"]
@@ -123,12 +123,5 @@ def use_int8_activations(model: torch.nn.Module) -> int:
     """Mark every quantized CPU weight of `model` (Linears, and the tied table whose head runs
     quant_linear) for integer activations; returns how many. After loading, before the model
     is described for the one-call decode step (which reads the mark)."""
-    import dataclasses
-
-    marked = 0
-    for module in model.modules():
-        w = getattr(module, "qweight", None)
-        if isinstance(w, QuantizedWeight) and w.codes.device.type == "cpu" and not w.super_groups:
-            module.qweight = dataclasses.replace(w, int8_activations=True)
-            marked += 1
-    return marked
+    return mark_weights(model, lambda w: w.codes.device.type == "cpu" and not w.super_groups,
+                        int8_activations=True)

@@ -36,11 +36,11 @@ from sgl.backend.kernels.dispatch import has_triton
 from sgl.backend.quant import cpu_kernel
 from sgl.backend.quant.cpu_int8 import int8_linear
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
-from sgl.backend.quant.weight import QuantizedWeight
+from sgl.backend.quant.weight import QuantizedWeight, mark_weights
 
 __all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES",
-           "cuda_route", "dense_via_scratch", "quant_linear", "quant_linear_reference",
-           "use_triton", "weight_kind"]
+           "cuda_route", "dense_via_scratch", "keep_rows_invariant", "quant_linear",
+           "quant_linear_reference", "use_triton", "weight_kind"]
 
 # CPU: products of up to this many rows run the C kernel on the codes, larger ones dequantize
 # and multiply through oneDNN (`_dense`). One prompt's prefill on the 2-core AVX-512 VM
@@ -96,7 +96,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
     if (w.int8_activations and x.dtype == torch.float32 and x.device.type == "cpu"
             and x.numel() <= INT8_MAX_ROWS * x.shape[-1] and cpu_kernel.available()):
         return _int8_linear(x, w, bias, threads)
-    if (x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS
+    if (x.dim() == 2 and x.dtype == torch.float32 and (x.shape[0] <= GEMV_MAX_ROWS or w.row_invariant)
             and not x.is_cuda and x.is_contiguous() and bias is None and cpu_kernel.available()):
         return cpu_kernel.qlinear(x, w, None, threads)  # a decode step's: nothing to convert
     if use_triton(x):
@@ -105,7 +105,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
         return quant_linear_reference(x, w, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)  # [M, K]
-    if x2.shape[0] > GEMV_MAX_ROWS:
+    if x2.shape[0] > GEMV_MAX_ROWS and not w.row_invariant:
         y = _tiled_linear(x2.float(), w, None if bias is None else bias.float())
     else:
         if x2.dtype != torch.float32 or not x2.is_contiguous():
@@ -113,6 +113,12 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
         b = None if bias is None else bias.float().contiguous()
         y = cpu_kernel.qlinear(x2, w, b, threads)
     return y.to(x.dtype).view(*lead, w.out_features)
+
+
+def keep_rows_invariant(model: torch.nn.Module) -> int:
+    """Mark every GGUF-quantized weight of `model` `row_invariant` (CPU: the C kernel at every
+    row count); returns how many. The engine's `enable_deterministic_inference` on the CPU."""
+    return mark_weights(model, row_invariant=True)
 
 
 def _int8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,

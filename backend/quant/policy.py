@@ -7,7 +7,8 @@ from __future__ import annotations
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
-__all__ = ["check_activation_quantization", "require_gguf_model", "resolve_quantization"]
+__all__ = ["check_activation_quantization", "check_deterministic", "require_gguf_model",
+           "resolve_quantization"]
 
 
 def resolve_quantization(config: EngineConfig, device: str) -> str:
@@ -94,3 +95,36 @@ def check_activation_quantization(config: EngineConfig) -> None:
     if path.suffix != ".gguf":
         _refuse_int8(f"model {config.model!r} is a model folder (float weights): use a .gguf "
                      "file")
+
+
+def check_deterministic(config: EngineConfig) -> None:
+    """`enable_deterministic_inference` on a resolved config (device, dtype, quantization):
+    refused, before anything loads, where no row-invariant kernels serve the combination.
+
+    CUDA: the batch-invariant Triton linear is for float weights; quantized products route by
+    row count (GEMV, tiled, dequantize + cuBLAS), and the torch attention and the reference
+    kernels run cuBLAS and SDPA. CPU: the row-invariant kernels are the C kernels on GGUF codes
+    with float32 activations and the C attention ("auto" kernels); float weights multiply
+    through oneDNN, whose bits follow the row count."""
+    if not config.enable_deterministic_inference:
+        return
+
+    def refuse(why: str) -> None:
+        raise InvalidConfigError(f"enable_deterministic_inference on {config.device}: {why}")
+
+    if config.kernels == "reference":
+        refuse("kernels='reference' has no batch-invariant kernels; use kernels='auto'")
+    if config.is_cuda:
+        if config.quantization != "none":
+            refuse(f"quantization={config.quantization!r} routes each product by its row "
+                   "count; use float weights (quantization='none')")
+        if config.attention_backend == "torch":
+            refuse("attention_backend='torch' is not batch-invariant; use 'auto' or 'triton'")
+        return
+    if config.quantization != "gguf" or config.dtype != "float32":
+        refuse(f"the CPU's row-invariant kernels run GGUF-quantized weights with float32 "
+               f"activations (quantization resolves to {config.quantization!r}, dtype to "
+               f"{config.dtype!r}): use a .gguf model with quantization and dtype 'auto'")
+    if config.activation_quantization != "none":
+        refuse(f"activation_quantization={config.activation_quantization!r} runs its integer "
+               "kernel up to 64 rows only; use activation_quantization='none'")

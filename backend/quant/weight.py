@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -59,6 +60,11 @@ class QuantizedWeight:
     # CPU: products quantize their input to int8 per group (cpu_int8.py), the engine's
     # `activation_quantization="int8"`; set after loading (cpu_int8.use_int8_activations).
     int8_activations: bool = False
+    # CPU: every product runs the C kernel on the codes, whatever its row count (the engine's
+    # `enable_deterministic_inference`; linear.keep_rows_invariant), so a row's bits never
+    # depend on the other rows of its step. Without it, products past GEMV_MAX_ROWS rows
+    # (prefill chunks) dequantize and multiply through oneDNN: faster, other bits.
+    row_invariant: bool = False
 
     def __post_init__(self) -> None:
         # The C kernel reads raw pointers: layouts are checked once here, not per call.
@@ -204,3 +210,17 @@ class QuantizedWeight:
             torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]), bits, group, parts[0].in_features,
             formats.pop() if len(formats) == 1 else "mixed")
+
+
+def mark_weights(model: torch.nn.Module, where: Callable[[QuantizedWeight], bool] = lambda w: True,
+                 **marks: Any) -> int:
+    """Give every GGUF-quantized weight of `model` (a module's `qweight`, the tied table's
+    included) for which `where` holds a copy with the fields `marks` set; returns how many.
+    Transforms after loading (int8 activations, row invariance) mark weights so."""
+    marked = 0
+    for module in model.modules():
+        w = getattr(module, "qweight", None)
+        if isinstance(w, QuantizedWeight) and where(w):
+            module.qweight = dataclasses.replace(w, **marks)
+            marked += 1
+    return marked
