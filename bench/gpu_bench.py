@@ -10,7 +10,8 @@ shape: KV capacity, single, fixed, mixed, shared-prefix, apps with every feature
 radix_off, ablation (apps: lpm->fcfs, chunked prefill off, overlap off, all off), small
 (SmolLM2-135M shape: GPU idle fraction in decode, overlap on vs off on `mixed`), quant
 (issue 14: 8B shape single stream and `fixed` with bf16, random 4-bit and FP8 weights;
-`--only rates,quant` runs it alone).
+`--only rates,quant` runs it alone; `--quant-engines bf16,det` compares bf16 with
+`enable_deterministic_inference`).
 
 Models have random weights of the real shapes (BENCH.md); requests are token ids with EOS
 ignored, greedy. Request counts are scaled down from BENCH.md where the device budget demands
@@ -629,7 +630,8 @@ def idle_fraction(events: list[tuple[Any, Any, Any, int]]) -> dict[str, Any]:
 QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quantization="fp8"),
                  "q4_bytes": dict(quantization="gguf"), "fp8_s9": dict(quantization="fp8"),
                  "fp8_nopdl": dict(quantization="fp8"),
-                 "fp8_a8": dict(quantization="fp8", activation_quantization="fp8")}
+                 "fp8_a8": dict(quantization="fp8", activation_quantization="fp8"),
+                 "det": dict(enable_deterministic_inference=True)}  # bf16, batch-invariant
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
                  "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
                  "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380"}
@@ -710,14 +712,15 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8", "fp8_a8"):
+    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8", "fp8_a8", "det"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]
+                target = QUANT_TARGETS.get(name)
                 note(f"quant {name} {wl}: {res[name][wl]['output_tok_s']:.1f} tok/s, "
                      f"{ratio:.2f}x bf16 ({base[wl]['output_tok_s']:.1f})"
-                     + (" (issue: no worse than bf16)" if wl == "fixed" else
-                        f" (issue: {QUANT_TARGETS[name]})"))
+                     + ("" if target is None else " (issue: no worse than bf16)" if wl == "fixed"
+                        else f" (issue: {target})"))
 
 
 SECTIONS = ["correct", "rates", "main", "peer", "radix_off", "ablation", "small", "diag", "quant"]
