@@ -240,9 +240,9 @@ def test_the_scheduler_can_keep_prefill_and_decode_in_separate_steps() -> None:
     prompts that arrive while others decode get steps of their own, and everyone finishes."""
     import dataclasses
 
-    from tiny_engines import tokenized_tiny_engine
-
-    with tokenized_tiny_engine() as e:
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=256, max_position_embeddings=1024, eos_token_id=0)
+    with sgl.Engine(model_config=tiny, load_format="dummy", device="cpu", max_total_tokens=4096) as e:
         scheduler = e._rt.scheduler
         scheduler.cfg = dataclasses.replace(scheduler.cfg, mix_decode_with_prefill=False)
         kinds = _step_kinds(e)
@@ -250,7 +250,7 @@ def test_the_scheduler_can_keep_prefill_and_decode_in_separate_steps() -> None:
         async def go() -> list[sgl.GenerateOutput]:
             async def late(i: int) -> sgl.GenerateOutput:
                 await asyncio.sleep(0.03 * i)
-                return await e.generate(f"prompt number {i} " * (3 + i), max_new_tokens=12,
+                return await e.generate(input_ids=list(range(1, 20 * (1 + i))), max_new_tokens=12,
                                         temperature=0, ignore_eos=True)
 
             return await asyncio.gather(*map(late, range(6)))

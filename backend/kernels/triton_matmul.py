@@ -57,7 +57,8 @@ def _matmul_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # N fastest: programs that share x's rows run together
     pid_m = tl.program_id(1)
@@ -70,9 +71,18 @@ def _matmul_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        # (Unmasked weight loads where the shape allows: the weights are the stream to keep
+        # fast. A mask never changes a loaded value, only which lanes load.)
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs + k0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += mma(x, tl.trans(w), UPCAST, IEEE)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -102,6 +112,7 @@ def linear_batch_invariant(
             x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            EVEN_N=n % tile.block_n == 0, EVEN_K=k % tile.block_k == 0,
             UPCAST=is_interpreted(_matmul_kernel), IEEE=weight.dtype == torch.float32,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
