@@ -661,9 +661,17 @@ def engine_variant(name: str) -> Iterator[None]:
         install.install_fp8 = lambda model: install_fp8(model, head=False)
     early = PDL_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
+    from sgl.backend.kernels import triton_matmul
+
+    det_tile = dict(triton_matmul.TILE)
+    if name == "det" and os.environ.get("DET_TILE"):  # a candidate of bench/det_linear.py
+        tile = triton_matmul.MatmulTile(*map(int, os.environ["DET_TILE"].split("x")))
+        triton_matmul.TILE[torch.bfloat16] = tile
+        note(f"det: tile {tile}")
     try:
         yield
     finally:
+        triton_matmul.TILE.update(det_tile)
         GEMV_DEFAULTS.update(shipped)
         install.install_fp8 = install_fp8
         PDL_SWITCH[0] = early

@@ -60,8 +60,10 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)  # N fastest: programs that share x's rows run together
-    pid_m = tl.program_id(1)
+    # M fastest: the programs that read one weight tile run together, so the tile comes from
+    # DRAM once and from L2 for the other row blocks.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)
@@ -106,7 +108,7 @@ def linear_batch_invariant(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m > 0 and n > 0:
         tile = TILE[weight.dtype]
-        _matmul_kernel[(cdiv(n, tile.block_n), cdiv(m, tile.block_m))](
+        _matmul_kernel[(cdiv(m, tile.block_m), cdiv(n, tile.block_n))](
             x2, weight, bias if bias is not None else weight, y,
             m, n, k,
             x2.stride(0), weight.stride(0), y.stride(0),
