@@ -317,9 +317,10 @@ def test_gpu_engine_gives_a_request_the_same_bits_whatever_runs_beside_it() -> N
         assert "mixed" not in kinds  # (decode rows in an extend step would take its kernel)
         alone = got["alone"]
         _assert_all_equal(got)
-        # The same weights with prompts in 48-token chunks, and with every step verifying drafts.
-        for options in (dict(chunked_prefill_size=48),
-                        dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3)):
+        # The same weights with prompts in 48-token chunks, and with every step verifying drafts
+        # (replayed by the decode graphs, and eagerly as decode rows).
+        spec = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+        for options in (dict(chunked_prefill_size=48), spec, dict(spec, disable_cuda_graph=True)):
             other = _gpu_engine(**options)
             try:
                 copy_weights(e, other)
