@@ -186,8 +186,9 @@ class Runtime:
         from sgl.backend.model_loader import PRESETS, load_model, resolve_model_path
         from sgl.backend.tokenizer import load_tokenizer
 
-        self.kernels = resolve_kernels(config.kernels, self.device, self.dtype,  # before the slow load
-                                       batch_invariant=config.enable_deterministic_inference)
+        self.kernels = resolve_kernels(  # before the slow load
+            config.kernels, self.device, self.dtype,
+            batch_invariant=config.enable_deterministic_inference)
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,
@@ -429,7 +430,8 @@ def _keep_rows_invariant(model: Any) -> None:
     from sgl.backend.layers.linear import Linear
     from sgl.backend.quant.linear import keep_rows_invariant
 
-    plain = [name for name, m in model.named_modules() if isinstance(m, Linear) and m.weight is not None]
+    plain = [name for name, m in model.named_modules()
+             if isinstance(m, Linear) and m.weight is not None]
     if plain:
         raise InvalidConfigError(
             f"enable_deterministic_inference on the CPU needs GGUF-quantized weights, but "

@@ -47,6 +47,7 @@ from sgl.backend.kernels.dispatch import KernelSet
 # stream's long context spread over the SMs; a short row leaves most of them empty (they exit).
 DETERMINISTIC_KV_SPLITS = 16
 
+
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
     mode: ForwardMode

@@ -30,8 +30,9 @@ passes it here; this module never reads the environment:
 row has the same bits whatever else is in the call. On a Triton set the linear op becomes
 `triton_matmul.linear_batch_invariant` (one tile configuration for every row count) and the
 attention backend fixes its KV splits (attention/triton_backend.py); the other Triton ops are
-row-wise already. The CPU's kernels are row-wise as they are (its one-call decode step and the
-quantized kernels by construction, tested), so there the flag changes no op.
+row-wise already. On the CPU the set is unchanged: its C attention and its C kernel on GGUF
+codes are row-wise by construction, and the runtime marks the quantized weights so that
+prefill products stay on that kernel (quant/linear.py, `keep_rows_invariant`).
 """
 
 from __future__ import annotations

@@ -21,9 +21,11 @@ How it is invariant, by construction:
 Rows past M are loaded as zeros and never stored; they cannot change a valid row (a tile's
 rows never mix in a matrix product).
 
-The price: at one row a 64-row tile does 64x the multiply-adds of a GEMV (still under the
-weights' streaming time on an H200), and at large M these mid-sized tiles reach less of the
-tensor cores than cuBLAS. `bench/gpu_bench.py --only deterministic` measures it.
+The price: at one row a 64-row tile does 64x the multiply-adds of a GEMV, and at large M
+these mid-sized tiles reach less of the tensor cores than cuBLAS's per-shape ones. On the
+H200 an 8B step's products take 1.44x / 1.50x / 1.92x the default op's time at 1 / 128 /
+2,048 rows (`bench/det_linear.py`; engine figures: `bench/gpu_bench.py --only rates,quant
+--quant-engines bf16,det`, docs/operations.md).
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ class MatmulTile(NamedTuple):
 
 
 # The one configuration per dtype. Changing it changes the bits (not their invariance). The
-# 16-bit one from `python bench/det_linear.py` on the H200 (µs of an 8B step's products against
-# the default op, at 1 / 128 / 2,048 rows): 64x64x128, 4 warps, 3 stages 1.44x / 1.50x / 1.92x;
-# 64x32x128 1.30x / 1.67x / 3.17x; 64x64x64 1.62x / 1.58x / 2.03x; 128x64x64 2.32x / 2.02x /
-# 1.70x.
+# 16-bit one is the best all-round candidate of `python bench/det_linear.py` on the H200 (an 8B
+# step's products against the default op at 1 / 128 / 2,048 rows): 64x64x128, 4 warps, 3
+# stages 1.44x / 1.50x / 1.92x; 64x32x128 1.30x / 1.67x / 3.17x; 64x64x64 1.62x / 1.58x /
+# 2.03x; 128x64x64 2.32x / 2.02x / 1.70x.
 TILE = {
     torch.bfloat16: MatmulTile(64, 64, 128, 4, 3),
     torch.float16: MatmulTile(64, 64, 128, 4, 3),

@@ -96,8 +96,9 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
     if (w.int8_activations and x.dtype == torch.float32 and x.device.type == "cpu"
             and x.numel() <= INT8_MAX_ROWS * x.shape[-1] and cpu_kernel.available()):
         return _int8_linear(x, w, bias, threads)
-    if (x.dim() == 2 and x.dtype == torch.float32 and (x.shape[0] <= GEMV_MAX_ROWS or w.row_invariant)
-            and not x.is_cuda and x.is_contiguous() and bias is None and cpu_kernel.available()):
+    on_codes = x.dim() == 2 and (x.shape[0] <= GEMV_MAX_ROWS or w.row_invariant)
+    if (on_codes and x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous()
+            and bias is None and cpu_kernel.available()):
         return cpu_kernel.qlinear(x, w, None, threads)  # a decode step's: nothing to convert
     if use_triton(x):
         return _quant_linear_triton(x, w, bias)
