@@ -16,6 +16,7 @@ on CUDA (marked gpu), and the option's refusals where no invariant kernel serves
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -273,7 +274,8 @@ PROMPTS = [
 
 @pytest.mark.slow
 def test_cpu_engine_gives_a_request_the_same_bits_whatever_runs_beside_it() -> None:
-    with sgl.Engine(enable_deterministic_inference=True) as e:
+    model = os.environ.get("SGL_TEST_MODEL") or None
+    with sgl.Engine(model, device="cpu", enable_deterministic_inference=True) as e:
         kinds = _step_kinds(e)
         got = asyncio.run(_scenarios(e, PROMPTS, max_new_tokens=24, temperature=0))
         # The CPU attends prompt and decode rows with one C op, so steps may mix them: the
@@ -282,7 +284,8 @@ def test_cpu_engine_gives_a_request_the_same_bits_whatever_runs_beside_it() -> N
     alone = got["alone"]
     _assert_all_equal(got)
     # Prompts in 24-token chunks, with decode steps of the others in between.
-    with sgl.Engine(enable_deterministic_inference=True, chunked_prefill_size=24) as chunked:
+    with sgl.Engine(model, device="cpu", enable_deterministic_inference=True,
+                    chunked_prefill_size=24) as chunked:
         got = asyncio.run(_scenarios(chunked, PROMPTS[:2], max_new_tokens=24, temperature=0))
     assert got["alone"] == alone[:2]
     assert got["together"] == alone[:2]
@@ -342,8 +345,6 @@ def test_gpu_bf16_structured_outputs_keep_their_tokens_with_jumps_and_drafts() -
     greedy: jump-forward off and n-gram speculation give jump-forward on's token ids. Without
     the option this held for 250 of 256 texts (docs/structured.md): the kernels' tiles followed
     each step's rows."""
-    import os
-
     from test_structured_real import ALL_CASES
 
     model = os.environ.get("SGL_TEST_MODEL") or None
