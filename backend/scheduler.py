@@ -65,9 +65,10 @@ class SchedulerConfig:
     # tokens beyond it wait for the next steps (`_fit_rows`).
     max_step_rows: int = 0
     # Decoding requests ride in prefill steps (one extend step computes both). False
-    # (`enable_deterministic_inference` on CUDA): a step prefills or decodes, never both,
-    # prompts first, so a decoded token's attention always runs the decode kernel, whatever
-    # arrives meanwhile. (The CPU attends every row with one C op either way.)
+    # (`enable_deterministic_inference` on CUDA): a step prefills or decodes, never both, so a
+    # decoded token's attention always runs the decode kernel, whatever arrives meanwhile; when
+    # both wait, the steps take turns (prompts never starve the decoding requests, nor they
+    # the prompts). (The CPU attends every row with one C op either way.)
     mix_decode_with_prefill: bool = True
 
 
@@ -111,6 +112,7 @@ class Scheduler(StepUpdate):
         self._dropped: set[int] = set()
         self.counters = Counters()
         self.drafter = drafter  # n-gram speculation when set (speculative.py)
+        self._prefilled_last = False  # the last step was prefill-only (mix_decode_with_prefill off)
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -156,11 +158,12 @@ class Scheduler(StepUpdate):
             (decoding if decodes else prefilling).append(r)
         items: list[ScheduledReq] = []
         locs: list[torch.Tensor] = []
-        prefill_only = not self.cfg.mix_decode_with_prefill and bool(prefilling or self.waiting)
-        if prefill_only:
+        separate = not self.cfg.mix_decode_with_prefill
+        if separate and (prefilling or self.waiting) and not (decoding and self._prefilled_last):
             self._fill_prefill_budget(prefilling, items, locs, 0)
-        if not items:  # (a prefill-only step that admitted nothing decodes instead)
-            self._decode_and_prefill(decoding, [] if prefill_only else prefilling, items, locs)
+        self._prefilled_last = bool(items)
+        if not items:  # (separate steps: decoding's turn, or no prompt could be admitted)
+            self._decode_and_prefill(decoding, [] if separate else prefilling, items, locs)
         if not items:
             return None
         self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)

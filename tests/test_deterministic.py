@@ -237,28 +237,34 @@ def _assert_all_equal(got: dict[str, list[Any]]) -> None:
 
 
 def test_the_scheduler_can_keep_prefill_and_decode_in_separate_steps() -> None:
-    """The policy CUDA's deterministic engines schedule with (tried here on a CPU engine):
-    prompts that arrive while others decode get steps of their own, and everyone finishes."""
+    """The policy CUDA's deterministic engines schedule with (tried here on a CPU engine): a
+    step prefills or decodes, and while a request decodes, prompts arriving in 16-token chunks
+    take turns with it instead of holding it up; everyone finishes."""
     import dataclasses
 
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=256, max_position_embeddings=1024, eos_token_id=0)
+    kw = dict(temperature=0, ignore_eos=True)
     with sgl.Engine(model_config=tiny, load_format="dummy", device="cpu", max_total_tokens=4096) as e:
         scheduler = e._rt.scheduler
-        scheduler.cfg = dataclasses.replace(scheduler.cfg, mix_decode_with_prefill=False)
+        scheduler.cfg = dataclasses.replace(scheduler.cfg, mix_decode_with_prefill=False,
+                                            chunked_prefill_size=16)
         kinds = _step_kinds(e)
 
         async def go() -> list[sgl.GenerateOutput]:
-            async def late(i: int) -> sgl.GenerateOutput:
-                await asyncio.sleep(0.03 * i)
-                return await e.generate(input_ids=list(range(1, 20 * (1 + i))), max_new_tokens=12,
-                                        temperature=0, ignore_eos=True)
-
-            return await asyncio.gather(*map(late, range(6)))
+            first = asyncio.create_task(e.generate(input_ids=list(range(1, 9)), max_new_tokens=300, **kw))
+            while "decode" not in kinds:
+                await asyncio.sleep(0.001)
+            later = [asyncio.create_task(e.generate(input_ids=list(range(1, 100)), max_new_tokens=4, **kw))
+                     for _ in range(2)]
+            return [await first, *await asyncio.gather(*later)]
 
         outs = asyncio.run(go())
-    assert [len(o.token_ids) for o in outs] == [12] * 6
-    assert "mixed" not in kinds and "decode" in kinds and kinds.count("prefill") >= 2
+    assert [len(o.token_ids) for o in outs] == [300, 4, 4]
+    assert "mixed" not in kinds
+    after = kinds[kinds.index("decode"):]
+    assert after.count("prefill") >= 10, after  # the two prompts came in 16-token chunks
+    assert not any(a == b == "prefill" for a, b in zip(after, after[1:])), " ".join(after)
 
 
 PROMPTS = [
