@@ -189,11 +189,6 @@ class Runtime:
         self.kernels = resolve_kernels(  # before the slow load
             config.kernels, self.device, self.dtype,
             batch_invariant=config.enable_deterministic_inference)
-        if (config.enable_deterministic_inference and self.device.type == "cuda"
-                and self.kernels.attention != "triton"):
-            raise InvalidConfigError(
-                "enable_deterministic_inference on CUDA needs the Triton kernels (its batch-"
-                "invariant linear and attention); install triton, or leave the option off")
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,

@@ -163,16 +163,18 @@ class Scheduler(StepUpdate):
             self._fill_prefill_budget(prefilling, items, locs, 0)
         self._prefilled_last = bool(items)
         if not items:  # (separate steps: decoding's turn, or no prompt could be admitted)
-            self._decode_and_prefill(decoding, [] if separate else prefilling, items, locs)
+            step_tokens = self._decode(decoding, items, locs)
+            if not separate and (prefilling or self.waiting):
+                self._fill_prefill_budget(prefilling, items, locs, step_tokens)
         if not items:
             return None
         self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return self._commit(items, locs)
 
-    def _decode_and_prefill(self, decoding: list[Req], prefilling: list[Req],
-                            items: list[ScheduledReq], locs: list[torch.Tensor]) -> None:
-        """Every decoding request's next tokens (with drafts), then prompts in the budget left
-        (none when `prefilling` is empty and nobody waits)."""
+    def _decode(self, decoding: list[Req], items: list[ScheduledReq],
+                locs: list[torch.Tensor]) -> int:
+        """Every decoding request's next tokens (with drafts), as far as memory allows;
+        returns how many requests decode."""
         decoding = self._make_room_for_decode(decoding)
         if decoding:
             drafts = [self._draft(r) for r in decoding] if self.drafter is not None else [()] * len(decoding)
@@ -183,8 +185,7 @@ class Scheduler(StepUpdate):
             assert slots is not None, "room for decode was ensured above"
             locs.append(slots)  # the decoding requests' slots, in `decoding` order
             items.extend(self._item(r, n, d) for r, n, d in zip(decoding, lens, drafts))
-        if prefilling or (self.waiting and self.cfg.mix_decode_with_prefill):
-            self._fill_prefill_budget(prefilling, items, locs, len(decoding))
+        return len(decoding)
 
     def _fill_prefill_budget(self, prefilling: list[Req], items: list[ScheduledReq],
                              locs: list[torch.Tensor], step_tokens: int) -> None:

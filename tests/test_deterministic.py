@@ -170,6 +170,18 @@ def test_combinations_without_invariant_kernels_are_refused(options: dict, match
     check_deterministic(config.replace(enable_deterministic_inference=False))  # (only then)
 
 
+def test_cuda_without_triton_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl.backend.kernels import dispatch
+
+    config = EngineConfig(enable_deterministic_inference=True, device="cuda", quantization="none",
+                          dtype="bfloat16")
+    monkeypatch.setattr(dispatch, "has_triton", lambda: True)
+    check_deterministic(config)
+    monkeypatch.setattr(dispatch, "has_triton", lambda: False)
+    with pytest.raises(InvalidConfigError, match="install triton"):
+        check_deterministic(config)
+
+
 def test_a_float_model_on_the_cpu_is_refused_before_it_serves() -> None:
     with pytest.raises(InvalidConfigError, match="GGUF-quantized"):
         sgl.Engine(model_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,

@@ -160,13 +160,11 @@ class TorchAttentionBackend(AttentionBackend):
                 query_pos = torch.arange(prefix, seq_len, device=device)  # [num_new]
                 mask = key_pos[None, :] <= query_pos[:, None]  # [num_new, seq_len]
             extends.append(_ExtendRequest(starts[b], num_new, row, mask))
-        mixed: _DecodeRows | None = None
-        if single:
-            mixed = self._decode_rows(fb, single, False)
-        if mixed is None and self.stage is not None:
-            self.stage.reset()  # no request of the stage is in this step
+        mixed = self._decode_rows(fb, single, False) if single else None
         if mixed is not None:
             mixed.rows = torch.tensor([starts[b] for b in single], device=fb.seq_lens.device)
+        elif self.stage is not None:
+            self.stage.reset()  # no request of the stage is in this step
         fb.attn_metadata = TorchAttentionMetadata(mixed, extends)
 
     @staticmethod

@@ -102,8 +102,8 @@ def check_deterministic(config: EngineConfig) -> None:
     refused, before anything loads, where no row-invariant kernels serve the combination.
 
     CUDA: the batch-invariant Triton linear is for float weights; quantized products route by
-    row count (GEMV, tiled, dequantize + cuBLAS), and the torch attention and the reference
-    kernels run cuBLAS and SDPA. CPU: the row-invariant kernels are the C kernels on GGUF codes
+    row count (GEMV, tiled, dequantize + cuBLAS), the torch attention and the reference kernels
+    run cuBLAS and SDPA, and without triton there are only those. CPU: the row-invariant kernels are the C kernels on GGUF codes
     with float32 activations and the C attention ("auto" kernels); float weights multiply
     through oneDNN, whose bits follow the row count."""
     if not config.enable_deterministic_inference:
@@ -120,6 +120,10 @@ def check_deterministic(config: EngineConfig) -> None:
                    "count; use float weights (quantization='none')")
         if config.attention_backend == "torch":
             refuse("attention_backend='torch' is not batch-invariant; use 'auto' or 'triton'")
+        from sgl.backend.kernels.dispatch import has_triton  # (imports triton: CUDA only)
+
+        if not has_triton():
+            refuse("its batch-invariant linear and attention are Triton kernels; install triton")
         return
     if config.quantization != "gguf" or config.dtype != "float32":
         refuse(f"the CPU's row-invariant kernels run GGUF-quantized weights with float32 "
