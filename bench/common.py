@@ -95,7 +95,7 @@ def record(name: str, model: str, workload: str, figures: dict[str, Any]) -> dic
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     cells = [[str(r.get(c, "")) if not isinstance(r.get(c), float) else f"{r[c]:.2f}" for c in columns]
              for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
     return "\n".join([line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
                       *(line(r) for r in cells)])
