@@ -5,7 +5,8 @@
 Llama-3.1-8B shape with random weights (`llama3-8b`, load_format="dummy"), bf16, the default
 model's tokenizer (SmolLM2: its 49,152 tokens inside the model's 128,256-entry vocabulary, so
 masks are 128k wide), 200-word prompts, 128 new tokens, temperature 0.7, one seed per request.
-The schema has a nested object, an array of strings and a `pattern`.
+The schema has a nested object, an array of strings and a `pattern`; `--schema short` bounds
+every string of it (see `ShortProfile`).
 
 Table 1, per batch size (all requests submitted at once): plain decoding (no constraint, EOS
 ignored), JSON with jump-forward off, JSON with jump-forward on, and JSON with jump-forward on
@@ -35,7 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ensure_sgl_importable, record, table  # noqa: E402
@@ -67,6 +68,27 @@ class Profile(BaseModel):
     code: str = Field(pattern=r"^[A-Z]{3}-[0-9]{4}$")
 
 
+class ShortAddress(BaseModel):
+    street: str = Field(max_length=24)
+    city: str = Field(max_length=12)
+
+
+class ShortProfile(BaseModel):
+    """`--schema short`: the same structure with every string bounded. Random weights fill an
+    unbounded string until max_new_tokens, so with `Profile` forced text (keys, punctuation) is
+    a few percent of the output; bounded values end, and the keys after them are a real share,
+    as in extraction with a trained model."""
+    name: str = Field(max_length=16)
+    age: int = Field(ge=0, le=120)
+    address: ShortAddress
+    tags: list[Annotated[str, Field(max_length=10)]] = Field(max_length=4)
+    code: str = Field(pattern=r"^[A-Z]{3}-[0-9]{4}$")
+
+
+SCHEMAS = {"profile": Profile, "short": ShortProfile}
+SCHEMA: type[BaseModel] = Profile  # --schema
+
+
 def prompts(n: int, words: int = 200, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return ["Extract a profile as JSON from this text: " + " ".join(rng.choice(WORDS) for _ in range(words))
@@ -74,6 +96,8 @@ def prompts(n: int, words: int = 200, seed: int = 0) -> list[str]:
 
 
 def emit(workload: str, figures: dict[str, Any]) -> None:
+    if SCHEMA is not Profile:
+        workload += f" [{SCHEMA.__name__}]"
     row = record("gpu_json", MODEL, workload, figures)
     if OUT is not None:
         with (OUT / "gpu_json.jsonl").open("a") as f:
@@ -129,6 +153,7 @@ def install_cpu_probe() -> None:
     targets = [(grammar.ConstraintState, "accept_token"), (grammar.ConstraintState, "jump_forward"),
                (grammar.GrammarBackend, "fill_bitmasks"), (grammar.GrammarBackend, "_fill_rows"),
                (grammar_masks.MaskFill, "result"), (step_io.StepHandle, "resume"),
+               (step_io.StepHandle, "result"), (model_runner.ModelRunner, "start"),
                (scheduler.Scheduler, "schedule"),
                (scheduler.Scheduler, "update"), (model_runner.ModelRunner, "prepare"),
                (model_runner.ModelRunner, "_grammar_masks")]
@@ -196,7 +221,7 @@ def run(e: sgl.Engine, texts: list[str], **kw: Any) -> dict[str, Any]:
 
 def _valid(o: Any) -> bool:
     try:
-        Profile.model_validate_json(o.text)
+        SCHEMA.model_validate_json(o.text)
         return True
     except Exception:
         return False
@@ -215,13 +240,13 @@ def batch_table(e_plain: sgl.Engine, e_spec: sgl.Engine | None, batches: list[in
         texts = prompts(bs, seed=bs)
         common = dict(max_new_tokens=new, temperature=0.7)
         modes = [("plain", e_plain, dict(ignore_eos=True)),
-                 ("json, jump off", e_plain, dict(schema=Profile, jump_forward=False)),
-                 ("json, jump on", e_plain, dict(schema=Profile, jump_forward=True))]
+                 ("json, jump off", e_plain, dict(schema=SCHEMA, jump_forward=False)),
+                 ("json, jump on", e_plain, dict(schema=SCHEMA, jump_forward=True))]
         for threads in fill_threads:  # the fill-thread sweep: one more jump-on row each
             modes.append((f"json, jump on, fill threads {threads or 'auto'}", e_plain,
-                          dict(schema=Profile, jump_forward=True, _fill_threads=threads)))
+                          dict(schema=SCHEMA, jump_forward=True, _fill_threads=threads)))
         if e_spec is not None:
-            modes.append(("json, jump on, ngram", e_spec, dict(schema=Profile, jump_forward=True)))
+            modes.append(("json, jump on, ngram", e_spec, dict(schema=SCHEMA, jump_forward=True)))
         base = None
         for name, e, kw in modes:
             if "_fill_threads" in kw:
@@ -262,11 +287,15 @@ def main() -> None:
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--probe", action="store_true", help="time the CPU parts of each step")
     ap.add_argument("--only-verify", action="store_true")
+    ap.add_argument("--schema", choices=sorted(SCHEMAS), default="profile",
+                    help="profile: the issue's schema; short: the same with bounded strings")
     ap.add_argument("--cpu", action="store_true", help="host side only: tiny model, 128k vocab, on the CPU")
     ap.add_argument("--pageable-masks", action="store_true",
                     help="A/B: grammar masks in pageable host memory (the default pins them on CUDA)")
     ap.add_argument("--fill-threads", default="", help="e.g. 1,4,auto: extra jump-on rows per mask-fill thread count")
     args = ap.parse_args()
+    global SCHEMA
+    SCHEMA = SCHEMAS[args.schema]
     if args.cpu:
         global ON_CPU, MODEL
         ON_CPU, MODEL = True, "tiny-128k-vocab (cpu)"
@@ -283,12 +312,12 @@ def main() -> None:
         args.tokenizer = str(resolve_model_path(None))
     batches = [int(b) for b in args.batches.split(",") if b]
     e_plain = make_engine(args.tokenizer)
-    run(e_plain, prompts(4), max_new_tokens=16, temperature=0.7, schema=Profile)  # compile, warm
+    run(e_plain, prompts(4), max_new_tokens=16, temperature=0.7, schema=SCHEMA)  # compile, warm
     e_spec = None
     try:
         if not args.no_spec:
             e_spec = make_engine(args.tokenizer, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
-            run(e_spec, prompts(4), max_new_tokens=16, temperature=0.7, schema=Profile)
+            run(e_spec, prompts(4), max_new_tokens=16, temperature=0.7, schema=SCHEMA)
         sweep = [None if t == "auto" else int(t) for t in args.fill_threads.split(",") if t]
         rows = [] if args.only_verify else batch_table(e_plain, e_spec, batches, args.new_tokens, sweep)
         print(table(rows, ["batch", "mode", "output_tok_s", "steps", "wall_ms_per_step", "step_vs_plain",
