@@ -133,7 +133,9 @@ class KVManager:
         """Free the request's slots from `kv_len` on (never into the cached prefix)."""
         assert kv_len >= r.cached_len, "rollback never cuts into cached KV"
         if kv_len < r.kv_len:
-            self.allocator.free(self.req_slots(r)[kv_len:])
+            # (the freed span read in place: a copy of the whole row cost a speculative step
+            # more than the rest of its update)
+            self.allocator.free(self._table_np[r.req_pool_idx, kv_len : r.kv_len])
             r.kv_len = kv_len
 
     # -- table writes ------------------------------------------------------------------------
