@@ -47,7 +47,7 @@ from sgl.backend.kernels import (
 )
 from sgl.errors import InvalidConfigError
 
-TRITON_HERE = triton_runs_here(triton_attention_decode._decode_kernel)
+TRITON_HERE = triton_runs_here(triton_attention_decode._decode_stage1)
 needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
 IMPLS = ["reference", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]

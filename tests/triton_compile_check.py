@@ -2,7 +2,7 @@
 path (ASTSource -> TTIR -> PTX -> cubin through the ptxas its wheel ships). The interpreter
 runs the kernels' Python, not the compiler, so this is what catches a construct that only
 the compiled path rejects (the lop3 kernel's inline PTX among them), and it shows the PTX of
-the one-launch reductions (split-K GEMVs, decode attention's merge of its KV splits): the
+the one-launch split-K reduction: the
 partial stored, a CTA barrier, then the acquire-release atomic, and the partials read back at
 L2 (ld.global.cg).
 
@@ -113,19 +113,17 @@ def main() -> None:
     silu = ptx(triton_activation._silu_and_mul_kernel,
                {"X": "*bf16", "Out": "*bf16", "stride_xt": "i32", "stride_ot": "i32",
                 "inter": "i32"}, dict(BLOCK=1024, PDL=True))
-    # Decode attention in one launch: the last program of a row merges its KV splits.
-    attn = ptx(triton_attention_decode._decode_kernel,
-               {**{name: "*bf16" for name in ("Q", "K", "V", "Out")}, "ReqToToken": "*i32",
-                "ReqPoolIdx": "*i64", "SeqLens": "*i64", "MidO": "*fp32", "MidLse": "*fp32",
-                "Counters": "*i32",
+    # Decode attention with one split writes the output from stage 1 (no stage 2 after it).
+    attn = ptx(triton_attention_decode._decode_stage1,
+               {**{name: "*bf16" for name in ("Q", "K", "V", "MidO", "MidLse", "Out")},
+                "ReqToToken": "*i32", "ReqPoolIdx": "*i64", "SeqLens": "*i64",
                 **{name: "i32" for name in (
                     "stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh",
                     "stride_r2t", "stride_mob", "stride_moh", "stride_mos", "stride_mlb",
                     "stride_mlh", "stride_ob", "stride_oh", "group", "head_dim", "head_dim_v",
-                    "num_splits", "num_kv_heads")}, "qk_scale": "fp32"},
+                    "num_splits")}, "qk_scale": "fp32"},
                dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, UPCAST=False, IEEE=False,
-                    PDL=True))
-    check_last_slice_reduction(attn)
+                    DIRECT=True, PDL=True))
     for code in (norm, silu, attn):
         assert "griddepcontrol.launch_dependents" in code, "no early launch"
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",

@@ -4,13 +4,15 @@ Request b attends its query `q[b]` to the keys/values at pool slots
 `req_to_token[req_pool_indices[b], :seq_lens[b]]` (no causal mask: the query is the last token,
 its own k/v already stored). Grouped-query attention: query head h reads KV head h // group.
 
-Triton version, flash-decoding in one launch, grid (B, kv_heads, num_kv_splits): each program
-takes one KV head and *all* its query heads (so each K/V tile is loaded once per group, not
-once per query head) and one slice of the sequence. A row whose keys fit one split is done by
-that program alone. Otherwise each program writes a partial (normalized acc, log-sum-exp) per
-head, and the last of the row's programs to finish merges them by their log-sum-exp, in split
-order (an atomic counter per row and KV head, kernels/triton_compat.py `tile_counters`). It
-used to be a second kernel: one launch less per layer.
+Triton version, flash-decoding in two stages:
+
+    stage 1, grid (B, kv_heads, num_kv_splits): each program takes one KV head and *all* its
+      query heads (so each K/V tile is loaded once per group, not once per query head), one
+      slice of the sequence, and writes a partial (normalized acc, log-sum-exp) per head.
+    stage 2, grid (B, heads): merges the splits' partials by their log-sum-exp.
+
+With one split (batches that fill the GPU by themselves) stage 1 writes the output directly,
+with the bits stage 2 would have given: one launch per layer instead of two.
 
 Splitting the KV length gives parallelism when batch * kv_heads is far below the number of SMs
 (single-stream decode over long contexts). The split *count* is a launch parameter that must

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from sgl.backend.kernels.triton_compat import (is_interpreted, let_next_launch, mma,
-                                               next_power_of_2, pdl_launch, tile_counters, tl,
-                                               triton)
+                                               next_power_of_2, pdl_launch, tl, triton)
 
 _LOG2E = 1.4426950408889634
 
@@ -29,101 +28,109 @@ def decode_num_kv_splits(
 
 
 @triton.jit
-def _decode_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Out, Counters,
+def _decode_stage1(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Out,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is cheaper)
-    group, head_dim, head_dim_v, num_splits, num_kv_heads,
+    group, head_dim, head_dim_v, num_splits,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
+    # DIRECT (one split): each program holds whole rows and writes the output itself, with the
+    # bits stage 2 would give (its merge of a single split multiplies by 1 and divides by 1).
+    if DIRECT:
+        let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
     # Split length: an even share rounded up to whole BLOCK_N tiles, so a short sequence fills
-    # only the first `used` splits; the others exit at once (cheap, and graph-safe). A row
-    # without keys (a padded graph row) has one split, empty: its output is 0.
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-    used = tl.maximum(tl.cdiv(seq_len, split_len), 1)
-    if split < used:
-        row = tl.load(ReqPoolIdx + b).to(tl.int64)
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
-        offs_h = tl.arange(0, BLOCK_H)  # rows: the query heads of this KV head (padded to >= 16)
-        heads = kv_head * group + offs_h
-        h_mask = offs_h < group
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        d_mask = offs_d < head_dim
-        dv_mask = offs_dv < head_dim_v
-        hv_mask = h_mask[:, None] & dv_mask[None, :]
-        q = tl.load(
-            Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=h_mask[:, None] & d_mask[None, :], other=0.0,
-        )  # [BLOCK_H, BLOCK_D]
+    # only the first splits and the rest exit at once (cheap, and graph-safe).
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
 
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (base-2 logits)
-        l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m_i)
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            n_mask = pos < end
-            slots = tl.load(ReqToToken + row * stride_r2t + pos, mask=n_mask, other=0).to(tl.int64)
-            k = tl.load(
-                K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0,
-            )  # [BLOCK_N, BLOCK_D]
-            qk = mma(q, tl.trans(k), UPCAST, IEEE)
-            qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            # Every tile holds >= 1 valid key, so m_new is finite and no NaN appears.
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_dv[None, :],
-                mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
-            )  # [BLOCK_N, BLOCK_DV]
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, IEEE)
-            m_i = m_new
+    offs_h = tl.arange(0, BLOCK_H)  # rows: the query heads of this KV head (padded to >= 16)
+    heads = kv_head * group + offs_h
+    h_mask = offs_h < group
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < head_dim
+    dv_mask = offs_dv < head_dim_v
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
 
-        # An empty split (no keys) leaves l_i = 0, m_i = -inf: its part is 0 with lse = -inf.
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        part = acc / l_safe[:, None]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (base-2 logits)
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m_i)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        slots = tl.load(ReqToToken + row * stride_r2t + pos, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(
+            K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :], other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        qk = mma(q, tl.trans(k), UPCAST, IEEE)
+        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        # Every tile holds >= 1 valid key, so m_new is finite and no NaN appears.
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_dv[None, :],
+            mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+        )  # [BLOCK_N, BLOCK_DV]
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, IEEE)
+        m_i = m_new
+
+    # An empty split (start >= end) leaves l_i = 0, m_i = -inf: it stores lse = -inf, acc = 0,
+    # and stage 2 gives it zero weight.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    hv_mask = h_mask[:, None] & dv_mask[None, :]
+    if DIRECT:
         out = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
-        if used == 1:  # the whole row in this program: its part is the output
-            tl.store(out, part.to(Out.dtype.element_ty), mask=hv_mask)
-        else:
-            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-            mid = MidO + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + offs_dv[None, :]
-            mid_lse = MidLse + b.to(tl.int64) * stride_mlb + heads * stride_mlh
-            tl.store(mid + split * stride_mos, part, mask=hv_mask)
-            tl.store(mid_lse + split, lse, mask=h_mask)
-            # The program that completes the row's KV head merges its splits (module
-            # docstring): the same bits whichever split finishes last.
-            tl.debug_barrier()  # all of this program's stores before the release below
-            cnt = Counters + b.to(tl.int64) * num_kv_heads + kv_head
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == used - 1:
-                m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-                for s in range(0, used):  # (.cg: read at L2, past an L1 that missed the stores)
-                    m = tl.maximum(m, tl.load(mid_lse + s, mask=h_mask, other=float("-inf"),
-                                              cache_modifier=".cg"))
-                m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: no -inf - -inf
-                denom = tl.zeros([BLOCK_H], tl.float32)
-                total = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-                for s in range(0, used):  # in split order: the same bits on every run
-                    w = tl.exp2(tl.load(mid_lse + s, mask=h_mask, other=float("-inf"),
-                                        cache_modifier=".cg") - m)  # empty splits weigh 0
-                    denom += w
-                    total += w[:, None] * tl.load(mid + s * stride_mos, mask=hv_mask, other=0.0,
-                                                  cache_modifier=".cg")
-                tl.store(cnt, 0)  # (the row is done: zero for the next launch)
-                total = total / tl.where(denom > 0, denom, 1.0)[:, None]
-                tl.store(out, total.to(Out.dtype.element_ty), mask=hv_mask)
+        tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=hv_mask)
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        mid = MidO + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
+        tl.store(mid + offs_dv[None, :], acc / l_safe[:, None], mask=hv_mask)
+        tl.store(MidLse + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2(
+    MidO, MidLse, Out,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    head_dim_v, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+):
+    let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_mask = offs_s < num_splits
+    dv_mask = offs_dv < head_dim_v
+    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask,
+                  other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): avoid -inf - -inf
+    w = tl.exp2(lse - m)  # empty splits weigh exp2(-inf) = 0
+    denom = tl.sum(w, axis=0)
+    parts = tl.load(
+        MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_dv[None, :],
+        mask=s_mask[:, None] & dv_mask[None, :], other=0.0,
+    )  # [BLOCK_S, BLOCK_DV]
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty),
+             mask=dv_mask)
 
 
 def decode_attention_triton(
@@ -147,29 +154,44 @@ def decode_attention_triton(
         out = torch.empty(batch, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    # fp32 partials, used by rows that span several splits; allocated per call (under graph
-    # capture they come from the graph's pool).
-    mid_o = torch.empty(batch, num_heads, num_kv_splits, head_dim_v,
-                        dtype=torch.float32, device=q.device)  # [B, heads, splits, head_dim_v]
-    mid_lse = torch.empty(batch, num_heads, num_kv_splits,
-                          dtype=torch.float32, device=q.device)  # [B, heads, splits]
-    counters = tile_counters(q.device, batch * num_kv_heads)
+    # One split: stage 1 writes the output itself (no partials, no stage 2). Else fp32 partials,
+    # allocated per call (under graph capture they come from the graph's pool).
+    direct = num_kv_splits == 1
+    if direct:
+        mid_o = mid_lse = out  # (unused)
+        mid_strides = (0,) * 5
+    else:
+        mid_o = torch.empty(batch, num_heads, num_kv_splits, head_dim_v,
+                            dtype=torch.float32, device=q.device)  # [B, heads, splits, head_dim_v]
+        mid_lse = torch.empty(batch, num_heads, num_kv_splits,
+                              dtype=torch.float32, device=q.device)  # [B, heads, splits]
+        mid_strides = (*mid_o.stride()[:3], *mid_lse.stride()[:2])
+    pdl = pdl_launch(q.device, _decode_stage2)
     block_n = 64 if head_dim <= 128 else 32
-    _decode_kernel[(batch, num_kv_heads, num_kv_splits)](
+    _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
-        counters,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        scale * _LOG2E, group, head_dim, head_dim_v, num_kv_splits, num_kv_heads,
+        *mid_strides, out.stride(0), out.stride(1),
+        scale * _LOG2E, group, head_dim, head_dim_v, num_kv_splits,
         BLOCK_H=max(16, next_power_of_2(group)),  # tl.dot needs >= 16 rows
         BLOCK_N=block_n,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
         BLOCK_DV=max(16, next_power_of_2(head_dim_v)),
-        UPCAST=is_interpreted(_decode_kernel),
+        UPCAST=is_interpreted(_decode_stage1),
         IEEE=q.dtype == torch.float32,
-        PDL=pdl_launch(q.device, _decode_kernel),
+        DIRECT=direct, PDL=pdl and direct,
         num_warps=4, num_stages=2,
+    )
+    if direct:
+        return out
+    _decode_stage2[(batch, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        head_dim_v, num_kv_splits,
+        BLOCK_S=next_power_of_2(num_kv_splits),
+        BLOCK_DV=next_power_of_2(head_dim_v),
+        PDL=pdl, num_warps=4,
     )
     return out

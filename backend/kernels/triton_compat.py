@@ -91,7 +91,7 @@ def is_interpreted(kernel: Any) -> bool:
 # still). The one-row FP8 GEMVs can launch so (quant/triton_fp8.py): their weights never
 # change, so they load the first K step's before waiting, which would hide their start (launch
 # and the first DRAM round trip) behind the small kernel before them; that kernel (RMSNorm,
-# SiLU x mul, decode attention) lets them launch as it starts. Both calls are
+# SiLU x mul, decode attention's second stage) lets them launch as it starts. Both calls are
 # no-ops where nothing is launched so. On by default (`PDL_SWITCH`) since it was checked on
 # the H200 (session 10): the same greedy tokens with and without it, in CUDA graphs and eagerly
 # (tests/test_quant_gpu.py's early-launch test), and the 8B FP8 single stream 326.1 -> 333.0
@@ -134,38 +134,5 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_wait()
 
 
-# Counters for kernels whose programs share a reduction and whose last program to arrive
-# finishes it (the split-K GEMVs' "last" reduction, quant/triton_split.py; decode attention's
-# merge of its KV splits): a program stores its part, counts itself in its tile's counter (an
-# atomic add, acquire-release at GPU scope, after a barrier so that its stores are released
-# with it), and the one that finds all the others arrived reads the parts back past L1 and
-# puts the counter back to 0. One zeroed buffer per device and stream: kernels on one stream
-# run one after another (a kernel launched early under PDL writes nothing before
-# `wait_for_inputs`), so no two launches use a counter at once. A buffer is made on first
-# use, which the engine's capture makes during its eager warm-up on the capture stream; made
-# inside a capture it is the graph's memory plus a captured zeroing (harmless: it is zero then
-# anyway); a buffer outgrown while a graph may hold it is kept alive.
-_COUNTERS: dict[tuple[str, int | None, int], Any] = {}  # (device, stream) -> int32 tensor
-_RETIRED: list[Any] = []  # replaced buffers: a captured graph may still use one
-MIN_COUNTERS = 1 << 16  # first size of a buffer (256 KB): tiles of the largest 8B products
-
-
-def tile_counters(device: Any, tiles: int) -> Any:
-    """A zeroed int32 buffer of at least `tiles` counters for launches on `device`'s (a
-    torch.device) current stream; every launch that uses it leaves it zeroed."""
-    import torch
-
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        if buf is not None:
-            _RETIRED.append(buf)
-        size = max(MIN_COUNTERS, 1 << max(tiles - 1, 1).bit_length())
-        buf = _COUNTERS[key] = torch.zeros(size, device=device, dtype=torch.int32)
-    return buf
-
-
-__all__ = ["HAS_PDL", "HAS_TRITON", "MIN_COUNTERS", "PDL_SWITCH", "triton", "tl", "mma",
-           "next_power_of_2", "cdiv", "is_interpreted", "let_next_launch", "pdl_launch",
-           "tile_counters", "wait_for_inputs"]
+__all__ = ["HAS_PDL", "HAS_TRITON", "PDL_SWITCH", "triton", "tl", "mma", "next_power_of_2",
+           "cdiv", "is_interpreted", "let_next_launch", "pdl_launch", "wait_for_inputs"]
