@@ -161,6 +161,18 @@ KV INLINE float kv_load1(const void* base, int64_t i, int kind) {
   return ((const float*)base)[i];
 }
 
+// Asks for the cache lines of the D pool elements at element index i. A request's keys and
+// values sit wherever its slots are (decode steps interleave the batch's requests, freed slots
+// are reused), an order the hardware prefetcher does not follow.
+INLINE void kv_prefetch(const void* base, int64_t i, int64_t D, int kind) {
+  const int64_t esize = kind == KV_F32 ? 4 : 2;
+  const char* p = (const char*)base + i * esize;
+  for (int64_t b = 0; b < D * esize; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// How many keys ahead the loops below ask for a key's or a value's row.
+#define KV_AHEAD 16
+
 // k, v: T rows of W floats (strides k_stride, v_stride) -> rows loc[t] of the pool buffers
 // [slots, W] of element `kind`.
 KV void sgl_kv_store(void* kbuf, void* vbuf, const float* k, int64_t k_stride, const float* v,
@@ -184,11 +196,21 @@ KV INLINE float dot_kv(const float* q, const void* kbuf, int64_t i0, int64_t D, 
 }
 
 // softmax of n scores in place; returns nothing (the scores become probabilities).
+// The max is taken 8 lanes at a time (a scalar compare chain was ~15% of a decode row's
+// attention): a max is exact in any order, and a NaN score is skipped either way (maxps
+// returns its second operand, the running max, where one is NaN). Only the sign of a zero max
+// can differ from a scalar scan's, and s - (+0) and s - (-0) have the same exp.
 AVX2 INLINE void softmax(float* s, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-  __m256 m8 = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+  __m256 mv = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
+  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(s + j), mv);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float mx = _mm_cvtss_f32(m4);
+  for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+  __m256 m8 = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+  j = 0;
   for (; j + 8 <= n; j += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
     _mm256_storeu_ps(s + j, e);
@@ -210,6 +232,8 @@ KV INLINE void scores_heads(const float* q, const void* kbuf, const int32_t* row
   int64_t j = 0;
   for (; j + 2 <= len; j += 2) {
     int64_t k0 = (int64_t)row[j] * stride + off, k1 = (int64_t)row[j + 1] * stride + off;
+    for (int64_t t = j + KV_AHEAD; t < j + KV_AHEAD + 2 && t < len; t++)
+      kv_prefetch(kbuf, (int64_t)row[t] * stride + off, D, kind);
     __m256 a[4][2];
     for (int g = 0; g < GN; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < D; i += 8) {
@@ -244,6 +268,8 @@ KV INLINE void weighted_sum_heads(const float* p, int64_t ls, int64_t len, const
       for (int c = 0; c < CH; c++) a[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; j++) {
       int64_t vi = (int64_t)row[j] * stride + off + c0;
+      if (c0 == 0 && j + KV_AHEAD < len)
+        kv_prefetch(vbuf, (int64_t)row[j + KV_AHEAD] * stride + off, D, kind);
       __m256 pj[4];
       for (int g = 0; g < GN; g++) pj[g] = _mm256_set1_ps(p[g * ls + j]);
       for (int c = 0; c < CH; c++) {
@@ -276,6 +302,8 @@ KV INLINE void attend_one8(const float* q, float* out, int64_t G, int64_t kvh, i
     HEADS_CASES(SCORES)
 #undef SCORES
   }
+  for (int64_t j = 0; j < KV_AHEAD && j < len; j++)  // (the first values, while softmax runs)
+    kv_prefetch(vbuf, (int64_t)row[j] * stride + off, D, kind);
   for (int64_t g = 0; g < G; g++) softmax(scores + g * len, len);
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
@@ -326,9 +354,11 @@ AVX512 INLINE __m512 halve8keys(const __m512 a[4]) {
                        _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-// Scores of GN heads against the 16 keys at element offsets k[0..16): hsum8(chain) * scale each.
+// Scores of GN heads against the 16 keys at element offsets k[0..16): hsum8(chain) * scale each;
+// mx[g] takes their max (softmax16's, lane by lane; NaN scores skipped as softmax skips them).
 AVX512 INLINE void scores16_heads(const float* q, const void* kbuf, const int64_t k[16], int64_t D,
-                                  float scale, float* scores, int64_t ls, const int GN, int kind) {
+                                  float scale, float* scores, int64_t ls, __m512 mx[4],
+                                  const int GN, int kind) {
   __m512 half[2][4];
   for (int h = 0; h < 2; h++) {
     __m512 a[4][4];
@@ -350,32 +380,99 @@ AVX512 INLINE void scores16_heads(const float* q, const void* kbuf, const int64_
   for (int g = 0; g < GN; g++) {
     __m512 s = _mm512_add_ps(_mm512_shuffle_ps(half[0][g], half[1][g], _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_ps(half[0][g], half[1][g], _MM_SHUFFLE(3, 1, 3, 1)));
-    _mm512_storeu_ps(scores + g * ls, _mm512_mul_ps(_mm512_permutexvar_ps(order, s), sc));
+    s = _mm512_mul_ps(_mm512_permutexvar_ps(order, s), sc);
+    _mm512_storeu_ps(scores + g * ls, s);
+    mx[g] = _mm512_max_ps(s, mx[g]);
   }
 }
 
-// weighted_sum_heads on 16-lane chunks (D a multiple of 16): each element summed in key order.
+// exp8 on 16 lanes: each lane the same operations, so the same bits as exp8's lane.
+AVX512 INLINE __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
+                                23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// softmax of n scores whose max is mx (the scores pass took it): softmax's bits, 16 lanes at a
+// time. The sum of the exps keeps softmax's 8-lane order (elements j .. j + 7 added before
+// j + 8 .. j + 15), so only the exps and the last scaling are wider.
+AVX512 INLINE void softmax16(float* s, int64_t n, float mx) {
+  const __m512 m16 = _mm512_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(e, 1));
+  }
+  if (j + 8 <= n) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm512_castps512_ps256(m16)));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+    j += 8;
+  }
+  float total = hsum8(acc);
+  for (; j < n; j++) total += (s[j] = expf(s[j] - mx));
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  for (j = 0; j + 16 <= n; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+  if (j < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - j)) - 1);
+    _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv));
+  }
+}
+
+// NC 16-lane chunks of the weighted sum from element c0 of each value row (weighted_sum16_heads).
+// NC and GN are constants at each call: no per-key branch on the chunk count.
+AVX512 INLINE void wsum16_chunks(const float* p, int64_t ls, int64_t len, const void* vbuf,
+                                 const int32_t* row, int64_t stride, int64_t off, int64_t D,
+                                 int64_t c0, float* out, const int GN, const int NC, int kind) {
+  __m512 a[4][8];
+  for (int g = 0; g < GN; g++)
+    for (int c = 0; c < NC; c++) a[g][c] = _mm512_setzero_ps();
+  // (the rows KV_AHEAD keys on are asked for by the first pass over the chunks only)
+  const int64_t ahead = c0 == 0 ? len - KV_AHEAD : 0;
+  for (int64_t j = 0; j < len; j++) {
+    const int64_t vi = (int64_t)row[j] * stride + off + c0;
+    if (j < ahead) kv_prefetch(vbuf, (int64_t)row[j + KV_AHEAD] * stride + off, D, kind);
+    __m512 pj[4];
+    for (int g = 0; g < GN; g++) pj[g] = _mm512_set1_ps(p[g * ls + j]);
+    for (int c = 0; c < NC; c++) {
+      __m512 v = kv_load16(vbuf, vi + 16 * c, kind);
+      for (int g = 0; g < GN; g++) a[g][c] = _mm512_fmadd_ps(pj[g], v, a[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; g++)
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + g * D + c0 + 16 * c, a[g][c]);
+}
+
+// weighted_sum_heads on 16-lane chunks (D a multiple of 16): each element summed in key order,
+// whatever the chunks (CH chunks per pass over the keys, GN * CH accumulators in registers).
 AVX512 INLINE void weighted_sum16_heads(const float* p, int64_t ls, int64_t len, const void* vbuf,
                                         const int32_t* row, int64_t stride, int64_t off, int64_t D,
                                         float* out, const int GN, int kind) {
   const int CH = GN == 1 ? 8 : 4;
   for (int64_t c0 = 0; c0 < D; c0 += 16 * CH) {
-    const int n = D - c0 < 16 * CH ? (int)((D - c0) / 16) : CH;
-    __m512 a[4][8];
-    for (int g = 0; g < GN; g++)
-      for (int c = 0; c < CH; c++) a[g][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j++) {
-      int64_t vi = (int64_t)row[j] * stride + off + c0;
-      __m512 pj[4];
-      for (int g = 0; g < GN; g++) pj[g] = _mm512_set1_ps(p[g * ls + j]);
-      for (int c = 0; c < CH; c++) {
-        if (c >= n) break;
-        __m512 v = kv_load16(vbuf, vi + 16 * c, kind);
-        for (int g = 0; g < GN; g++) a[g][c] = _mm512_fmadd_ps(pj[g], v, a[g][c]);
-      }
+    const int64_t n = D - c0 < 16 * CH ? (D - c0) / 16 : CH;
+#define WSUM(NC) wsum16_chunks(p, ls, len, vbuf, row, stride, off, D, c0, out, GN, NC, kind)
+    switch (n) {
+      case 1: WSUM(1); break; case 2: WSUM(2); break; case 3: WSUM(3); break;
+      case 4: WSUM(4); break; case 5: WSUM(5); break; case 6: WSUM(6); break;
+      case 7: WSUM(7); break; default: WSUM(8); break;
     }
-    for (int g = 0; g < GN; g++)
-      for (int c = 0; c < n; c++) _mm512_storeu_ps(out + g * D + c0 + 16 * c, a[g][c]);
+#undef WSUM
   }
 }
 
@@ -384,12 +481,18 @@ AVX512 INLINE void attend_heads16(const float* q, float* out, int64_t G, int64_t
                                   const int32_t* row, int64_t len, float scale, float* scores,
                                   int kind) {
   const int64_t full = len / 16 * 16;
+  float* maxes = scores + G * len;  // [G]: each head's max score (the work buffer's [G, D] part)
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
+    __m512 mx[4];
+    for (int g = 0; g < 4; g++) mx[g] = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < full; j += 16) {
       int64_t k[16];
       for (int t = 0; t < 16; t++) k[t] = (int64_t)row[j + t] * stride + off;
-#define SCORES16(GN) scores16_heads(q + g0 * D, kbuf, k, D, scale, scores + g0 * len + j, len, GN, kind)
+      for (int64_t t = j + 16; t < j + 32 && t < len; t++)  // (the next block's keys)
+        kv_prefetch(kbuf, (int64_t)row[t] * stride + off, D, kind);
+#define SCORES16(GN) scores16_heads(q + g0 * D, kbuf, k, D, scale, scores + g0 * len + j, len, mx, \
+                                    GN, kind)
       HEADS_CASES(SCORES16)
 #undef SCORES16
     }
@@ -399,8 +502,16 @@ AVX512 INLINE void attend_heads16(const float* q, float* out, int64_t G, int64_t
       HEADS_CASES(SCORES)
 #undef SCORES
     }
+    for (int g = 0; g < gn; g++) {
+      float m = _mm512_reduce_max_ps(mx[g]);  // (exact: a max in any order)
+      const float* sg = scores + (g0 + g) * len;
+      for (int64_t j = full; j < len; j++) m = sg[j] > m ? sg[j] : m;
+      maxes[g0 + g] = m;
+    }
   }
-  for (int64_t g = 0; g < G; g++) softmax(scores + g * len, len);
+  for (int64_t j = 0; j < KV_AHEAD && j < len; j++)  // (the first values, while softmax runs)
+    kv_prefetch(vbuf, (int64_t)row[j] * stride + off, D, kind);
+  for (int64_t g = 0; g < G; g++) softmax16(scores + g * len, len, maxes[g]);
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
 #define SUMS16(GN) weighted_sum16_heads(scores + g0 * len, len, len, vbuf, row, stride, off, D, \
