@@ -446,7 +446,8 @@ def _drafter(config: EngineConfig, tokenizer: Any) -> NgramDrafter | None:
         return None
     spec = SpecConfig(num_draft_tokens=config.speculative_num_draft_tokens,
                       min_window=config.speculative_ngram_min_match_window_size,
-                      max_window=config.speculative_ngram_max_match_window_size)
+                      max_window=config.speculative_ngram_max_match_window_size,
+                      disable_by_batch_size=config.speculative_disable_by_batch_size)
     table = PieceTable.from_tokenizer(tokenizer) if config.speculative_ngram_match == "text" else None
     if table is None:
         if config.speculative_ngram_match == "text" and tokenizer is not None:

@@ -177,7 +177,8 @@ class Scheduler(StepUpdate):
         returns how many requests decode."""
         decoding = self._make_room_for_decode(decoding)
         if decoding:
-            drafts = [self._draft(r) for r in decoding] if self.drafter is not None else [()] * len(decoding)
+            drafting = self.drafter is not None and self.drafter.cfg.drafts_at(len(decoding))
+            drafts = [self._draft(r) for r in decoding] if drafting else [()] * len(decoding)
             lens = [_decode_len(r) + len(d) for r, d in zip(decoding, drafts)]
             if 0 < self.cfg.max_step_rows < sum(lens):
                 lens, drafts = _fit_rows(decoding, lens, drafts, self.cfg.max_step_rows)

@@ -36,6 +36,11 @@ class SpecConfig:
     num_draft_tokens: int = 4  # tokens proposed per step (verified in one step)
     min_window: int = 1  # shortest suffix that may match
     max_window: int = 4  # longest suffix tried first
+    disable_by_batch_size: int | None = None  # no drafts while more requests decode (None: any)
+
+    def drafts_at(self, decoding: int) -> bool:
+        """Whether a step in which `decoding` requests decode proposes drafts."""
+        return self.disable_by_batch_size is None or decoding <= self.disable_by_batch_size
 
 
 @dataclass

@@ -60,6 +60,7 @@ _ABOUT = {
     "speculative_num_draft_tokens": "draft tokens verified per step",
     "speculative_ngram_min_match_window_size": "shortest run of last tokens matched for a draft",
     "speculative_ngram_max_match_window_size": "longest run of last tokens matched for a draft (tried first)",
+    "speculative_disable_by_batch_size": "no drafts in a step where more than this many requests decode (plain decoding, overlapped)",
     "attention_backend": "attention implementation",
     "disable_cuda_graph": "decode without CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph (graphs hold twice as many token rows)",

@@ -109,6 +109,11 @@ class EngineConfig:
     # SGLang's token-id lookup with the windows above. "text" needs the tokenizer's pieces to
     # spell its text (byte-level BPE does); otherwise the engine uses "tokens".
     speculative_ngram_match: Literal["text", "tokens"] = "text"
+    # vLLM's name: no drafts in a step where more than this many requests decode. Such a step
+    # is plain decoding again, in the overlap loop (a step with drafts runs the loop
+    # synchronously, and its verify rows multiply the step's rows: on the H200's 8B shape at
+    # batch 32-256 speculation ran at 0.6-0.73x, docs/structured.md). None: draft at any batch.
+    speculative_disable_by_batch_size: int | None = None
 
     # -- execution ------------------------------------------------------------------------
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -223,7 +228,8 @@ class EngineConfig:
         for name in ("max_total_tokens", "max_running_requests", "context_length",
                      "max_prefill_tokens", "cuda_graph_max_bs", "num_threads", "max_n",
                      "max_top_logprobs_num", "max_stop_strings", "max_stop_string_len",
-                     "max_stop_token_ids", "max_stop_regexes", "max_stop_regex_len"):
+                     "max_stop_token_ids", "max_stop_regexes", "max_stop_regex_len",
+                     "speculative_disable_by_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(name, "must be a positive integer" + (" or None" if _optional(self, name) else ""))

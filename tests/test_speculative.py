@@ -225,6 +225,43 @@ def test_json_extraction_takes_fewer_steps_with_drafts(engines) -> None:
     assert 0 < saved <= accepted
 
 
+def test_no_drafts_while_more_requests_decode_than_the_limit() -> None:
+    """speculative_disable_by_batch_size: a step with more decoding requests than the limit
+    proposes no drafts (plain decoding, overlappable); at or under it, drafts as before. The
+    outputs are those of decoding without speculation either way."""
+    prompts = COPY_PROMPTS[:2]
+    plain = _run_engine(dict(), prompts)
+    for limit, drafted in ((1, False), (2, True)):
+        e = sgl.Engine(device="cpu", speculative_algorithm="ngram",
+                       speculative_disable_by_batch_size=limit)
+        try:
+            proposed = []  # (decoding requests, drafts) of every decode step
+            schedule = e._rt.scheduler._decode
+
+            def spy(decoding, items, locs, _schedule=schedule):  # type: ignore[no-untyped-def]
+                n = _schedule(decoding, items, locs)
+                proposed.append((n, sum(len(it.draft_ids) for it in items)))
+                return n
+
+            e._rt.scheduler._decode = spy
+            # both requests decode together: the prompts arrive as one batch
+            got = _run(e, prompts, max_new_tokens=48, temperature=0)
+        finally:
+            e.close()
+        assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+        together = [d for n, d in proposed if n == 2]
+        assert together, "the two requests never decoded in one step"
+        assert (sum(together) > 0) is drafted
+
+
+def _run_engine(options: dict, prompts: list[str]) -> list[sgl.GenerateOutput]:
+    e = sgl.Engine(device="cpu", **options)
+    try:
+        return _run(e, prompts, max_new_tokens=48, temperature=0)
+    finally:
+        e.close()
+
+
 def test_the_token_id_drafter_is_still_available() -> None:
     from sgl.backend.runtime import _drafter
 
@@ -241,6 +278,8 @@ def test_speculative_options_are_validated() -> None:
         sgl.EngineConfig(speculative_num_draft_tokens=0)
     with pytest.raises(sgl.InvalidConfigError, match="speculative_ngram_match"):
         sgl.EngineConfig(speculative_ngram_match="chars")
+    with pytest.raises(sgl.InvalidConfigError, match="speculative_disable_by_batch_size"):
+        sgl.EngineConfig(speculative_disable_by_batch_size=0)
     with pytest.raises(sgl.InvalidConfigError, match="max_match_window"):
         sgl.EngineConfig(speculative_ngram_min_match_window_size=4,
                          speculative_ngram_max_match_window_size=2)
