@@ -148,6 +148,36 @@ def test_rotary(impl: str, dtype: torch.dtype, heads: int, kv_heads: int, head_d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(4, 4, 32, 32), (6, 2, 64, 64),
+                                                                (8, 2, 48, 32)])
+def test_rotary_kv_store(impl: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                         rotary_dim: int) -> None:
+    """q rotated in place, k rotated into the pool with v, as rotary then kv_store would; k
+    itself untouched. (rotary_dim < head_dim: the two kernels, one after the other.)"""
+    g = gen(6)
+    tokens, slots = 7, 40
+    positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, g=g)  # fused, strided
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    cache = rotary.make_cos_sin_cache(512, rotary_dim, 10000.0, device=DEVICE, dtype=dtype)
+    k_buffer = randn(slots, kv_heads, head_dim, dtype=dtype, g=g)
+    v_buffer = randn(slots, kv_heads, head_dim, dtype=dtype, g=g)
+    loc = (torch.randperm(slots - 1, generator=g)[:tokens] + 1).to(DEVICE)
+    exp_q, exp_k = rotary.rotary_embedding_reference(positions, q.float(), k.float(), cache.float())
+    exp_kb, exp_vb = k_buffer.clone(), v_buffer.clone()
+    exp_kb[loc], exp_vb[loc] = exp_k.to(dtype), v
+    k_in = k.clone()
+    out_q = op(rotary, "rotary_kv_store", impl)(positions, q, k, v, cache, k_buffer, v_buffer, loc)
+    assert out_q.data_ptr() == q.data_ptr(), "q is rotated in place"
+    close(q, exp_q, dtype)
+    close(k_buffer, exp_kb, dtype)
+    assert torch.equal(v_buffer, exp_vb)
+    assert torch.equal(k, k_in), "k itself is left as it was"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_store(impl: str, dtype: torch.dtype) -> None:
     g = gen(5)
     slots, kv_heads, head_dim, tokens = 64, 3, 48, 9
@@ -416,6 +446,12 @@ def _agree_case(op: str, ks: dispatch.KernelSet) -> list[torch.Tensor]:
     if op == "kv_store":
         ks.kv_store(kb, vb, q[:, :2], q[:, 2:], fb.out_cache_loc)
         return [kb, vb]
+    if op == "rotary_kv_store":
+        cache = rotary.make_cos_sin_cache(64, 32, device=DEVICE)
+        q = q.clone()  # (q, k and v disjoint, as the slices of one qkv projection are)
+        k, v = randn(4, 2, 32, dtype=torch.float32, g=g), randn(4, 2, 32, dtype=torch.float32, g=g)
+        ks.rotary_kv_store(fb.positions, q, k, v, cache, kb, vb, fb.out_cache_loc)
+        return [q, kb, vb]
     if op == "decode_attention":
         return [ks.decode_attention(q[:2], kb, vb, *table, 0.2, 2)]
     assert op == "extend_attention", f"no agreement case for op {op!r}"
@@ -433,6 +469,36 @@ def test_kernel_set_triton_ops_agree_with_reference_ops(op: str) -> None:
     assert getattr(triton_set, op) is not getattr(reference_set, op)
     for got, want in zip(_agree_case(op, triton_set), _agree_case(op, reference_set), strict=True):
         close(got, want, torch.bfloat16 if op == "linear" else torch.float32)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_triton_backend_rotates_and_stores_in_one_op(kernels: str) -> None:
+    """Given the layer's rotary, the backend's output and pool equal rotating first and
+    calling it without (what the torch backend does), in extend and decode steps."""
+    if kernels == "triton" and not TRITON_HERE:
+        pytest.skip(NO_TRITON)
+    from sgl.backend.layers.rotary import RotaryEmbedding
+
+    ks = dispatch.resolve_kernels(kernels, DEVICE, torch.float32)
+    rope = RotaryEmbedding(32, 64, {"rope_theta": 10000.0, "rope_type": "default"}, kernels=ks,
+                           device=torch.device(DEVICE), dtype=torch.float32)
+    backend = TritonAttentionBackend(ks, num_sms=4)
+    for mode, ext_lens in ((ForwardMode.EXTEND, [5, 1]), (ForwardMode.DECODE, [1, 1])):
+        outs, pools = [], []
+        for fused in (True, False):
+            fb = make_forward_batch(mode, [3, 7], ext_lens, torch.float32, 1, gen(12))
+            backend.prepare(fb)
+            q = randn(fb.num_tokens, 4, 32, dtype=torch.float32, g=gen(13))
+            k = randn(fb.num_tokens, 2, 32, dtype=torch.float32, g=gen(14))
+            v = randn(fb.num_tokens, 2, 32, dtype=torch.float32, g=gen(15))
+            if fused:
+                outs.append(backend.forward(q, k, v, 1, 0.2, fb, rotary=rope))
+            else:
+                q, k = rope(fb.positions, q, k)
+                outs.append(backend.forward(q, k, v, 1, 0.2, fb))
+            pools.append(fb.kv_pool.k_buffer[1])
+        close(outs[0], outs[1], torch.float32)
+        close(pools[0], pools[1], torch.float32)
 
 
 def test_triton_backend_runs_its_kernel_sets_attention_ops() -> None:

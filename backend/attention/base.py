@@ -3,6 +3,8 @@
 A model's attention layer computes q, k, v for the new tokens and hands them to the backend,
 which (1) writes k and v into the KV pool at `fb.out_cache_loc` and (2) attends each new token
 to its request's whole sequence: the cached prefix plus the new tokens up to itself (causal).
+Given the layer's `rotary`, q and k arrive unrotated and the backend rotates them first (the
+Triton backend in the same launch as the KV store: kernels/rotary.py, `rotary_kv_store`).
 
 Implementations: `torch_backend.TorchAttentionBackend` (pure torch, the CPU path) and
 `triton_backend.TritonAttentionBackend` (the Triton kernels of the engine's KernelSet). Both
@@ -12,10 +14,14 @@ receive exactly the same arguments; tests run each against the kernels' torch re
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from sgl.backend.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from sgl.backend.layers.rotary import RotaryEmbedding
 
 
 class AttentionBackend(ABC):
@@ -35,8 +41,10 @@ class AttentionBackend(ABC):
         layer_id: int,
         scale: float,
         fb: ForwardBatch,
+        rotary: RotaryEmbedding | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Store k/v for layer `layer_id` in the pool, then return the attention output."""
+        """Rotate q and k by `fb.positions` when given `rotary`, store k/v for layer `layer_id`
+        in the pool, then return the attention output."""
 
     def release_memory(self) -> None:
         """Free what the backend caches between steps and can rebuild (the engine is idle)."""

@@ -40,6 +40,7 @@ changed (decode_stage.py); without it (the reference, and on GPUs) the block is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +51,9 @@ from sgl.backend.attention.decode_stage import DecodeStage, StagePlan
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.kernels.kv_store import kv_store_reference
 from sgl.backend.quant import cpu_ops
+
+if TYPE_CHECKING:
+    from sgl.backend.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -224,7 +228,10 @@ class TorchAttentionBackend(AttentionBackend):
         layer_id: int,
         scale: float,
         fb: ForwardBatch,
+        rotary: RotaryEmbedding | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        if rotary is not None:
+            q, k = rotary(fb.positions, q, k)
         k_buffer = fb.kv_pool.k_buffer[layer_id]  # [num_slots, kv_heads, head_dim]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
         meta: TorchAttentionMetadata = fb.attn_metadata

@@ -16,7 +16,8 @@ Per step, `prepare` decides the launch shapes from host data only (no device syn
   requests with one new token.
 
 `forward` writes k/v of the new tokens into layer `layer_id` of the pool at `fb.out_cache_loc`
-(kv_store kernel), then attends (decode or extend kernel). The pool is duck-typed:
+(kv_store kernel; given the layer's rotary, q and k are rotated in the same launch:
+rotary_kv_store), then attends (decode or extend kernel). The pool is duck-typed:
 `fb.kv_pool.k_buffer[layer_id]`, `fb.kv_pool.v_buffer[layer_id]`, `[num_slots, kv_heads, dim]`.
 
 CUDA-graph safety (DECODE only):
@@ -35,6 +36,7 @@ CUDA-graph safety (DECODE only):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +44,9 @@ from sgl.backend.attention.base import AttentionBackend
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.kernels.triton_attention_decode import decode_num_kv_splits
 from sgl.backend.kernels.dispatch import KernelSet
+
+if TYPE_CHECKING:
+    from sgl.backend.layers.rotary import RotaryEmbedding
 
 # KV splits per decode row when the kernel set is batch-invariant: enough to keep a single
 # stream's long context spread over the SMs; a short row leaves most of them empty (they exit).
@@ -86,6 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
         layer_id: int,
         scale: float,
         fb: ForwardBatch,
+        rotary: RotaryEmbedding | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         meta = fb.attn_metadata
         if not isinstance(meta, TritonAttentionMetadata) or meta.mode is not fb.mode:
@@ -94,7 +100,11 @@ class TritonAttentionBackend(AttentionBackend):
         k_buffer = fb.kv_pool.k_buffer[layer_id]  # [num_slots, kv_heads, head_dim]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
         # Store first: the attention kernels then read every key, old or new, from the pool.
-        self.kernels.kv_store(k_buffer, v_buffer, k, v, fb.out_cache_loc)
+        if rotary is not None:  # rotated and stored in one launch
+            q = self.kernels.rotary_kv_store(fb.positions, q, k, v, rotary.table, k_buffer,
+                                             v_buffer, fb.out_cache_loc)
+        else:
+            self.kernels.kv_store(k_buffer, v_buffer, k, v, fb.out_cache_loc)
         if fb.mode is ForwardMode.DECODE:
             return self.kernels.decode_attention(
                 q, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,

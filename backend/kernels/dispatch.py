@@ -86,6 +86,8 @@ class KernelSet:
     rotary_embedding: Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor]]
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # plain (unpacked) weights
     kv_store: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    # (positions, q, k, v, cos_sin, k_buffer, v_buffer, loc) -> q: the two above in one launch
+    rotary_kv_store: Callable[..., Tensor]
     decode_attention: Callable[..., Tensor]
     extend_attention: Callable[..., Tensor]
     apply_token_bitmask: Callable[[Tensor, Tensor, Tensor | None], None]
@@ -167,6 +169,7 @@ def _reference_ops() -> dict[str, Callable[..., Any]]:
         "rotary_embedding": rotary.rotary_embedding_reference,
         "linear": gemv.gemv_reference,
         "kv_store": kv_store.kv_store_reference,
+        "rotary_kv_store": rotary.rotary_kv_store_reference,
         "decode_attention": attention_decode.decode_attention_reference,
         "extend_attention": attention_extend.extend_attention_reference,
         "apply_token_bitmask": token_bitmask.apply_token_bitmask_reference,
@@ -192,6 +195,7 @@ def _triton_ops() -> dict[str, Callable[..., Any]]:
         "rotary_embedding": triton_rotary.rotary_embedding_triton,
         "linear": triton_gemv.linear_triton,
         "kv_store": triton_kv_store.kv_store_triton,
+        "rotary_kv_store": triton_rotary.rotary_kv_store_triton,
         "decode_attention": triton_attention_decode.decode_attention_triton,
         "extend_attention": triton_attention_extend.extend_attention_triton,
         # Our own small kernel rather than xgrammar's on CUDA: same layout and rule, one fewer

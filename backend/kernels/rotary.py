@@ -9,6 +9,10 @@ For each head vector x with its first `rotary_dim` dims split in halves x1, x2:
 the second (`make_cos_sin_cache` builds it, in float32 like transformers, then in the model's
 dtype as the model keeps it). q and k are rotated in one launch.
 
+`rotary_kv_store` is the op the attention backend runs on the GPU: q rotated in place, k rotated
+and stored with v into the KV pool at the new tokens' slots (the KV store of kv_store.py), in
+one launch instead of two; k itself is left as it was (attention reads keys from the pool).
+
 Rounding: the reference is transformers' `apply_rotary_pos_emb` exactly: cos and sin rounded
 to x's dtype, products and sums in x's dtype. The Triton kernel computes in fp32 and rounds
 once; in 16-bit dtypes they differ within the kernel tests' tolerance, in float32 not at all.
@@ -71,3 +75,20 @@ def rotary_embedding_reference(
         return (_rotate_reference(q, cos.to(q.dtype), sin.to(q.dtype), inplace),
                 _rotate_reference(k, cos.to(k.dtype), sin.to(k.dtype), inplace))
     return _rotate_reference(q, cos, sin, inplace), _rotate_reference(k, cos, sin, inplace)
+
+
+def rotary_kv_store_reference(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, heads, head_dim]: rotated in place
+    k: torch.Tensor,  # [T, kv_heads, head_dim]: its rotation goes to the pool only
+    v: torch.Tensor,  # [T, kv_heads, head_dim_v]
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+    k_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    v_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim_v]
+    out_cache_loc: torch.Tensor,  # [T] int
+) -> torch.Tensor:  # q
+    from sgl.backend.kernels.kv_store import kv_store_reference
+
+    q, k = rotary_embedding_reference(positions, q, k.clone(), cos_sin_cache, True)
+    kv_store_reference(k_buffer, v_buffer, k, v, out_cache_loc)
+    return q

@@ -52,6 +52,37 @@ def _rotary_kernel(
                   cos, sin, BLOCK_HK, BLOCK_R)
 
 
+@triton.jit
+def _rotary_kv_store_kernel(
+    Pos, Q, K, V, Cache, KBuf, VBuf, Loc,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    num_q_heads, num_k_heads, half, head_dim_v,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # One program per token: q rotated in place, k rotated into its pool slot, v copied there.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t).to(tl.int64)
+    slot = tl.load(Loc + t).to(tl.int64)  # int64: slot * stride can pass 2**31 in big pools
+    offs_r = tl.arange(0, BLOCK_R)
+    cos = tl.load(Cache + pos * stride_cache + offs_r, mask=offs_r < half, other=0.0)
+    sin = tl.load(Cache + pos * stride_cache + half + offs_r, mask=offs_r < half, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+    _rotate_heads(Q, Q, t, stride_qt, stride_qh, stride_qt, stride_qh, num_q_heads, half,
+                  cos, sin, BLOCK_HQ, BLOCK_R)
+    # (the token's pool row as a one-row output: token stride 0, the pool's head stride)
+    _rotate_heads(K, KBuf + slot * stride_kbs, t, stride_kt, stride_kh, 0, stride_kbh,
+                  num_k_heads, half, cos, sin, BLOCK_HK, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_HK)[:, None]
+    offs_dv = tl.arange(0, BLOCK_DV)[None, :]
+    mask_v = (offs_h < num_k_heads) & (offs_dv < head_dim_v)
+    v = tl.load(V + t * stride_vt + offs_h * stride_vh + offs_dv, mask=mask_v)
+    tl.store(VBuf + slot * stride_vbs + offs_h * stride_vbh + offs_dv,
+             v.to(VBuf.dtype.element_ty), mask=mask_v)
+
+
 def _output_like(x: torch.Tensor, rotary_dim: int, inplace: bool) -> torch.Tensor:
     if inplace:
         return x
@@ -84,3 +115,37 @@ def rotary_embedding_triton(
             BLOCK_R=next_power_of_2(half),
         )
     return q_out, k_out
+
+
+def rotary_kv_store_triton(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> torch.Tensor:
+    rotary_dim = cos_sin_cache.shape[-1]
+    if rotary_dim < k.shape[-1]:  # dims past rotary_dim pass through: the two kernels
+        from sgl.backend.kernels.triton_kv_store import kv_store_triton
+
+        q, k = rotary_embedding_triton(positions, q, k.clone(), cos_sin_cache, inplace=True)
+        kv_store_triton(k_buffer, v_buffer, k, v, out_cache_loc)
+        return q
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim contiguous"
+    assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
+    if q.shape[0] > 0:
+        _rotary_kv_store_kernel[(q.shape[0],)](
+            positions, q, k, v, cos_sin_cache, k_buffer, v_buffer, out_cache_loc,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos_sin_cache.stride(0),
+            k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+            q.shape[1], k.shape[1], rotary_dim // 2, v.shape[-1],
+            BLOCK_HQ=next_power_of_2(q.shape[1]),
+            BLOCK_HK=next_power_of_2(k.shape[1]),
+            BLOCK_R=next_power_of_2(rotary_dim // 2),
+            BLOCK_DV=next_power_of_2(v.shape[-1]),
+        )
+    return q

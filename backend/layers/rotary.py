@@ -76,9 +76,13 @@ class RotaryEmbedding(nn.Module):
         # Kept as [max_positions, 2, head_dim / 2]: cos and sin of each position side by side.
         self.register_buffer("cos_sin", cache.view(max_positions, 2, -1), persistent=False)
 
+    @property
+    def table(self) -> torch.Tensor:
+        """[max_positions, head_dim]: cos | sin of each position, the kernels' layout."""
+        return self.cos_sin.view(self.cos_sin.shape[0], -1)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated *in place* (they are
         views of the fused qkv output, which nothing else reads); returns them."""
-        cache = self.cos_sin.view(self.cos_sin.shape[0], -1)  # [P, head_dim]: the kernels' layout
-        return self.kernels.rotary_embedding(positions, q, k, cache, True)
+        return self.kernels.rotary_embedding(positions, q, k, self.table, True)

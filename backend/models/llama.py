@@ -76,8 +76,8 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(fb.positions, q, k)
-        out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
+        # (the backend rotates q and k: on the GPU in the KV store's launch)
+        out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb, rotary=self.rotary)
         return self.o_proj(out.reshape(tokens, self.q_size))  # [T, hidden]
 
 
