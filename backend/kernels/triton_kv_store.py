@@ -14,6 +14,19 @@ from sgl.backend.kernels.triton_compat import next_power_of_2, tl, triton
 
 
 @triton.jit
+def store_heads(X, Buf, t, slot, stride_xt, stride_xh, stride_bs, stride_bh, num_heads, dim,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t's [num_heads, dim] rows of X into pool row `slot` of Buf, in Buf's dtype (also
+    the rotary kernel's store of v: triton_rotary.py)."""
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < num_heads) & (offs_d < dim)
+    x = tl.load(X + t * stride_xt + offs_h * stride_xh + offs_d, mask=mask)
+    tl.store(Buf + slot * stride_bs + offs_h * stride_bh + offs_d, x.to(Buf.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _kv_store_kernel(
     K, V, KBuf, VBuf, Loc,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -24,17 +37,10 @@ def _kv_store_kernel(
     # One program per new token: copy its [kv_heads, head_dim] rows of k and v.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)  # int64: slot * stride can pass 2**31 in big pools
-    offs_h = tl.arange(0, BLOCK_H)[:, None]
-    offs_d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (offs_h < num_heads) & (offs_d < head_dim)
-    k = tl.load(K + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
-    tl.store(KBuf + slot * stride_kbs + offs_h * stride_kbh + offs_d,
-             k.to(KBuf.dtype.element_ty), mask=mask)
-    offs_dv = tl.arange(0, BLOCK_DV)[None, :]
-    mask_v = (offs_h < num_heads) & (offs_dv < head_dim_v)
-    v = tl.load(V + t * stride_vt + offs_h * stride_vh + offs_dv, mask=mask_v)
-    tl.store(VBuf + slot * stride_vbs + offs_h * stride_vbh + offs_dv,
-             v.to(VBuf.dtype.element_ty), mask=mask_v)
+    store_heads(K, KBuf, t, slot, stride_kt, stride_kh, stride_kbs, stride_kbh, num_heads,
+                head_dim, BLOCK_H, BLOCK_D)
+    store_heads(V, VBuf, t, slot, stride_vt, stride_vh, stride_vbs, stride_vbh, num_heads,
+                head_dim_v, BLOCK_H, BLOCK_DV)
 
 
 def kv_store_triton(

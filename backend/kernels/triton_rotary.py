@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from sgl.backend.kernels.triton_compat import next_power_of_2, tl, triton
+from sgl.backend.kernels.triton_kv_store import kv_store_triton, store_heads
 
 
 @triton.jit
@@ -31,6 +32,15 @@ def _rotate_heads(
 
 
 @triton.jit
+def _cos_sin(Cache, pos, stride_cache, half, BLOCK_R: tl.constexpr):
+    """cos and sin of position `pos`, [1, BLOCK_R] float32 each (0 past `half`)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    cos = tl.load(Cache + pos * stride_cache + offs_r, mask=offs_r < half, other=0.0)
+    sin = tl.load(Cache + pos * stride_cache + half + offs_r, mask=offs_r < half, other=0.0)
+    return cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _rotary_kernel(
     Pos, Q, K, QOut, KOut, Cache,
     stride_qt, stride_qh, stride_kt, stride_kh,
@@ -41,11 +51,7 @@ def _rotary_kernel(
     # One program per token: load its cos/sin row once, rotate all q and k heads with it.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    cos = tl.load(Cache + pos * stride_cache + offs_r, mask=offs_r < half, other=0.0)
-    sin = tl.load(Cache + pos * stride_cache + half + offs_r, mask=offs_r < half, other=0.0)
-    cos = cos.to(tl.float32)[None, :]
-    sin = sin.to(tl.float32)[None, :]
+    cos, sin = _cos_sin(Cache, pos, stride_cache, half, BLOCK_R)
     _rotate_heads(Q, QOut, t, stride_qt, stride_qh, stride_qot, stride_qoh, num_q_heads, half,
                   cos, sin, BLOCK_HQ, BLOCK_R)
     _rotate_heads(K, KOut, t, stride_kt, stride_kh, stride_kot, stride_koh, num_k_heads, half,
@@ -65,22 +71,14 @@ def _rotary_kv_store_kernel(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)  # int64: slot * stride can pass 2**31 in big pools
-    offs_r = tl.arange(0, BLOCK_R)
-    cos = tl.load(Cache + pos * stride_cache + offs_r, mask=offs_r < half, other=0.0)
-    sin = tl.load(Cache + pos * stride_cache + half + offs_r, mask=offs_r < half, other=0.0)
-    cos = cos.to(tl.float32)[None, :]
-    sin = sin.to(tl.float32)[None, :]
+    cos, sin = _cos_sin(Cache, pos, stride_cache, half, BLOCK_R)
     _rotate_heads(Q, Q, t, stride_qt, stride_qh, stride_qt, stride_qh, num_q_heads, half,
                   cos, sin, BLOCK_HQ, BLOCK_R)
     # (the token's pool row as a one-row output: token stride 0, the pool's head stride)
     _rotate_heads(K, KBuf + slot * stride_kbs, t, stride_kt, stride_kh, 0, stride_kbh,
                   num_k_heads, half, cos, sin, BLOCK_HK, BLOCK_R)
-    offs_h = tl.arange(0, BLOCK_HK)[:, None]
-    offs_dv = tl.arange(0, BLOCK_DV)[None, :]
-    mask_v = (offs_h < num_k_heads) & (offs_dv < head_dim_v)
-    v = tl.load(V + t * stride_vt + offs_h * stride_vh + offs_dv, mask=mask_v)
-    tl.store(VBuf + slot * stride_vbs + offs_h * stride_vbh + offs_dv,
-             v.to(VBuf.dtype.element_ty), mask=mask_v)
+    store_heads(V, VBuf, t, slot, stride_vt, stride_vh, stride_vbs, stride_vbh, num_k_heads,
+                head_dim_v, BLOCK_HK, BLOCK_DV)
 
 
 def _output_like(x: torch.Tensor, rotary_dim: int, inplace: bool) -> torch.Tensor:
@@ -129,8 +127,6 @@ def rotary_kv_store_triton(
 ) -> torch.Tensor:
     rotary_dim = cos_sin_cache.shape[-1]
     if rotary_dim < k.shape[-1]:  # dims past rotary_dim pass through: the two kernels
-        from sgl.backend.kernels.triton_kv_store import kv_store_triton
-
         q, k = rotary_embedding_triton(positions, q, k.clone(), cos_sin_cache, inplace=True)
         kv_store_triton(k_buffer, v_buffer, k, v, out_cache_loc)
         return q
