@@ -109,6 +109,12 @@ def test_greedy_outputs_are_identical_and_drafts_are_accepted(engines) -> None:
     assert after.spec_accepted_tokens > before.spec_accepted_tokens, "copying never accepted a draft"
     # fewer steps than tokens: some steps produced several tokens
     assert after.steps - before.steps < sum(len(o.token_ids) for o in got)
+    # rejected drafts gave their slots back: every slot is free or cached once all finished
+    rejected = ((after.spec_draft_tokens - before.spec_draft_tokens)
+                - (after.spec_accepted_tokens - before.spec_accepted_tokens))
+    assert rejected > 0
+    spec.check_integrity()
+    assert after.kv_used_tokens == after.kv_cached_tokens
 
 
 def test_one_stream_alone_is_identical(engines) -> None:
