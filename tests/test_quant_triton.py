@@ -12,6 +12,8 @@ float32 summation error, so a wrong nibble order or a wrong group's scale fails 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,6 +173,44 @@ def test_qgemv_variants_match_dequantize_then_matmul(fmt: str, variant: str,
     xb = x.bfloat16()  # 16-bit activations through the same variant
     assert_matches(qgemv(xb, w, None, config=cfg._replace(block_k=ragged_block_k(w))), xb,
                    w.dequantize(), None)
+
+
+Q4_FMTS = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit codes in groups of 32: what the mma kernel serves
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", Q4_FMTS)
+@pytest.mark.parametrize("factored", [False, True])
+def test_qgemv_mma_matches_dequantize_then_matmul(fmt: str, factored: bool) -> None:
+    """The tensor-core GEMV (quant/triton_q4mma.py): bf16 activations, 1-3 rows in one
+    program, ragged and whole tiles, split-K; its weights are bf16(code * bf16(scale)), so
+    it is held to the 16-bit bound."""
+    if factored and fmt not in K_QUANTS:
+        pytest.skip("no factored form")
+    n, k = shape_of(fmt)
+    w = qweight(fmt, n, k, seed=7, factored=factored)
+    cfg = QGemvConfig(16, ragged_block_k(w), 4, unpack="mma")
+    for m, bias in ((1, True), (3, False)):
+        x, b = inputs(m, k, n, torch.bfloat16, bias, seed=m)
+        assert_matches(qgemv(x, w, b, config=cfg), x, w.dequantize(), b)
+    even = qweight(fmt, 32, k, seed=8, factored=factored)  # the unmasked loads
+    groups = k // even.group_size
+    x, _ = inputs(2, k, 32, torch.bfloat16, False, seed=9)
+    for split in (1, 2):
+        cfg = QGemvConfig(16, (groups & -groups) * 32, 4, unpack="mma", split_k=split,
+                          split_reduce="last")
+        assert_matches(qgemv(x, even, None, config=cfg), x, even.dequantize(), None)
+
+
+@needs_triton
+def test_the_mma_bound_catches_a_swapped_nibble_order() -> None:
+    w = qweight("Q4_K", 16, 256, factored=True)
+    x, _ = inputs(2, 256, 16, torch.bfloat16, bias=False)
+    cfg = QGemvConfig(16, 128, 4, unpack="mma")
+    assert_matches(qgemv(x, w, config=cfg), x, w.dequantize(), None)
+    swapped = dataclasses.replace(w, codes=((w.codes << 4) | (w.codes >> 4)).contiguous())
+    with pytest.raises(AssertionError, match="beyond the bound"):
+        assert_matches(qgemv(x, swapped, config=cfg), x, w.dequantize(), None)
 
 
 def test_an_unknown_unpack_is_refused() -> None:

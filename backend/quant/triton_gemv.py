@@ -39,6 +39,7 @@ import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, next_power_of_2, tl, triton
 from sgl.backend.quant.triton_q4gemv import q4_lop3_kernel
+from sgl.backend.quant.triton_q4mma import q4_mma_kernel
 from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice, split_launch,
                                             store_rows)
 from sgl.backend.quant.weight import QuantizedWeight
@@ -59,7 +60,8 @@ class QGemvConfig(NamedTuple):
     split_k: int = 1  # K slices (a third grid axis, quant/triton_split.py); 1: no split
     split_reduce: str = "kernel"  # who adds the slices: "kernel" (a second one) | "last"
     unpack: str = "bytes"  # 4-bit codes: "bytes" (this module's kernel, `magic` and `words`
-    # apply) | "lop3" (quant/triton_q4gemv.py: int32 words, one lop3 per code)
+    # apply) | "lop3" (quant/triton_q4gemv.py: int32 words, one lop3 per code) | "mma"
+    # (quant/triton_q4mma.py: bf16 weights on the tensor cores, all rows in one program)
     prefetch: bool = False  # lop3 only: load the next K step before this one's arithmetic
 
 
@@ -86,7 +88,7 @@ GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
 }
 
 
-UNPACKS = ("bytes", "lop3")  # QGemvConfig.unpack
+UNPACKS = ("bytes", "lop3", "mma")  # QGemvConfig.unpack
 
 
 def gemv_config(kind: str, n: int, k: int, min_k: int) -> QGemvConfig:
@@ -292,6 +294,9 @@ def qgemv(
         sk = split_launch(y, cdiv(groups, block_g), block_g, n_blocks, cfg.split_k,
                           cfg.split_reduce)
         even = n % cfg.block_n == 0 and groups % block_g == 0
+        if cfg.unpack == "mma" and w.bits == 4:
+            _q4_mma(x2, w, bias, y, cfg, block_g)
+            return y.reshape(*x.shape[:-1], n)
         if cfg.unpack == "lop3" and w.bits == 4:
             words = w.codes.view(torch.int32)  # [N, K/8]: 4 words per group
             q4_lop3_kernel[(*grid, sk.split)](
@@ -321,6 +326,37 @@ def qgemv(
         )
         finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
+
+
+MMA_MAX_ROWS = 16  # rows of x one mma launch serves (the dot's columns); more: in chunks
+MMA_MIN_COLS = 16  # the dot's columns at least (rows of x padded with zeros)
+
+
+def _q4_mma(x2: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, y: torch.Tensor,
+            cfg: QGemvConfig, block_g: int) -> None:
+    """y [M, N] = x2 [M, K] @ w^T + bias through quant/triton_q4mma.py, every row of x (at
+    most MMA_MAX_ROWS at a time) in one program per block of N."""
+    n, groups = w.out_features, w.in_features // w.group_size
+    for r0 in range(0, x2.shape[0], MMA_MAX_ROWS):
+        xr, yr = x2[r0:r0 + MMA_MAX_ROWS], y[r0:r0 + MMA_MAX_ROWS]
+        rows = xr.shape[0]
+        sup_s, sup_z, sup = scale_args(w)
+        n_blocks = cdiv(n, cfg.block_n)
+        sk = split_launch(yr, cdiv(groups, block_g), block_g, n_blocks, cfg.split_k,
+                          cfg.split_reduce)
+        q4_mma_kernel[(n_blocks, sk.split)](
+            xr, w.codes.view(torch.uint8), w.scale, w.zero, sup_s, sup_z,
+            bias if bias is not None else sup_s, yr, sk.partials, sk.counters,
+            n, groups, sk.slice_units,
+            xr.stride(0), w.codes.stride(0), yr.stride(0), sk.slice_stride,
+            SUPER=sup, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
+            EVEN=n % cfg.block_n == 0 and groups % block_g == 0, ROWS=rows,
+            ROWS2=next_power_of_2(rows),
+            XCOLS=max(MMA_MIN_COLS, next_power_of_2(rows)), SPLIT=sk.split, LAST=sk.last,
+            ASM=not is_interpreted(q4_mma_kernel), UPCAST=is_interpreted(q4_mma_kernel),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        finish_split(sk, bias, yr)
 
 
 def row_grid(m: int, n_blocks: int) -> tuple[tuple[int, int], bool]:
