@@ -1,20 +1,21 @@
-"""The 4-bit one-row GEMV kernels side by side at the Llama-3.1-8B shapes: the first kernel
-(`unpack="bytes"`, triton_gemv.py) at today's defaults against a grid of the lop3 kernel
-(`unpack="lop3"`, triton_q4gemv.py), with each config checked against the reference first.
+"""The 4-bit one-row GEMV kernels side by side at the Llama-3.1-8B shapes: the shipped
+defaults (GEMV_DEFAULTS) against a grid of one kernel: the lop3 kernel (`--unpack lop3`,
+triton_q4gemv.py) or the tensor-core one (`--unpack mma`, triton_q4mma.py), with each config
+checked against the reference first.
 
-    python bench/q4_gemv_sweep.py [--budget 420] [--rows 1,2] [--quick]
+    python bench/q4_gemv_sweep.py [--budget 420] [--rows 1,2] [--quick] [--unpack lop3|mma]
 
 Weights: Q4 in the GPU's factored form (Q4_K structure, 4.75 bits; bench/quant_sweep.py's
 `make_weight`), cycled through >= 256 MiB of copies; graph-timed (bench/gemv_bench.py's
-`graph_us`). Per shape: bf16 cuBLAS, the shipped Q4 GEMV, every lop3 config; then per N
+`graph_us`). Per shape: bf16 cuBLAS, the shipped Q4 GEMV, every config of the kernel; then per N
 class of GEMV_DEFAULTS (N = 4096: o_proj and down; 6144: qkv; larger: gate_up and the head)
 the config with the lowest time per 8B step (32 x the layer shapes, once the head), split-K
 tried on the best of the N = 4096 class. Correctness: each config's output on the first
 copy against float32 dequantize-then-matmul (relative max error; configs over 1e-2 are
 dropped, a wrong kernel shows at ~1).
 
-Output: the tables on stdout and in $OUT/q4_gemv_sweep.md; every measurement as JSON lines in
-$OUT/q4_gemv_sweep.jsonl, written as taken.
+Output: the tables on stdout and in $OUT/q4_gemv_sweep.md (`--unpack mma`: q4_gemv_sweep_mma.md);
+every measurement as JSON lines in $OUT/q4_gemv_sweep.jsonl, written as taken.
 """
 
 from __future__ import annotations
@@ -60,11 +61,24 @@ def lop3_grid(quick: bool) -> list[QGemvConfig]:
     return out[::5] if quick else out
 
 
+def mma_grid(quick: bool) -> list[QGemvConfig]:
+    """(rows, K step, warps) of the tensor-core kernel: 16 rows per warp at most (the MMA's
+    M), 64 rows on 4 warps being Hopper's wgmma; ~128-256 weights a thread per K step."""
+    tiles = ((64, 256, 4), (64, 512, 4), (128, 256, 4), (128, 256, 8), (128, 512, 8),
+             (64, 1024, 4), (32, 512, 2), (32, 256, 2), (16, 512, 1), (16, 1024, 1),
+             (32, 1024, 2), (256, 256, 8))
+    out = [QGemvConfig(bn, bk, warps, num_stages=stages, unpack="mma")
+           for stages in (1, 2) for bn, bk, warps in tiles]
+    return out[::3] if quick else out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=420.0)
     ap.add_argument("--rows", default="1,2")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--unpack", choices=("lop3", "mma"), default="lop3",
+                    help="the kernel whose configs are swept against the shipped defaults")
     args = ap.parse_args()
     t0 = time.monotonic()
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
@@ -115,15 +129,17 @@ def main() -> int:
         put(shape, 1, "bf16 cublas", graph_us([lambda w=w: F.linear(x, w) for w in copies]))
         measure(shape, 1, gemv_config("q4", n, k, 32), "shipped")
     bf16.cache.clear()
-    grid = lop3_grid(args.quick)
-    print(f"{len(grid)} lop3 configs", flush=True)
+    kind = args.unpack
+    grid = lop3_grid(args.quick) if kind == "lop3" else mma_grid(args.quick)
+    print(f"{len(grid)} {kind} configs", flush=True)
     best: dict[str, tuple[QGemvConfig, float, str]] = {}
     for cfg in grid:
         if time.monotonic() - t0 > args.budget:
             print("budget reached", flush=True)
             break
-        label = (f"lop3 {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}w"
-                 f"{' prefetch' if cfg.prefetch else ''}")
+        label = (f"{kind} {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}w"
+                 f"{' prefetch' if cfg.prefetch else ''}"
+                 f"{f' s{cfg.num_stages}' if kind == 'mma' else ''}")
         for cls, names in CLASSES.items():
             total = 0.0
             for shape in names:
@@ -140,7 +156,7 @@ def main() -> int:
             if time.monotonic() - t0 > args.budget + 60:
                 break
             cfg = base._replace(block_n=bn, split_k=split, split_reduce="last")
-            label = (f"lop3 {bn}/{cfg.block_k}/{cfg.num_warps}w"
+            label = (f"{kind} {bn}/{cfg.block_k}/{cfg.num_warps}w"
                      f"{' prefetch' if cfg.prefetch else ''} split{split}")
             total = sum(WEIGHT[s] * (measure(s, 1, cfg, label) or float("inf"))
                         for s in CLASSES["4096"])
@@ -153,37 +169,38 @@ def main() -> int:
             measure(shape, m, gemv_config("q4", n, k, 32)._replace(unpack="bytes"), "shipped")
             for cls, (cfg, _, _) in best.items():
                 if shape in CLASSES[cls]:
-                    measure(shape, m, cfg, "lop3 best")
+                    measure(shape, m, cfg, f"{kind} best")
 
-    lines.append("| shape | bf16 cuBLAS us | Q4 shipped us (TB/s) | Q4 lop3 best us (TB/s) | "
-                 "lop3 config | lop3 / shipped |")
+    lines.append(f"| shape | bf16 cuBLAS us | Q4 shipped us (TB/s) | Q4 {kind} best us (TB/s) | "
+                 f"{kind} config | {kind} / shipped |")
     lines.append("|---|---|---|---|---|---|")
-    step = {"bf16 cublas": 0.0, "shipped": 0.0, "lop3": 0.0}
+    step = {"bf16 cublas": 0.0, "shipped": 0.0, kind: 0.0}
     for shape, (n, k) in SHAPES.items():
         cls = next(c for c, names in CLASSES.items() if shape in names)
         label = best[cls][2] if cls in best else None
         b, s = res.get((shape, 1, "bf16 cublas")), res.get((shape, 1, "shipped"))
         lo = res.get((shape, 1, label)) if label else None
         tb = lambda us: nbytes_of("q4", n, k) / us / 1e6  # noqa: E731
-        for key, v in (("bf16 cublas", b), ("shipped", s), ("lop3", lo)):
+        for key, v in (("bf16 cublas", b), ("shipped", s), (kind, lo)):
             step[key] += WEIGHT[shape] * (v or float("nan"))
         lines.append(f"| {shape} | {b or float('nan'):.1f} | {s or float('nan'):.1f} "
                      f"({tb(s) if s else float('nan'):.2f}) | "
                      f"{lo or float('nan'):.1f} ({tb(lo) if lo else float('nan'):.2f}) | "
                      f"{label} | {(lo / s) if lo and s else float('nan'):.2f} |")
     lines.append(f"| 8B step (32 layers + head) | {step['bf16 cublas']:.0f} | "
-                 f"{step['shipped']:.0f} | {step['lop3']:.0f} | | "
-                 f"{step['lop3'] / step['shipped']:.2f} |")
+                 f"{step['shipped']:.0f} | {step[kind]:.0f} | | "
+                 f"{step[kind] / step['shipped']:.2f} |")
     for m in rows:
         if m == 1:
             continue
         for shape in SHAPES:
-            s, lo = res.get((shape, m, "shipped")), res.get((shape, m, "lop3 best"))
+            s, lo = res.get((shape, m, "shipped")), res.get((shape, m, f"{kind} best"))
             lines.append(f"| {shape} M={m} | | {s or float('nan'):.1f} | "
                          f"{lo or float('nan'):.1f} | best | "
                          f"{(lo / s) if lo and s else float('nan'):.2f} |")
     lines.append("")
-    write_report(out, "q4_gemv_sweep", lines, "q4", best, t0)
+    write_report(out, "q4_gemv_sweep" if kind == "lop3" else f"q4_gemv_sweep_{kind}", lines,
+                 "q4", best, t0)
     return 0
 
 

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sgl.backend.kernels import triton_activation, triton_attention_decode, triton_rmsnorm
-from sgl.backend.quant import triton_fp8, triton_gemv, triton_q4gemv, triton_split
+from sgl.backend.quant import triton_fp8, triton_gemv, triton_q4gemv, triton_q4mma, triton_split
 
 TARGET = GPUTarget("cuda", 90, 32)
 QGEMV_ARGS = {"X": "*bf16", "CODES": "*u8", "SCALE": "*i8", "ZERO": "*i8", "SUP_S": "*fp32",
@@ -79,6 +79,13 @@ def main() -> None:
                 SPLIT=2, LAST=True, ASM=True, PREFETCH=True)
     code = ptx(triton_q4gemv.q4_lop3_kernel, {**QGEMV_ARGS, "CODES": "*i32"}, lop3)
     assert code.count("lop3.b32") >= 8, "the codes are not unpacked by lop3"
+    check_last_slice_reduction(code)
+    # The tensor-core kernel: its inline dequantization (lop3, then a bf16x2 FMA per pair)
+    # feeds the MMA (wgmma on sm_90 at 64 rows a program); two rows of x, split too.
+    mma = dict(SUPER=8, HAS_BIAS=True, BLOCK_N=64, BLOCK_G=8, EVEN=False, ROWS=2, ROWS2=2,
+               XCOLS=16, SPLIT=2, LAST=True, ASM=True, UPCAST=False)
+    code = ptx(triton_q4mma.q4_mma_kernel, {**QGEMV_ARGS, "CODES": "*u8"}, mma)
+    assert code.count("fma.rn.bf16x2") >= 2 and "wgmma.mma_async" in code, "no bf16 MMA path"
     check_last_slice_reduction(code)
     fp8 = dict(HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, EVEN_N=True, EVEN_K=False, DECODE=0,
                ROWS_FIRST=False, PDL=False)
