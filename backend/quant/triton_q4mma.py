@@ -5,20 +5,29 @@ Why: the lop3 kernel (quant/triton_q4gemv.py) spends ~5 instructions per weight 
 cores and is issue-bound at 1.3-2.6 TB/s. Here the multiply-adds go to the tensor cores: a
 program dequantizes its [BLOCK_N, BLOCK_K] weight tile to bf16 in registers and makes it
 the first operand of `tl.dot`, the rows of x the second, padded with zero columns to XCOLS
-(y^T = W x^T, "swap AB": the weights fill the MMA's M dimension, x its small N). Per 8
-weights (4 code bytes, one 32-bit register r = bytes b3 b2 b1 b0):
+(y^T = W x^T, "swap AB": the weights fill the MMA's M dimension, x its small N). Per 4
+weights (2 code bytes b0 b1, one inline-asm call):
 
-    3 x shr        r >> 4, r >> 8, r >> 12
-    4 x lop3       (v & 0x000F000F) | 0x43004300: two bf16 128 + code, exactly
-    4 x fma.bf16x2 (128 + code) * s - 128 * s: code * s, rounded once to bf16
+    prmt           b0 -> bits 0-7, b1 -> bits 16-23 (one register)
+    shr            the high nibbles down to bits 0-3 and 16-19
+    2 x lop3       (v & 0x000F000F) | 0x43004300: two bf16 128 + code, exactly
+    2 x fma.bf16x2 (128 + code) * s - 128 * s: code * s, rounded once to bf16
 
-that is 11 instructions per 8 weights (~1.4 per weight) plus the MMA's own share (an
-m16n8k16 covers 8 weights a thread per column tile). A bf16 mantissa has 7 bits, so only a
-nibble at bits 0-3 of a half fits the 128 + code form: the pairs are (b0, b2) of each nibble
-position, and the tile's columns within every 4 bytes come out in the order b0 b2 b1 b3;
-x is gathered in the same order (the dot does not care in which order K is summed). -128 * s
-is exact in bf16 (a power of two times the bf16 scale), so the FMA's one rounding is that of
-code * s: the weight is the reference's up to bf16 rounding of the scale and the product.
+1.5 instructions per weight. -128 * s is exact in bf16 (a power of two times the bf16
+scale), so the FMA's one rounding is that of code * s: the weight is the reference's up to
+bf16 rounding of the scale and of the product. The asm is elementwise (each output element
+from its own byte and scale): Triton moves the dot operand's layout up through it to the
+code load, and the codes take the trip through shared memory as bytes (2 bytes a thread
+per load, in the MMA's operand layout).
+
+Compiled for sm_90 (Triton 3.9's ptxas; SASS by nvdisasm, K loop counted, 1 row, factored
+scales): ~4.0-4.1 instructions per weight at 64-128 rows by 256-512 weights on 4-8 warps
+(wgmma), against the lop3 kernel's 5.4-5.9 at its shipped tiles. Of the 4: 1.5 the
+dequantization above, ~0.4 the codes' shared-memory trip (LDS), ~0.5 the groups' scales
+(int8 times the super-scale, to bf16, -128 s; Triton recomputes them in the operand layout,
+so in each of the 4 threads that share a row), ~0.4 the wgmma (m64n16k16: 8 weights a
+thread) and its descriptors, ~0.3 the x tile (zero columns rewritten every step) and the
+zeros' sums. Not yet the <= 2 that 4 TB/s needs; the device sweep says what it is worth.
 
 The group's zero is not folded into the weights (that would take a subtraction more per
 pair): per group and row of x it is zero[n,g] * sum_i x[g,i], float32, on the CUDA cores
@@ -31,9 +40,12 @@ dots over the half-tiles, the low codes against x's columns g*32 + i, the high o
 g*32 + 16 + i (as triton_gemm.py does). Only 4-bit codes in groups of 32; plain or factored
 scales; split-K and the bias as the other GEMVs (quant/triton_split.py).
 
-Checked: the interpreter runs the same math in plain Triton (ASM=False, the same column
-order), against float32 dequantize-then-matmul in tests/test_quant_triton.py; the compiled
-path for sm_90 in tests/triton_compile_check.py (the inline PTX and the MMA in the PTX).
+x enters the dot as bf16 (float16 or float32 activations are rounded to it): this kernel is
+for bf16 models. Checked: the interpreter runs the same math in plain Triton (ASM=False),
+against float32 dequantize-then-matmul in tests/test_quant_triton.py (held to the 16-bit
+bound); the compiled path for sm_90 in tests/triton_compile_check.py (the bf16x2 FMAs and
+the wgmma in the PTX). The asm's bit work is checked only on the device (the sweep compares
+every config with the reference before timing it).
 """
 
 from __future__ import annotations
