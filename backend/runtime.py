@@ -67,10 +67,11 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str, dtype: str) -> str:
-    """The KV pool's dtype name for a resolved device and model dtype. A 16-bit pool under a
-    float32 model is a CPU feature: the C ops round on store and widen on read
-    (quant/cpu_ops.c), the torch attention widens on read; the GPU keeps the model's dtype."""
-    kv = {"bf16": "bfloat16"}.get(kv_cache_dtype, kv_cache_dtype)
+    """The KV pool's dtype name (`kv_dtype` gives its torch dtype) for a resolved device and
+    model dtype. A narrower pool than the model's float32 is a CPU feature: the C ops round on
+    store and widen on read (quant/cpu_ops.c), the torch attention widens on read; the GPU
+    keeps the model's dtype."""
+    kv = {"bf16": "bfloat16", "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
     if device.startswith("cuda"):
         if kv not in ("auto", dtype):
             raise InvalidConfigError(
@@ -80,6 +81,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str, dtype: str) -> str:
     if kv == "auto":
         return CPU_AUTO_KV_CACHE_DTYPE if dtype == "float32" else dtype
     return kv
+
+
+def kv_dtype(kv_cache_dtype: str) -> torch.dtype:
+    """The torch dtype of a resolved `kv_cache_dtype` name."""
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else getattr(torch, kv_cache_dtype)
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -154,7 +160,7 @@ class Runtime:
         config = resolve_device(config)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.kv_dtype = getattr(torch, config.kv_cache_dtype)
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype)
         torch.manual_seed(config.random_seed)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)

@@ -5,6 +5,8 @@
 Engine rows (each in a fresh process, one after the other, so that peak RSS is the row's own):
 - sgl quantized: the CPU default, the GGUF's Q4_1/Q8_0 tensors kept quantized
   (backend/quant/), overlap on and off;
+- sgl quantized over a float8 e4m3 KV cache (`kv_cache_dtype="fp8_e4m3"`, opt-in, lossy: a
+  quarter of float32's KV bytes, half of the default float16's), no overlap;
 - sgl quantized with `activation_quantization="int8"` (opt-in: integer dot products on the
   quantized weights, inputs rounded to int8 per group), no overlap;
 - sgl float32: `quantization="none"`, the weights dequantized to float32 (the former default).
@@ -54,6 +56,8 @@ MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 ENGINES: dict[str, dict[str, object]] = {
     "sgl quantized (overlap)": {"disable_overlap_schedule": False},
     "sgl quantized (no overlap)": {"disable_overlap_schedule": True},
+    "sgl quantized, fp8_e4m3 KV (no overlap)": {"kv_cache_dtype": "fp8_e4m3",
+                                                "disable_overlap_schedule": True},
     "sgl quantized, int8 activations (no overlap)": {"activation_quantization": "int8",
                                                      "disable_overlap_schedule": True},
     "sgl float32 (no overlap)": {"quantization": "none", "disable_overlap_schedule": True},

@@ -38,9 +38,10 @@ ENV_OPTIONS: dict[str, str] = {
     "SGL_NUM_THREADS": "num_threads",
     "SGL_CACHE_DIR": "cache_dir",
 }
-# kv_cache_dtype values: SGLang's ("bf16" is its short name) plus the two float formats.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "float32")
-_KV_NOT_BUILT = ("fp8_e4m3", "fp8_e5m2", "fp8", "fp4_e2m1", "int8")  # SGLang's, not built here
+# kv_cache_dtype values: SGLang's ("bf16" is its short name, "fp8_e4m3"; vLLM's "fp8" is the
+# same format) plus the two float formats.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "float32", "fp8_e4m3", "fp8")
+_KV_NOT_BUILT = ("fp8_e5m2", "fp4_e2m1", "int8")  # SGLang's, not built here
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -81,9 +82,11 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
     mem_fraction_static: float | None = None  # share of free memory for weights + KV pool
     page_size: int = 1
-    # The KV pool's element type (SGLang's option; its names "bf16"/"bfloat16", plus
-    # "float16" and "float32"). "auto": on the CPU under a float32 model the runtime's
-    # CPU_AUTO_KV_CACHE_DTYPE, else the model's dtype; CUDA keeps the model's (no other).
+    # The KV pool's element type (SGLang's option; its names "bf16"/"bfloat16" and "fp8_e4m3",
+    # plus "float16" and "float32"). "auto": on the CPU under a float32 model the runtime's
+    # CPU_AUTO_KV_CACHE_DTYPE, else the model's dtype. "fp8_e4m3" (or "fp8"): float8 e4m3 with
+    # no scale (SGLang's default scale of 1), saturated at +-448: half of float16's bytes,
+    # lossy (3 mantissa bits); CPU only so far. CUDA keeps the model's dtype (no other).
     kv_cache_dtype: str = "auto"
 
     # -- scheduling -----------------------------------------------------------------------

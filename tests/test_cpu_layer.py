@@ -125,12 +125,13 @@ def threads(request: pytest.FixtureRequest) -> Any:
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16,
+                                      torch.float8_e4m3fn])
 @pytest.mark.parametrize("name", ["llama-tied", "llama-8bit", "qwen2-bias", "llama-f16"])
 def test_one_call_step_equals_the_op_path_bitwise(name: str, threads: int,
                                                   kv_dtype: torch.dtype) -> None:
-    """Also over a 16-bit pool (kv_cache_dtype): both paths round on store and widen on
-    read with the same C functions."""
+    """Also over a 16- or 8-bit pool (kv_cache_dtype): both paths round on store and widen
+    on read with the same C functions."""
     model = tiny_quantized(name)
     assert isinstance(model.model.cpu_decode, cpu_layer.CpuDecodeStep)
     model.model.cpu_decode.thread_choice.threads = lambda cap: cap  # (no timing trial)

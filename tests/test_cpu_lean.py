@@ -51,46 +51,52 @@ def test_reference_kernel_modules_do_not_import_triton() -> None:
     assert proc.stdout.strip() == "False"
 
 
-# -- 16-bit KV cache (kv_cache_dtype) ----------------------------------------------------------
+# -- 16- and 8-bit KV cache (kv_cache_dtype) ---------------------------------------------------
 
 
 def test_kv_cache_dtype_accepts_sglangs_names_and_refuses_the_rest() -> None:
     import sgl
     from sgl.config import EngineConfig
 
-    for value in ("auto", "bfloat16", "bf16", "float16", "float32"):
+    for value in ("auto", "bfloat16", "bf16", "float16", "float32", "fp8_e4m3", "fp8"):
         assert EngineConfig(kv_cache_dtype=value).kv_cache_dtype == value
-    with pytest.raises(sgl.InvalidConfigError, match="kv_cache_dtype='fp8_e4m3': sgl keeps no KV"):
-        EngineConfig(kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(sgl.InvalidConfigError, match="kv_cache_dtype='fp8_e5m2': sgl keeps no KV"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(sgl.InvalidConfigError, match="kv_cache_dtype='half': must be one of"):
         EngineConfig(kv_cache_dtype="half")
 
 
 def test_kv_cache_dtype_resolves_per_device() -> None:
     import sgl
-    from sgl.backend.runtime import CPU_AUTO_KV_CACHE_DTYPE, resolve_kv_cache_dtype
+    import torch
+
+    from sgl.backend.runtime import CPU_AUTO_KV_CACHE_DTYPE, kv_dtype, resolve_kv_cache_dtype
 
     assert resolve_kv_cache_dtype("auto", "cpu", "float32") == CPU_AUTO_KV_CACHE_DTYPE
     assert resolve_kv_cache_dtype("auto", "cpu", "bfloat16") == "bfloat16"  # the model's
     assert resolve_kv_cache_dtype("bf16", "cpu", "float32") == "bfloat16"
     assert resolve_kv_cache_dtype("float32", "cpu", "float32") == "float32"
+    assert resolve_kv_cache_dtype("fp8", "cpu", "float32") == "fp8_e4m3"  # vLLM's name
+    assert kv_dtype(resolve_kv_cache_dtype("fp8_e4m3", "cpu", "float32")) == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("auto", "cuda", "bfloat16") == "bfloat16"
     assert resolve_kv_cache_dtype("bf16", "cuda:1", "bfloat16") == "bfloat16"
-    with pytest.raises(sgl.InvalidConfigError, match="on CUDA the KV cache is kept in the model"):
-        resolve_kv_cache_dtype("float16", "cuda", "bfloat16")
+    for narrower in ("float16", "fp8_e4m3"):
+        with pytest.raises(sgl.InvalidConfigError, match="on CUDA the KV cache is kept in the"):
+            resolve_kv_cache_dtype(narrower, "cuda", "bfloat16")
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
-async def test_16_bit_kv_cache_halves_the_pool_and_serves(kernels: str) -> None:
-    """A float32 model over a float16 pool: half the bytes per token (stats say so), and the
-    engine decodes a batch on both CPU paths (the fused C ops; the stage and SDPA)."""
+async def test_narrower_kv_cache_shrinks_the_pool_and_serves(kernels: str) -> None:
+    """A float32 model over a float16 and a float8 e4m3 pool: half and a quarter of the bytes
+    per token (stats say so), and the engine decodes a batch on both CPU paths (the fused C
+    ops; the stage and SDPA)."""
     import asyncio
 
     import sgl
 
     stats = {}
-    for kv in ("float32", "float16"):
+    for kv in ("float32", "float16", "fp8_e4m3"):
         async with sgl.Engine("smollm2-135m", load_format="dummy", device="cpu", kernels=kernels,
                               model_config={"num_hidden_layers": 2, "vocab_size": 512},
                               max_total_tokens=4096, kv_cache_dtype=kv) as engine:
@@ -103,4 +109,5 @@ async def test_16_bit_kv_cache_halves_the_pool_and_serves(kernels: str) -> None:
     per_token = 2 * 2 * 3 * 64  # K and V x layers x kv heads x head_dim
     assert stats["float32"].kv_bytes_per_token == 4 * per_token
     assert stats["float16"].kv_bytes_per_token == 2 * per_token
+    assert stats["fp8_e4m3"].kv_bytes_per_token == per_token
     assert stats["float16"].kv_bytes_reserved * 2 == stats["float32"].kv_bytes_reserved

@@ -110,25 +110,44 @@ def test_uncovered_inputs_fall_back_to_the_reference() -> None:
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
 
 
-KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+_BITS = {4: torch.int32, 2: torch.int16, 1: torch.int8}  # element size -> its bits' dtype
 
 
 def _rounding_cases() -> torch.Tensor:
-    """float32 values where rounding to 16 bits is delicate: exact halfway points between
-    two float16 / bfloat16 neighbours (ties to even, both ways), float16 subnormals and
-    overflow, bfloat16's carry into the exponent, signed zero, infinities."""
+    """float32 values where rounding is delicate: exact halfway points between two float16 /
+    bfloat16 / e4m3 neighbours (ties to even, both ways), float16 subnormals and overflow,
+    bfloat16's carry into the exponent, e4m3's subnormals (ties among multiples of 2^-9, the
+    step up to its smallest normal 2^-6) and its saturation at 448 (ties at 456 and 464,
+    beyond), signed zero, infinities."""
     tie_f16 = [1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, -(2.0 + 2.0 ** -10)]
     tie_bf16 = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(3.0 + 2.0 ** -7)]
+    e4m3 = [1.0 + 2.0 ** -4, 1.0 + 3 * 2.0 ** -4, -(6.0 + 2.0 ** -1), 2.0 ** -10, 3 * 2.0 ** -10,
+            -5 * 2.0 ** -10, 2.0 ** -6 - 2.0 ** -10, 2.0 ** -6 - 2.0 ** -11, 2.0 ** -11, 447.0,
+            456.0, 464.0, -480.0, 1000.0, 0.0137, -0.3]
     odd = [2.0 ** -20, -3e-6, 6.1e-5, 65504.0, 65520.0, 70000.0, -1e9, 1.9921875 + 2 ** -9,
            0.0, -0.0, float("inf"), float("-inf"), 1e-40, 3.4e38]
-    return torch.tensor(tie_f16 + tie_bf16 + odd, dtype=torch.float32)
+    return torch.tensor(tie_f16 + tie_bf16 + e4m3 + odd, dtype=torch.float32)
+
+
+def test_e4m3_pool_rounding_known_values() -> None:
+    """What the reference store into a float8 e4m3 pool writes (the C store is held to its
+    bits below): nearest even, subnormals in steps of 2^-9, saturation at +-448 instead of
+    NaN (older torch versions convert an overflow to NaN), NaN kept."""
+    from sgl.backend.kernels.kv_store import to_pool_dtype
+
+    x = torch.tensor([1.0 + 2.0 ** -4, 1.0 + 3 * 2.0 ** -4, 2.0 ** -10, 3 * 2.0 ** -10, 456.0,
+                      1e9, float("-inf"), float("nan")])
+    got = to_pool_dtype(x, torch.float8_e4m3fn).float()
+    expected = [1.0, 1.25, 0.0, 2.0 ** -8, 448.0, 448.0, -448.0]
+    assert got[:-1].tolist() == expected and got[-1].isnan()
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-def test_kv_store_rounds_to_16_bits_exactly_as_torch(dtype: torch.dtype,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C store into a 16-bit pool (F16C for float16, round-to-nearest-even for bfloat16)
-    writes the bits of the reference's `.to(dtype)`, on random rows and delicate values."""
+def test_kv_store_rounds_exactly_as_torch(dtype: torch.dtype,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C store into a narrower pool (F16C for float16, round-to-nearest-even for bfloat16
+    and e4m3) writes the bits of the reference's rounding, on random rows and delicate values."""
     assert cpu_ops.kv_dtype_supported(dtype)
     tokens, kv_heads, head_dim = 6, 3, 20  # rows of 60: the 8-wide loop and its tail
     gen = _gen(7)
@@ -145,7 +164,7 @@ def test_kv_store_rounds_to_16_bits_exactly_as_torch(dtype: torch.dtype,
         patch.setattr(cpu_ops, "kv_store_reference", None)
         cpu_ops.kv_store(got_k, got_v, k, v, loc)
     kv_store_reference(ref_k, ref_v, k, v, loc)
-    bits = torch.int32 if dtype == torch.float32 else torch.int16  # compare bits: -0.0, inf
+    bits = _BITS[dtype.itemsize]  # compare bits: -0.0, inf
     assert torch.equal(got_k.view(bits), ref_k.view(bits))
     assert torch.equal(got_v.view(bits), ref_v.view(bits))
 
@@ -186,7 +205,7 @@ def test_decode_attention_matches_a_float64_reference(head_dim: int, dtype: torc
     pass over the values, a partial last pass), 16 (one chunk), 20 (not a multiple of 8: the
     plain loop); lengths that are and are not multiples of the 2-key and 16-key blocks; 1 to 7
     query heads per KV head (read together in groups of up to four: 7 = 4 + 3), keys at
-    scattered slots, one request's query row chosen by q_rows. A 16-bit pool is read widened
+    scattered slots, one request's query row chosen by q_rows. A narrower pool is read widened
     to float32 (exact), so the float32 tolerance holds for every dtype."""
     case = _attention_case(head_dim, heads, dtype, [1, 3, 4, 37, 16])
     q, k_buf, v_buf, table, lens, rows = case

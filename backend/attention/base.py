@@ -24,6 +24,15 @@ if TYPE_CHECKING:
     from sgl.backend.layers.rotary import RotaryEmbedding
 
 
+def compute_dtype(model_dtype: torch.dtype | None, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention computes in over a pool of `kv_dtype`: the wider of the two (the
+    pool's when no model dtype is given). A float8 pool is always widened, to the model's
+    dtype or float32: torch promotes no float8 type, and SDPA takes none."""
+    if kv_dtype.itemsize == 1:
+        return torch.float32 if model_dtype is None else model_dtype
+    return kv_dtype if model_dtype is None else torch.promote_types(model_dtype, kv_dtype)
+
+
 class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:

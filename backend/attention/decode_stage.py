@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sgl.backend.attention.base import compute_dtype
+
 _POSITION_ROUNDING = 256  # capacity grows in these steps
 _ROW_ROUNDING = 4  # rows grow in these steps
 HELD_FACTOR = 2  # stage positions per token the batch's requests hold, at most
@@ -170,8 +172,7 @@ class DecodeStage:
         shape = (rows, like.shape[1], cap, like.shape[2])
         self.k, self.v = [], []  # release the old stage before allocating the new one
         # zeros, not empty: padding keys are masked, but NaN garbage would still poison SDPA
-        dtype = like.dtype if self.model_dtype is None else torch.promote_types(self.model_dtype,
-                                                                                 like.dtype)
+        dtype = compute_dtype(self.model_dtype, like.dtype)
         self.k = [torch.zeros(shape, dtype=dtype, device=like.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=like.device) for _ in range(num_layers)]
         self.slots = torch.full((rows, cap), -1, dtype=torch.int64)

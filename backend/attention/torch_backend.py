@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sgl.backend.attention.base import AttentionBackend
+from sgl.backend.attention.base import AttentionBackend, compute_dtype
 from sgl.backend.attention.decode_stage import DecodeStage, StagePlan
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.kernels.kv_store import kv_store_reference
@@ -282,7 +282,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [B, heads, head_dim]
         batch, heads, head_dim = q.shape
         kv_heads = k_buffer.shape[1]
-        compute = torch.promote_types(q.dtype, k_buffer.dtype)
+        compute = compute_dtype(q.dtype, k_buffer.dtype)
         # [B, kv_heads, G, head_dim]: the G query heads of a KV head become G queries of it
         qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim).to(compute)
         if meta.stage is not None:
@@ -320,7 +320,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [n, heads, head_dim]
         # Batched 4-D inputs: with 3-D ones SDPA takes its unfused math path on the CPU
         # (scores materialized, several times slower).
-        compute = torch.promote_types(q.dtype, k_buffer.dtype)
+        compute = compute_dtype(q.dtype, k_buffer.dtype)
         k = k_buffer.index_select(0, req.slots).transpose(0, 1)[None]  # [1, kv_heads, L, head_dim]
         v = v_buffer.index_select(0, req.slots).transpose(0, 1)[None]  # [1, kv_heads, L, head_dim]
         k, v = k.to(compute), v.to(compute)

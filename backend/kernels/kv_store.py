@@ -19,5 +19,15 @@ def kv_store_reference(
     out_cache_loc: torch.Tensor,  # [T] int
 ) -> None:
     loc = out_cache_loc.long()
-    k_buffer[loc] = k.to(k_buffer.dtype)
-    v_buffer[loc] = v.to(v_buffer.dtype)
+    k_buffer[loc] = to_pool_dtype(k, k_buffer.dtype)
+    v_buffer[loc] = to_pool_dtype(v, v_buffer.dtype)
+
+
+def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to the pool's dtype (nearest even); into a float8 pool saturated to its
+    largest finite value first (what torch 2.13 does by itself, older versions do not; NaN
+    stays NaN), so an outlier is clipped rather than stored as NaN."""
+    if dtype.itemsize == 1:  # float8
+        big = torch.finfo(dtype).max
+        x = x.clamp(-big, big)
+    return x.to(dtype)

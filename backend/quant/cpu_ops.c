@@ -5,13 +5,14 @@
 //   sgl_rmsnorm       (x [+ r]) -> normed, and the sum              (RMSNorm, fused residual add)
 //   sgl_silu_mul      [T, 2I] gate|up -> [T, I] silu(gate) * up
 //   sgl_rope          rotate-half RoPE of T rows of `heads` heads, in place
-//   sgl_kv_store      k, v rows -> their pool slots (rounded to the pool's 16 bits, if so)
+//   sgl_kv_store      k, v rows -> their pool slots (rounded to the pool's element, if narrower)
 //   sgl_decode_attn   one query row per request against its KV, read in place from the pool
 //                     through the request's row of req_to_token (no gather, no padded copy)
 //
-// The KV pool holds float32, float16 or bfloat16 (`kind`, KV_*): the store rounds to nearest
-// even as torch's `.to()` does (F16C for float16), and attention widens each element back to
-// float32 as it reads it (exact for both 16-bit formats), so all arithmetic stays float32.
+// The KV pool holds float32, float16, bfloat16 or float8 e4m3 (`kind`, KV_*): the store rounds
+// to nearest even as torch's `.to()` does (F16C for float16; e4m3 saturates at +-448 first),
+// and attention widens each element back to float32 as it reads it (exact for every format),
+// so all arithmetic stays float32.
 //
 // Every op has the torch reference it is tested against (tests/test_quant_cpu_ops.py).
 #include <immintrin.h>
@@ -113,10 +114,13 @@ void sgl_rope(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t D,
 }
 
 // The pool's element kinds (cpu_ops.py's _KV_KINDS).
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_E4M3 = 3 };
 
-// F16C for the float16 conversions: every AVX2 CPU has it (cpu_ops.py checks before it hands
-// a float16 pool here); float32 and bfloat16 pools never execute an F16C instruction.
+// Bytes of one pool element.
+INLINE int64_t kv_esize(int kind) { return kind == KV_F32 ? 4 : kind == KV_E4M3 ? 1 : 2; }
+
+// F16C for the float16 and e4m3 conversions: every AVX2 CPU has it (cpu_ops.py checks before
+// it hands such a pool here); float32 and bfloat16 pools never execute an F16C instruction.
 #define KV __attribute__((target("avx2,fma,f16c")))
 
 // float32 -> bfloat16 bits, rounded to nearest even; a NaN becomes torch's quiet NaN 0x7FC0.
@@ -125,6 +129,41 @@ INLINE uint16_t to_bf16(float f) {
   memcpy(&u, &f, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// float32 -> float8 e4m3fn bits (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no
+// infinities), rounded to nearest even after saturating to +-448, the largest finite value:
+// torch's `x.clamp(-448, 448).to(torch.float8_e4m3fn)`. NaN stays NaN (0x7F with its sign).
+INLINE uint8_t to_e4m3(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7f;
+  if (a >= 0x43e00000u) return sign | 0x7e;  // >= 448, infinity included
+  if (a >= 0x3c800000u) {  // >= 2^-6, the smallest normal: keep 3 of the 23 mantissa bits
+    const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);  // a carry moves into the exponent
+    return sign | (uint8_t)((r >> 20) - (120u << 3));  // exponent bias 127 -> 7
+  }
+  // Subnormal: a multiple of 2^-9, the mantissa (with its hidden bit) shifted into those
+  // units, rounded to nearest even; a result of 8 is 2^-6, the first normal code.
+  const int exp = (int)(a >> 23);  // 0 for float32 zeros and subnormals: they round to 0
+  const int shift = 14 - (exp - 127);  // value = m * 2^(exp - 150), in units of 2^-9
+  if (exp == 0 || shift > 24) return sign;
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u, half = 1u << (shift - 1);
+  uint32_t q = m >> shift;
+  const uint32_t rem = m & ((half << 1) - 1u);
+  if (rem > half || (rem == half && (q & 1u))) q++;
+  return sign | (uint8_t)q;
+}
+
+// 8 e4m3 codes, sign-extended to 16 bits -> the float16 bits of code value / 256: shifted left
+// by 7, exponent and mantissa land in float16's fields (its exponent bias is 8 more; e4m3
+// subnormals land on float16 subnormals) and the sign on bit 15; the mask clears the copy of
+// the sign left on bit 14. Widening and multiplying by 256 is then exact.
+#define E4M3_F16_MASK ((short)0xbf80)
+KV INLINE __m128i e4m3_as_f16(__m128i codes) {
+  return _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(codes), 7), _mm_set1_epi16(E4M3_F16_MASK));
 }
 
 // W floats -> W pool elements of `kind` at dst.
@@ -138,6 +177,9 @@ KV INLINE void store_row(void* dst, const float* src, int64_t W, int kind) {
       _mm_storeu_si128((__m128i*)(d + i),
                        _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
     for (; i < W; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+  } else if (kind == KV_E4M3) {
+    uint8_t* d = (uint8_t*)dst;
+    for (int64_t i = 0; i < W; i++) d[i] = to_e4m3(src[i]);
   } else {
     uint16_t* d = (uint16_t*)dst;
     for (int64_t i = 0; i < W; i++) d[i] = to_bf16(src[i]);
@@ -152,6 +194,10 @@ KV INLINE __m256 kv_load8(const void* base, int64_t i, int kind) {
     __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  if (kind == KV_E4M3) {
+    __m128i codes = _mm_loadl_epi64((const __m128i*)((const uint8_t*)base + i));
+    return _mm256_mul_ps(_mm256_cvtph_ps(e4m3_as_f16(codes)), _mm256_set1_ps(256.0f));
+  }
   return _mm256_loadu_ps((const float*)base + i);
 }
 
@@ -163,6 +209,10 @@ KV INLINE float kv_load1(const void* base, int64_t i, int kind) {
     memcpy(&f, &u, sizeof f);
     return f;
   }
+  if (kind == KV_E4M3) {
+    uint16_t c = (uint16_t)((const int8_t*)base)[i];  // sign-extended
+    return _cvtsh_ss((unsigned short)((c << 7) & 0xbf80)) * 256.0f;
+  }
   return ((const float*)base)[i];
 }
 
@@ -170,7 +220,7 @@ KV INLINE float kv_load1(const void* base, int64_t i, int kind) {
 // values sit wherever its slots are (decode steps interleave the batch's requests, freed slots
 // are reused), an order the hardware prefetcher does not follow.
 INLINE void kv_prefetch(const void* base, int64_t i, int64_t D, int kind) {
-  const int64_t esize = kind == KV_F32 ? 4 : 2;
+  const int64_t esize = kv_esize(kind);
   const char* p = (const char*)base + i * esize;
   for (int64_t b = 0; b < D * esize; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
@@ -182,7 +232,7 @@ INLINE void kv_prefetch(const void* base, int64_t i, int64_t D, int kind) {
 // [slots, W] of element `kind`.
 KV void sgl_kv_store(void* kbuf, void* vbuf, const float* k, int64_t k_stride, const float* v,
                      int64_t v_stride, const int64_t* loc, int64_t T, int64_t W, int kind) {
-  size_t esize = kind == KV_F32 ? 4 : 2;
+  size_t esize = (size_t)kv_esize(kind);
   for (int64_t t = 0; t < T; t++) {
     store_row((char*)kbuf + (size_t)(loc[t] * W) * esize, k + t * k_stride, W, kind);
     store_row((char*)vbuf + (size_t)(loc[t] * W) * esize, v + t * v_stride, W, kind);
@@ -325,12 +375,25 @@ KV INLINE void attend_one8(const float* q, float* out, int64_t G, int64_t kvh, i
 // l + 4, then the pairs left, then the last two) on vectors holding several keys at once,
 // instead of one horizontal sum per key and head. Values: one pass of 16-lane chunks per key.
 
+// 16 e4m3 codes as floats (exact): e4m3_as_f16 on 16 lanes.
+AVX512 INLINE __m512 e4m3x16(__m128i codes) {
+  __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
+                               _mm256_set1_epi16(E4M3_F16_MASK));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
 // [K at element i0, 8 elements | K at i1, 8 elements] as 16 floats (exact).
 AVX512 INLINE __m512 kv_load8x2(const void* base, int64_t i0, int64_t i1, int kind) {
   if (kind == KV_F32) {
     const float* f = (const float*)base;
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f + i0)),
                               _mm256_loadu_ps(f + i1), 1);
+  }
+  if (kind == KV_E4M3) {
+    const uint8_t* b = (const uint8_t*)base;
+    __m128i w = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(b + i0)),
+                                   _mm_loadl_epi64((const __m128i*)(b + i1)));
+    return e4m3x16(w);
   }
   const uint16_t* h = (const uint16_t*)base;
   __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(h + i0))),
@@ -342,6 +405,7 @@ AVX512 INLINE __m512 kv_load8x2(const void* base, int64_t i0, int64_t i1, int ki
 // 16 pool elements from element index i, as floats (exact).
 AVX512 INLINE __m512 kv_load16(const void* base, int64_t i, int kind) {
   if (kind == KV_F32) return _mm512_loadu_ps((const float*)base + i);
+  if (kind == KV_E4M3) return e4m3x16(_mm_loadu_si128((const __m128i*)((const uint8_t*)base + i)));
   __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
   if (kind == KV_F16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -532,6 +596,8 @@ AVX512 static void attend_one_512(const float* q, float* out, int64_t G, int64_t
     attend_heads16(q, out, G, stride, off, D, kbuf, vbuf, row, len, scale, scores, KV_F16);
   else if (kind == KV_BF16)
     attend_heads16(q, out, G, stride, off, D, kbuf, vbuf, row, len, scale, scores, KV_BF16);
+  else if (kind == KV_E4M3)
+    attend_heads16(q, out, G, stride, off, D, kbuf, vbuf, row, len, scale, scores, KV_E4M3);
   else
     attend_heads16(q, out, G, stride, off, D, kbuf, vbuf, row, len, scale, scores, KV_F32);
 }
@@ -582,6 +648,8 @@ KV INLINE void attend_task(const float* q, float* out, int64_t G, int64_t kvh, i
     SGL_ATTEND(KV_F16)
   } else if (kind == KV_BF16) {
     SGL_ATTEND(KV_BF16)
+  } else if (kind == KV_E4M3) {
+    SGL_ATTEND(KV_E4M3)
   } else {
     SGL_ATTEND(KV_F32)
   }

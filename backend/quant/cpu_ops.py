@@ -12,9 +12,10 @@ reference, so a caller never needs to check. `decode_attention` is the torch att
 backend's fused path (attention/torch_backend.py): decode rows, and prompt chunks one query row
 per token. On AVX-512 CPUs it runs a twin with the AVX2 loops' bits (cpu_ops.c).
 
-The KV pool may hold float32, float16 or bfloat16 (`kv_dtype_supported`): `kv_store` rounds
-the float32 k/v rows to nearest even exactly as the reference's `.to()` does, and
-`decode_attention` widens each stored element back to float32 as it reads it.
+The KV pool may hold float32, float16, bfloat16 or float8 e4m3 (`kv_dtype_supported`):
+`kv_store` rounds the float32 k/v rows to nearest even exactly as the reference does (its
+`.to()`, after saturating to e4m3's +-448), and `decode_attention` widens each stored
+element back to float32 as it reads it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ __all__ = ["available", "decode_attention", "decode_attention_supported", "fused
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _F32 = torch.float32
-# The pool element kinds of cpu_ops.c (KV_F32, KV_F16, KV_BF16).
-_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# The pool element kinds of cpu_ops.c (KV_F32, KV_F16, KV_BF16, KV_E4M3).
+_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
+_F16C_KINDS = (torch.float16, torch.float8_e4m3fn)  # widened through F16C's conversion
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -150,7 +152,7 @@ def _has_f16c() -> bool:
 
 def kv_dtype_supported(dtype: torch.dtype) -> bool:
     """Whether the C store and attention take a pool of this dtype."""
-    return dtype in _KV_KINDS and (dtype != torch.float16 or _has_f16c())
+    return dtype in _KV_KINDS and (dtype not in _F16C_KINDS or _has_f16c())
 
 
 def kv_kind(dtype: torch.dtype) -> int:
