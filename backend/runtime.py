@@ -68,16 +68,17 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str, dtype: str) -> str:
     """The KV pool's dtype name (`kv_dtype` gives its torch dtype) for a resolved device and
-    model dtype. A narrower pool than the model's float32 is a CPU feature: the C ops round on
-    store and widen on read (quant/cpu_ops.c), the torch attention widens on read; the GPU
-    keeps the model's dtype."""
+    model dtype. A 16-bit pool under a float32 model is a CPU feature: the C ops round on
+    store and widen on read (quant/cpu_ops.c), the torch attention widens on read. On CUDA the
+    pool is the model's dtype or float8 e4m3: the Triton stores round into it, the Triton
+    attention widens each tile it loads, the torch attention widens what it gathers."""
     kv = {"bf16": "bfloat16", "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
     if device.startswith("cuda"):
-        if kv not in ("auto", dtype):
+        if kv not in ("auto", dtype, "fp8_e4m3"):
             raise InvalidConfigError(
                 f"kv_cache_dtype={kv_cache_dtype!r}: on CUDA the KV cache is kept in the model's "
-                f"dtype ({dtype}); use 'auto' (or set dtype)")
-        return dtype
+                f"dtype ({dtype}) or in float8: use 'auto' or 'fp8_e4m3' (or set dtype)")
+        return dtype if kv == "auto" else kv
     if kv == "auto":
         return CPU_AUTO_KV_CACHE_DTYPE if dtype == "float32" else dtype
     return kv
