@@ -89,6 +89,26 @@ def kv_dtype(kv_cache_dtype: str) -> torch.dtype:
     return torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else getattr(torch, kv_cache_dtype)
 
 
+def check_float8_kv_attention(kv: torch.dtype, attention: str, device: torch.device) -> None:
+    """A float8 pool under the Triton attention (`attention`: the backend "auto" resolved):
+    its kernels cast to and from e4m3 (Triton's fp8e4nv), which Triton compiles for compute
+    capability 8.9 and later only, and which its interpreter (Triton kernels on the CPU)
+    rounds wrongly. The torch attention serves a float8 pool on any device."""
+    if kv.itemsize != 1 or attention != "triton":
+        return
+    use = "use attention_backend='torch' or kv_cache_dtype='auto'"
+    if device.type != "cuda":
+        raise InvalidConfigError(
+            f"kv_cache_dtype='fp8_e4m3' with the Triton attention on {device}: Triton's "
+            f"interpreter rounds float8 stores wrongly; {use}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise InvalidConfigError(
+            f"kv_cache_dtype='fp8_e4m3' with the Triton attention needs a GPU of compute "
+            f"capability 8.9 or later (Triton's float8 e4m3), this one is {major}.{minor}: "
+            f"{use} (the torch attention decodes without CUDA graphs)")
+
+
 def _available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -196,6 +216,9 @@ class Runtime:
         self.kernels = resolve_kernels(  # before the slow load
             config.kernels, self.device, self.dtype,
             batch_invariant=config.enable_deterministic_inference)
+        attention = config.attention_backend
+        check_float8_kv_attention(self.kv_dtype, self.kernels.attention if attention == "auto"
+                                  else attention, self.device)
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,

@@ -93,6 +93,26 @@ def test_kv_cache_dtype_resolves_per_device() -> None:
             resolve_kv_cache_dtype(other, "cuda", model_dtype)
 
 
+def test_float8_kv_cache_under_the_triton_attention_needs_an_sm89_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sgl
+    import torch
+
+    from sgl.backend.runtime import check_float8_kv_attention
+
+    fp8, cuda = torch.float8_e4m3fn, torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    check_float8_kv_attention(fp8, "triton", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(sgl.InvalidConfigError, match="capability 8.9 or later .* this one is "
+                                                     "8.0: use attention_backend='torch'"):
+        check_float8_kv_attention(fp8, "triton", cuda)
+    check_float8_kv_attention(fp8, "torch", cuda)  # the torch attention: any GPU
+    check_float8_kv_attention(torch.bfloat16, "triton", cuda)
+    with pytest.raises(sgl.InvalidConfigError, match="interpreter rounds float8 stores wrongly"):
+        check_float8_kv_attention(fp8, "triton", torch.device("cpu"))
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 async def test_narrower_kv_cache_shrinks_the_pool_and_serves(kernels: str) -> None:
