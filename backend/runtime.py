@@ -68,16 +68,17 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str, dtype: str) -> str:
     """The KV pool's dtype name (`kv_dtype` gives its torch dtype) for a resolved device and
-    model dtype. A narrower pool than the model's float32 is a CPU feature: the C ops round on
-    store and widen on read (quant/cpu_ops.c), the torch attention widens on read; the GPU
-    keeps the model's dtype."""
+    model dtype. A 16-bit pool under a float32 model is a CPU feature: the C ops round on
+    store and widen on read (quant/cpu_ops.c), the torch attention widens on read. On CUDA the
+    pool is the model's dtype or float8 e4m3: the Triton stores round into it, the Triton
+    attention widens each tile it loads, the torch attention widens what it gathers."""
     kv = {"bf16": "bfloat16", "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
     if device.startswith("cuda"):
-        if kv not in ("auto", dtype):
+        if kv not in ("auto", dtype, "fp8_e4m3"):
             raise InvalidConfigError(
                 f"kv_cache_dtype={kv_cache_dtype!r}: on CUDA the KV cache is kept in the model's "
-                f"dtype ({dtype}); use 'auto' (or set dtype)")
-        return dtype
+                f"dtype ({dtype}) or in float8: use 'auto' or 'fp8_e4m3' (or set dtype)")
+        return dtype if kv == "auto" else kv
     if kv == "auto":
         return CPU_AUTO_KV_CACHE_DTYPE if dtype == "float32" else dtype
     return kv
@@ -86,6 +87,26 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str, dtype: str) -> str:
 def kv_dtype(kv_cache_dtype: str) -> torch.dtype:
     """The torch dtype of a resolved `kv_cache_dtype` name."""
     return torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else getattr(torch, kv_cache_dtype)
+
+
+def check_float8_kv_attention(kv: torch.dtype, attention: str, device: torch.device) -> None:
+    """A float8 pool under the Triton attention (`attention`: the backend "auto" resolved):
+    its kernels cast to and from e4m3 (Triton's fp8e4nv), which Triton compiles for compute
+    capability 8.9 and later only, and which its interpreter (Triton kernels on the CPU)
+    rounds wrongly. The torch attention serves a float8 pool on any device."""
+    if kv.itemsize != 1 or attention != "triton":
+        return
+    use = "use attention_backend='torch' or kv_cache_dtype='auto'"
+    if device.type != "cuda":
+        raise InvalidConfigError(
+            f"kv_cache_dtype='fp8_e4m3' with the Triton attention on {device}: Triton's "
+            f"interpreter rounds float8 stores wrongly; {use}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise InvalidConfigError(
+            f"kv_cache_dtype='fp8_e4m3' with the Triton attention needs a GPU of compute "
+            f"capability 8.9 or later (Triton's float8 e4m3), this one is {major}.{minor}: "
+            f"{use} (the torch attention decodes without CUDA graphs)")
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -195,6 +216,9 @@ class Runtime:
         self.kernels = resolve_kernels(  # before the slow load
             config.kernels, self.device, self.dtype,
             batch_invariant=config.enable_deterministic_inference)
+        attention = config.attention_backend
+        check_float8_kv_attention(self.kv_dtype, self.kernels.attention if attention == "auto"
+                                  else attention, self.device)
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,

@@ -77,7 +77,7 @@ _AUTO_DEFAULTS = {
                         "at most 2 GiB",
     "mem_fraction_static": "0.85 on CUDA, 0.2 on the CPU",
     "kv_cache_dtype": "auto: float16 on the CPU under a float32 model, else the model's dtype "
-                      "(fp8_e4m3: a quarter of float32's bytes, lossy, CPU only)",
+                      "(fp8_e4m3: half of bf16's bytes, a quarter of float32's; lossy)",
     "chunked_prefill_size": "8192 on CUDA, 512 on the CPU",
     "max_prefill_tokens": "chunked_prefill_size + max_running_requests",
     "max_running_requests": "256 on CUDA, 64 on the CPU, never more than the pool",

@@ -86,7 +86,7 @@ class EngineConfig:
     # plus "float16" and "float32"). "auto": on the CPU under a float32 model the runtime's
     # CPU_AUTO_KV_CACHE_DTYPE, else the model's dtype. "fp8_e4m3" (or "fp8"): float8 e4m3 with
     # no scale (SGLang's default scale of 1), saturated at +-448: half of float16's bytes,
-    # lossy (3 mantissa bits); CPU only so far. CUDA keeps the model's dtype (no other).
+    # lossy (3 mantissa bits). CUDA keeps the model's dtype or this float8 (no other).
     kv_cache_dtype: str = "auto"
 
     # -- scheduling -----------------------------------------------------------------------

@@ -80,9 +80,37 @@ def test_kv_cache_dtype_resolves_per_device() -> None:
     assert kv_dtype(resolve_kv_cache_dtype("fp8_e4m3", "cpu", "float32")) == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("auto", "cuda", "bfloat16") == "bfloat16"
     assert resolve_kv_cache_dtype("bf16", "cuda:1", "bfloat16") == "bfloat16"
-    for narrower in ("float16", "fp8_e4m3"):
-        with pytest.raises(sgl.InvalidConfigError, match="on CUDA the KV cache is kept in the"):
-            resolve_kv_cache_dtype(narrower, "cuda", "bfloat16")
+    # CUDA: the model's dtype or float8 (the Triton kernels round into it and widen from it)
+    for model_dtype in ("bfloat16", "float32"):
+        for fp8 in ("fp8_e4m3", "fp8"):
+            assert resolve_kv_cache_dtype(fp8, "cuda", model_dtype) == "fp8_e4m3"
+    for model_dtype, other in (("bfloat16", "float16"), ("bfloat16", "float32"),
+                               ("float32", "bfloat16")):
+        with pytest.raises(sgl.InvalidConfigError,
+                           match=f"kv_cache_dtype='{other}': on CUDA the KV cache is kept in the "
+                                 f"model's dtype \\({model_dtype}\\) or in float8: use 'auto' "
+                                 "or 'fp8_e4m3'"):
+            resolve_kv_cache_dtype(other, "cuda", model_dtype)
+
+
+def test_float8_kv_cache_under_the_triton_attention_needs_an_sm89_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sgl
+    import torch
+
+    from sgl.backend.runtime import check_float8_kv_attention
+
+    fp8, cuda = torch.float8_e4m3fn, torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    check_float8_kv_attention(fp8, "triton", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(sgl.InvalidConfigError, match="capability 8.9 or later .* this one is "
+                                                     "8.0: use attention_backend='torch'"):
+        check_float8_kv_attention(fp8, "triton", cuda)
+    check_float8_kv_attention(fp8, "torch", cuda)  # the torch attention: any GPU
+    check_float8_kv_attention(torch.bfloat16, "triton", cuda)
+    with pytest.raises(sgl.InvalidConfigError, match="interpreter rounds float8 stores wrongly"):
+        check_float8_kv_attention(fp8, "triton", torch.device("cpu"))
 
 
 @pytest.mark.anyio

@@ -10,7 +10,8 @@ subprocess test reruns this file interpreted when triton was imported compiled f
 - decode attention with the fixed split count gives a row the same bits alone and in a batch.
 
 Then the engines: the real default model on the CPU (marked slow), a random-weight bf16 Llama
-on CUDA (marked gpu), and the option's refusals where no invariant kernel serves.
+on CUDA (marked gpu; over a bf16 and a float8 KV pool), and the option's refusals where no
+invariant kernel serves.
 """
 
 from __future__ import annotations
@@ -325,13 +326,15 @@ def _gpu_prompts() -> list[list[int]]:
 
 
 @pytest.mark.gpu
-def test_gpu_engine_gives_a_request_the_same_bits_whatever_runs_beside_it() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_gpu_engine_gives_a_request_the_same_bits_whatever_runs_beside_it(
+        kv_cache_dtype: str) -> None:
     from test_gpu_engine import copy_weights
     from test_gpu_multi_token import _always_draft
 
     kw = dict(max_new_tokens=24, temperature=0, ignore_eos=True)
     ps = _gpu_prompts()
-    e = _gpu_engine()
+    e = _gpu_engine(kv_cache_dtype=kv_cache_dtype)
     try:
         kinds = _step_kinds(e)
         got = asyncio.run(_scenarios(e, ps, **kw))
@@ -342,7 +345,7 @@ def test_gpu_engine_gives_a_request_the_same_bits_whatever_runs_beside_it() -> N
         # (replayed by the decode graphs, and eagerly as decode rows).
         spec = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3)
         for options in (dict(chunked_prefill_size=48), spec, dict(spec, disable_cuda_graph=True)):
-            other = _gpu_engine(**options)
+            other = _gpu_engine(kv_cache_dtype=kv_cache_dtype, **options)
             try:
                 copy_weights(e, other)
                 if "speculative_algorithm" in options:

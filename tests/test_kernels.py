@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imported
+    CUDA,
     DEVICE,
     NO_TRITON,
     rerun_interpreted,
@@ -52,6 +53,11 @@ needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
 IMPLS = ["reference", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8_e4m3"
+# Triton's interpreter rounds float -> float8 casts wrongly (triton 3.9: 0.1249 -> 0.0625,
+# subnormals flushed to 0), so the Triton float8 *stores* are checked on CUDA only; it widens
+# every finite float8 code exactly, so the attention kernels over a float8 pool run everywhere.
+FP8_STORE_ON_CUDA = "float8 stores: Triton's interpreter rounds them wrongly (CUDA only)"
 
 
 @pytest.fixture(params=IMPLS)
@@ -193,6 +199,103 @@ def test_kv_store(impl: str, dtype: torch.dtype) -> None:
     assert torch.equal(k_buffer, exp_k) and torch.equal(v_buffer, exp_v)
 
 
+def skip_float8_store_off_cuda(impl: str) -> None:
+    if impl == "triton" and not CUDA:
+        pytest.skip(FP8_STORE_ON_CUDA)
+
+
+def float8_edge_values(dtype: torch.dtype) -> torch.Tensor:  # [2 * len(FLOAT8_EDGES)]
+    """Values whose e4m3 rounding is easy to get wrong, then their negations (on DEVICE)."""
+    values = torch.tensor([x for x, _ in FLOAT8_EDGES], dtype=torch.float64)
+    return torch.cat([values, -values]).to(dtype=dtype, device=DEVICE)
+
+
+FLOAT8_EDGES = [  # (value, its e4m3 rounding), written out
+    (1 + 1 / 16, 1.0), (1 + 3 / 16, 1.25), (3 + 1 / 8, 3.0), (0.5 + 1 / 32, 0.5),  # ties
+    (2**-10, 0.0), (3 * 2**-10, 2**-8), (5 * 2**-10, 2**-8),  # subnormal ties (step 2^-9)
+    (2**-6, 2**-6), (2**-6 - 2**-10, 2**-6), (7 * 2**-9, 7 * 2**-9), (2**-9, 2**-9),
+    (2**-11, 0.0), (0.0, 0.0),
+    (448.0, 448.0), (449.0, 448.0), (464.0, 448.0), (465.0, 448.0), (480.0, 448.0),
+    (1e4, 448.0), (3e38, 448.0), (float("inf"), 448.0),  # saturated
+]
+
+
+def float8_kv(tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              g: torch.Generator) -> torch.Tensor:  # [tokens, kv_heads, head_dim]
+    """Random rows at scales from the subnormals to past saturation, the edge values first."""
+    n = tokens * kv_heads * head_dim
+    edges = float8_edge_values(dtype)
+    scales = torch.tensor([1e-3, 0.05, 1.0, 30.0, 600.0])[torch.randint(0, 5, (n,), generator=g)]
+    x = (torch.randn(n, generator=g) * scales).to(dtype=dtype, device=DEVICE)
+    x[: edges.numel()] = edges
+    return x.view(tokens, kv_heads, head_dim)
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype
+    a, e = actual.cpu().view(torch.int8), expected.cpu().view(torch.int8)
+    bad = (a != e).nonzero()
+    assert bad.numel() == 0, (f"{bad.shape[0]} of {a.numel()} codes differ, first at "
+                              f"{bad[0].tolist()}: {a[tuple(bad[0])]} vs {e[tuple(bad[0])]}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_store_float8(impl: str, dtype: torch.dtype) -> None:
+    """Into a float8 pool: the reference's bits (saturated at +-448, nearest even, once from
+    the model's dtype), the edge cases among them; the other slots untouched."""
+    skip_float8_store_off_cuda(impl)
+    g = gen(16)
+    slots, kv_heads, head_dim, tokens = 64, 3, 48, 9
+    k_buffer = randn(slots, kv_heads, head_dim, dtype=torch.float32, g=g).to(FP8)
+    v_buffer = randn(slots, kv_heads, head_dim, dtype=torch.float32, g=g).to(FP8)
+    k = float8_kv(tokens, kv_heads, head_dim, dtype, g)
+    v = -float8_kv(tokens, kv_heads, head_dim, dtype, g)
+    loc = (torch.randperm(slots - 1, generator=g)[:tokens] + 1).to(DEVICE)
+    exp_k, exp_v = k_buffer.cpu(), v_buffer.cpu()  # (expected on the CPU, whatever DEVICE is)
+    kv_store.kv_store_reference(exp_k, exp_v, k.cpu(), v.cpu(), loc.cpu())
+    op(kv_store, "kv_store", impl)(k_buffer, v_buffer, k, v, loc)
+    assert_same_bits(k_buffer, exp_k)
+    assert_same_bits(v_buffer, exp_v)
+    rounded = torch.tensor([r for _, r in FLOAT8_EDGES])
+    stored = k_buffer[loc[0]].flatten()[: 2 * len(FLOAT8_EDGES)].float().cpu()  # token 0's
+    assert torch.equal(stored, torch.cat([rounded, -rounded]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(4, 4, 32, 32), (6, 2, 64, 64),
+                                                                (8, 2, 48, 32)])
+def test_rotary_kv_store_float8(impl: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                                head_dim: int, rotary_dim: int) -> None:
+    """Into a float8 pool the rotated k is rounded to the model's dtype, then to float8 (what
+    rotary then kv_store give; rotary_dim < head_dim runs the two kernels). In bfloat16 the
+    Triton kernel's rotation is exact before that rounding (bf16 x bf16 products fit fp32):
+    the codes equal those of the float32 rotation stored by the reference. Otherwise the
+    model-dtype k differs by its rounding, so within one e4m3 step."""
+    skip_float8_store_off_cuda(impl)
+    g = gen(17)
+    tokens, slots = 7, 40
+    positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
+    q = randn(tokens, heads, head_dim, dtype=dtype, g=g)
+    k = float8_kv(tokens, kv_heads, head_dim, dtype, g)
+    k = torch.where(k.isinf(), 0.0, k)  # (inf * 0 in a rotation is NaN)
+    v = float8_kv(tokens, kv_heads, head_dim, dtype, g)
+    cache = rotary.make_cos_sin_cache(512, rotary_dim, 10000.0, device=DEVICE, dtype=dtype)
+    k_buffer = torch.zeros(slots, kv_heads, head_dim, device=DEVICE).to(FP8)
+    v_buffer = torch.zeros_like(k_buffer)
+    loc = (torch.randperm(slots - 1, generator=g)[:tokens] + 1).to(DEVICE)
+    exp_q, exp_k = rotary.rotary_embedding_reference(positions, q.float(), k.float(), cache.float())
+    exp_kb, exp_vb = k_buffer.cpu(), v_buffer.cpu()
+    kv_store.kv_store_reference(exp_kb, exp_vb, exp_k.to(dtype).cpu(), v.cpu(), loc.cpu())
+    op(rotary, "rotary_kv_store", impl)(positions, q, k, v, cache, k_buffer, v_buffer, loc)
+    close(q, exp_q, dtype)
+    assert_same_bits(v_buffer, exp_vb)
+    if impl == "triton" and dtype == torch.bfloat16:
+        assert_same_bits(k_buffer, exp_kb)
+    got, want = k_buffer.cpu().float(), exp_kb.float()
+    step = torch.maximum(want.abs() / 8, torch.tensor(2.0**-9))  # e4m3's spacing at |want|
+    assert ((got - want).abs() <= step).all(), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab,words,use_indices", [(100, 4, False), (100, 4, True),
                                                       (4500, 141, False), (70, 3, True)])
@@ -298,6 +401,33 @@ def test_decode_attention(impl: str, dtype: torch.dtype, heads: int, kv_heads: i
         torch.testing.assert_close(expected, dense, atol=1e-4, rtol=1e-4)
 
 
+def float8_pool(pool: SimpleNamespace) -> SimpleNamespace:
+    """The pool stored as float8 (the reference's rounding), and as those values widened."""
+    k, v = kv_store.to_pool_dtype(pool.k, FP8), kv_store.to_pool_dtype(pool.v, FP8)
+    return SimpleNamespace(**{**vars(pool), "k": k, "v": v, "k_wide": k.float(),
+                              "v_wide": v.float()})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GQA[1:])
+@pytest.mark.parametrize("page_size,num_kv_splits", [(1, 4), (16, 1)])
+def test_decode_attention_float8_pool(impl: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                                      head_dim: int, page_size: int, num_kv_splits: int) -> None:
+    """Over a float8 pool (q in the model's dtype): the reference over the same pool widened,
+    at the model dtype's tolerance (the kernels widen each tile to q's dtype as it loads)."""
+    g = gen(18)
+    seq_lens = [1, 37, 200, 0, 129]
+    pool = float8_pool(make_pool(seq_lens, kv_heads, head_dim, page_size, torch.float32, g))
+    q = randn(len(seq_lens), heads, head_dim, dtype=dtype, g=g)
+    args = (pool.req_to_token, pool.rows, torch.tensor(seq_lens, device=DEVICE),
+            head_dim**-0.5, num_kv_splits)
+    expected = attention_decode.decode_attention_reference(q.float(), pool.k_wide, pool.v_wide,
+                                                           *args)
+    out = op(attention_decode, "decode_attention", impl)(q, pool.k, pool.v, *args)
+    assert out.shape == (len(seq_lens), heads, head_dim) and out.dtype == dtype
+    close(out, expected, dtype)
+
+
 EXTEND_CASES = {  # (page_size, prefix_lens, extend_lens)
     "no_prefix": (1, [0, 0, 0], [70, 1, 17]),
     "prefix": (16, [33, 100, 5], [40, 3, 64]),
@@ -328,6 +458,27 @@ def test_extend_attention(impl: str, dtype: torch.dtype, heads: int, kv_heads: i
     if dtype == torch.float32 and impl == "reference":
         dense = sdpa_attention(q, pool, seq_lens, prefix_lens, ext_lens)
         torch.testing.assert_close(expected, dense, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GQA[1:])
+@pytest.mark.parametrize("case", ["prefix", "mixed_decode_rows"])
+def test_extend_attention_float8_pool(impl: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                                      head_dim: int, case: str) -> None:
+    g = gen(19)
+    page_size, prefix_lens, ext_lens = EXTEND_CASES[case]
+    seq_lens = [p + n for p, n in zip(prefix_lens, ext_lens)]
+    pool = float8_pool(make_pool(seq_lens, kv_heads, head_dim, page_size, torch.float32, g))
+    q = randn(sum(ext_lens), heads, head_dim, dtype=dtype, g=g)
+    starts = [sum(ext_lens[:b]) for b in range(len(ext_lens))]
+    t = lambda xs: torch.tensor(xs, device=DEVICE)  # noqa: E731
+    args = (pool.req_to_token, pool.rows, t(seq_lens), t(prefix_lens), t(ext_lens), t(starts),
+            head_dim**-0.5, max(ext_lens))
+    expected = attention_extend.extend_attention_reference(q.float(), pool.k_wide, pool.v_wide,
+                                                           *args)
+    out = op(attention_extend, "extend_attention", impl)(q, pool.k, pool.v, *args)
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out, expected, dtype)
 
 
 # --------------------------------------------------------------------------- backend, dispatch
@@ -362,13 +513,19 @@ def make_forward_batch(mode: ForwardMode, prefix_lens: list[int], ext_lens: list
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_triton_backend(dtype: torch.dtype, mode: ForwardMode) -> None:
+@pytest.mark.parametrize("float8", [False, True], ids=["model_dtype_pool", "float8_pool"])
+def test_triton_backend(dtype: torch.dtype, mode: ForwardMode, float8: bool) -> None:
+    if float8:
+        skip_float8_store_off_cuda("triton")
     g = gen(9)
     if mode is ForwardMode.DECODE:
         prefix_lens, ext_lens = [0, 40, 99, 16], [1, 1, 1, 1]
     else:
         prefix_lens, ext_lens = [0, 40, 99, 16], [30, 1, 1, 20]  # prefill + decode rows
     fb = make_forward_batch(mode, prefix_lens, ext_lens, dtype, 16, g)
+    if float8:  # kv_cache_dtype="fp8_e4m3": the store rounds into it, attention widens it
+        for buffers in (fb.kv_pool.k_buffer, fb.kv_pool.v_buffer):
+            buffers[:] = [kv_store.to_pool_dtype(b, FP8) for b in buffers]
     backend = TritonAttentionBackend(dispatch.resolve_kernels("triton", DEVICE, dtype), num_sms=4)
     fb.attn_backend = backend
     heads, (kv_heads, head_dim) = 6, fb.kv_pool.k_buffer[1].shape[1:]
@@ -385,9 +542,9 @@ def test_triton_backend(dtype: torch.dtype, mode: ForwardMode) -> None:
 
     backend.prepare(fb)
     out = backend.forward(q, k, v, 1, head_dim**-0.5, fb)
-    assert torch.equal(fb.kv_pool.k_buffer[1], k_expected)
-    assert torch.equal(fb.kv_pool.v_buffer[1], v_expected)
-    assert torch.equal(fb.kv_pool.k_buffer[0], layer0)  # other layers untouched
+    assert_same_bits(fb.kv_pool.k_buffer[1], k_expected)
+    assert_same_bits(fb.kv_pool.v_buffer[1], v_expected)
+    assert_same_bits(fb.kv_pool.k_buffer[0], layer0)  # other layers untouched
     close(out, expected, dtype)
 
 

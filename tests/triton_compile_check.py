@@ -8,19 +8,25 @@ L2 (ld.global.cg).
 
     python tests/triton_compile_check.py      (TRITON_INTERPRET unset; prints "ok")
 
+It also compiles the KV store, rotary store and attention kernels over a float8 e4m3 pool
+(`check_float8_kv_cache`): the rounding instruction of the stores, the widening of the loads.
+
 Run by tests/test_quant_triton_splitk.py in a child process (its own process has the kernels
 decorated for the interpreter).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sgl.backend.kernels import triton_activation, triton_attention_decode, triton_rmsnorm
+from sgl.backend.kernels import (triton_activation, triton_attention_decode,
+                                 triton_attention_extend, triton_kv_store, triton_rmsnorm,
+                                 triton_rotary)
 from sgl.backend.quant import triton_fp8, triton_gemv, triton_q4gemv, triton_q4mma, triton_split
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -64,7 +70,66 @@ def check_loads_around_wait(code: str) -> None:
     assert not any("st.global" in line for line in lines[:wait]), "a store before the wait"
 
 
+def i32(*names: str) -> dict[str, str]:
+    return {name: "i32" for name in names}
+
+
+def check_float8_kv_cache() -> None:
+    """A float8 e4m3 pool (kv_cache_dtype="fp8_e4m3"): the stores round each bf16 value once,
+    to nearest even and saturated (the reference's `to_pool_dtype`); the rotary store rounds
+    the fp32 rotation to bf16 first, as the unfused path stores it; the attention kernels
+    widen the codes they load and still dot bf16 on the tensor cores."""
+    store = ptx(triton_kv_store._kv_store_kernel,
+                {"K": "*bf16", "V": "*bf16", "KBuf": "*fp8e4nv", "VBuf": "*fp8e4nv",
+                 "Loc": "*i64", **i32("stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                                      "stride_kbs", "stride_kbh", "stride_vbs", "stride_vbh",
+                                      "num_heads", "head_dim", "head_dim_v")},
+                dict(BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128))
+    rotary_args = {"Pos": "*i64", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Cache": "*bf16",
+                   "KBuf": "*fp8e4nv", "VBuf": "*fp8e4nv", "Loc": "*i64",
+                   **i32("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                         "stride_vh", "stride_cache", "stride_kbs", "stride_kbh", "stride_vbs",
+                         "stride_vbh", "num_q_heads", "num_k_heads", "half", "head_dim_v")}
+    rotary_consts = dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_DV=128)
+    rotary = ptx(triton_rotary._rotary_kv_store_kernel, rotary_args, rotary_consts)
+    rotary_bf16 = ptx(triton_rotary._rotary_kv_store_kernel,
+                      {**rotary_args, "KBuf": "*bf16", "VBuf": "*bf16"}, rotary_consts)
+    for code in (store, rotary):
+        cvts = {line.split()[0] for line in code.splitlines() if line.strip().startswith("cvt.")
+                and "e4m3" in line}
+        assert cvts == {"cvt.rn.satfinite.e4m3x2.f32"}, f"fp8 stores convert by {cvts}"
+    # The rotated k rounded to bf16: as many fp32 -> bf16 roundings as into a bf16 pool.
+    def to_bf16(code: str) -> int:
+        return code.count("cvt.rn.bf16.f32") + 2 * code.count("cvt.rn.bf16x2.f32")
+
+    assert to_bf16(rotary) == to_bf16(rotary_bf16) > 0, "rotated k not rounded to bf16 first"
+    decode = ptx(triton_attention_decode._decode_stage1,
+                 {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv",
+                  **{name: "*fp32" for name in ("MidO", "MidLse")}, "Out": "*bf16",
+                  "ReqToToken": "*i32", "ReqPoolIdx": "*i64", "SeqLens": "*i64",
+                  **i32("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
+                        "stride_vh", "stride_r2t", "stride_mob", "stride_moh", "stride_mos",
+                        "stride_mlb", "stride_mlh", "stride_ob", "stride_oh", "group",
+                        "head_dim", "head_dim_v", "num_splits"), "qk_scale": "fp32"},
+                 dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, UPCAST=False,
+                      IEEE=False, DIRECT=False, PDL=False))
+    extend = ptx(triton_attention_extend._extend_kernel,
+                 {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16",
+                  "ReqToToken": "*i32", **{name: "*i64" for name in (
+                      "ReqPoolIdx", "SeqLens", "PrefixLens", "ExtendLens", "ExtendStart")},
+                  **i32("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
+                        "stride_vh", "stride_ot", "stride_oh", "stride_r2t"),
+                  "qk_scale": "fp32", **i32("group", "head_dim", "head_dim_v")},
+                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, UPCAST=False,
+                      IEEE=False))
+    for code in (decode, extend):
+        # e4m3x2 -> f16x2 -> bf16, both exact; the dots: mma.sync (decode, 16 rows), wgmma
+        assert "cvt.rn.f16x2.e4m3x2" in code, "the float8 codes are not widened by the hardware"
+        assert re.search(r"mma\S*\.f32\.bf16\.bf16", code), "no bf16 tensor-core dot"
+
+
 def main() -> None:
+    check_float8_kv_cache()
     q4 = dict(BITS=4, GROUP=32, GBYTES=16, SUPER=8, HAS_BIAS=True, BLOCK_N=32, BLOCK_G=16,
               EVEN_G=True, EVEN=False, MAGIC=False, WORDS=False, LANES=16, ROWS_FIRST=True)
     q8 = dict(q4, BITS=8, GROUP=16, SUPER=16, BLOCK_G=32, MAGIC=True, WORDS=True, LANES=4)

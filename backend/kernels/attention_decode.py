@@ -48,8 +48,11 @@ def decode_attention_reference(
         if lens[b] == 0:
             continue  # no keys: output stays 0, as in the kernel
         slots = req_to_token[rows[b], : lens[b]].long()
-        k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [L, heads, head_dim]
-        v = v_buffer[slots].float().repeat_interleave(group, dim=1)  # [L, heads, head_dim_v]
+        # (index_select: it gathers a float8 pool on CUDA since torch 2.6)
+        k = k_buffer.index_select(0, slots).float()  # [L, kv_heads, head_dim]
+        v = v_buffer.index_select(0, slots).float()  # [L, kv_heads, head_dim_v]
+        k = k.repeat_interleave(group, dim=1)  # [L, heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)  # [L, heads, head_dim_v]
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # [heads, L]
         probs = scores.softmax(dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", probs, v).to(q.dtype)

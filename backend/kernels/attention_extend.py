@@ -45,8 +45,11 @@ def extend_attention_reference(
         if n == 0:
             continue
         slots = req_to_token[rows[b], : lens[b]].long()
-        k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [L, heads, head_dim]
-        v = v_buffer[slots].float().repeat_interleave(group, dim=1)  # [L, heads, head_dim_v]
+        # (index_select: it gathers a float8 pool on CUDA since torch 2.6)
+        k = k_buffer.index_select(0, slots).float()  # [L, kv_heads, head_dim]
+        v = v_buffer.index_select(0, slots).float()  # [L, kv_heads, head_dim_v]
+        k = k.repeat_interleave(group, dim=1)  # [L, heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)  # [L, heads, head_dim_v]
         scores = torch.einsum("qhd,khd->hqk", q[s : s + n].float(), k) * scale  # [heads, n, L]
         q_pos = prefix + torch.arange(n, device=q.device)[:, None]  # [n, 1]
         k_pos = torch.arange(lens[b], device=q.device)[None, :]  # [1, L]

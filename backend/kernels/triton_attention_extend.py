@@ -4,6 +4,11 @@ reference it is tested against, and the docstring there describes the op.
 A module of its own so that a CPU engine, which only ever runs the reference, never imports
 Triton (~0.2 s and ~70 MB): the kernel set imports this module only when it picks the Triton
 kernels (kernels/dispatch.py).
+
+The pool may be narrower than q (`kv_cache_dtype="fp8_e4m3"`): every K/V tile is widened to
+q's dtype as it is loaded (exact: bfloat16, float16 and float32 hold every e4m3 value),
+so the dots run in q's dtype as over a pool of that dtype; for a pool in q's dtype the cast is
+a no-op and the bits are unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ def _attend_range(
         k = tl.load(
             K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
             mask=n_mask[:, None] & (offs_d[None, :] < head_dim), other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]; a float8 pool widened (exact), else a no-op
         qk = mma(q, tl.trans(k), UPCAST, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 logits
         visible = n_mask[None, :]
         if CAUSAL:
@@ -47,7 +52,7 @@ def _attend_range(
         v = tl.load(
             V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_dv[None, :],
             mask=n_mask[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0,
-        )  # [BLOCK_N, BLOCK_DV]
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, IEEE)
         m_i = m_new
     return acc, m_i, l_i

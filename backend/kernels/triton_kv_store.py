@@ -17,7 +17,11 @@ from sgl.backend.kernels.triton_compat import next_power_of_2, tl, triton
 def store_heads(X, Buf, t, slot, stride_xt, stride_xh, stride_bs, stride_bh, num_heads, dim,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token t's [num_heads, dim] rows of X into pool row `slot` of Buf, in Buf's dtype (also
-    the rotary kernel's store of v: triton_rotary.py)."""
+    the rotary kernel's store of v: triton_rotary.py). Into a float8 pool the cast is
+    `kv_store.to_pool_dtype`'s rounding: on sm_89+ Triton converts with
+    `cvt.rn.satfinite.e4m3x2` (nearest even, saturated at +-448, NaN kept), from the float32
+    value for bf16 and fp32 sources (bf16 -> fp32 is exact) and straight from float16, so each
+    value is rounded once (tests/triton_compile_check.py checks the PTX)."""
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     mask = (offs_h < num_heads) & (offs_d < dim)

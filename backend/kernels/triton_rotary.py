@@ -26,9 +26,14 @@ def _rotate_heads(
     o_ptr = Out + t * stride_ot + offs_h * stride_oh + offs_r
     x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    # Rounded to X's dtype, then to Out's (a no-op unless Out is a narrower pool): a float8
+    # pool gets the rotated k of the model's dtype rounded once more, the bits the unfused
+    # path (and the torch backend) store, not a rounding of the fp32 value straight.
+    out1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty).to(Out.dtype.element_ty)
+    out2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty).to(Out.dtype.element_ty)
     # Both halves are read before either is written, so Out may alias X (in-place).
-    tl.store(o_ptr, (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + half, (x2 * cos + x1 * sin).to(Out.dtype.element_ty), mask=mask)
+    tl.store(o_ptr, out1, mask=mask)
+    tl.store(o_ptr + half, out2, mask=mask)
 
 
 @triton.jit
