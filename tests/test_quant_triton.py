@@ -202,6 +202,42 @@ def test_qgemv_mma_matches_dequantize_then_matmul(fmt: str, factored: bool) -> N
         assert_matches(qgemv(x, even, None, config=cfg), x, even.dequantize(), None)
 
 
+def bf16_exact_q4(n: int, k: int, seed: int) -> QuantizedWeight:
+    """A plain Q4_1-layout weight whose every product is exact in the kernels' arithmetic:
+    scales of 4 significant bits times 4-bit codes fit bf16's 8, zeros of 5 bits; with bf16
+    x each code * scale * x is exact in float32 (see test below)."""
+    w = qweight("Q4_1", n, k, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    shape = w.scale.shape
+    scale = torch.randint(1, 16, shape, generator=g).float() / 256  # m / 2^8, m < 16
+    zero = torch.randint(-16, 16, shape, generator=g).float() / 64
+    return dataclasses.replace(w, scale=scale.to(DEVICE), zero=zero.to(DEVICE))
+
+
+@needs_triton
+@pytest.mark.parametrize("unpack", ["mma", "lop3"])
+def test_qgemv_is_exact_up_to_the_output_rounding_on_bf16_exact_weights(unpack: str) -> None:
+    """Where the weights and x are exact in bf16 products, a 4-bit GEMV differs from the
+    float64 reference only by float32 summation order and the bf16 output's rounding: a
+    bound of one bf16 ulp, 2^-7 of the result (the interpreter's cast truncates), plus float32
+    noise. The 16-bit bound of `assert_matches` (1e-2 of |x| @ |w|) lets a 1% error in every
+    scale through; this one does not."""
+    n, k = 48, 256
+    w = bf16_exact_q4(n, k, seed=3)
+    x, _ = inputs(3, k, n, torch.bfloat16, bias=False, seed=4)
+    cfg = QGemvConfig(16, 128, 4, unpack=unpack)
+    expected = F.linear(x.double(), w.dequantize(dtype=torch.float32).double())
+    loose = F.linear(x.double().abs(), w.dequantize(dtype=torch.float32).double().abs())
+
+    def excess(weight: QuantizedWeight) -> float:
+        got = qgemv(x, weight, config=cfg).double()
+        return ((got - expected).abs() - 2.0**-7 * expected.abs() - 1e-6 * loose).max().item()
+
+    assert excess(w) <= 0
+    off = dataclasses.replace(w, scale=w.scale * 1.01)  # every scale 1% off
+    assert excess(off) > 0
+
+
 @needs_triton
 def test_the_mma_bound_catches_a_swapped_nibble_order() -> None:
     w = qweight("Q4_K", 16, 256, factored=True)
