@@ -11,7 +11,7 @@ radix_off, ablation (apps: lpm->fcfs, chunked prefill off, overlap off, all off)
 (SmolLM2-135M shape: GPU idle fraction in decode, overlap on vs off on `mixed`), quant
 (issue 14: 8B shape single stream and `fixed` with bf16, random 4-bit and FP8 weights;
 `--only rates,quant` runs it alone; `--quant-engines bf16,det` compares bf16 with
-`enable_deterministic_inference`).
+`enable_deterministic_inference`, `bf16,kv_fp8` with a float8 KV cache).
 
 Models have random weights of the real shapes (BENCH.md); requests are token ids with EOS
 ignored, greedy. Request counts are scaled down from BENCH.md where the device budget demands
@@ -631,7 +631,8 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  "q4_bytes": dict(quantization="gguf"), "fp8_s9": dict(quantization="fp8"),
                  "fp8_nopdl": dict(quantization="fp8"),
                  "fp8_a8": dict(quantization="fp8", activation_quantization="fp8"),
-                 "det": dict(enable_deterministic_inference=True)}  # bf16, batch-invariant
+                 "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
+                 "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
                  "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
                  "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380"}
@@ -682,12 +683,15 @@ def quant_engine(name: str, opts: dict[str, Any], rates: Rates, shape: Shape,
     """One engine of the quant section: single stream, then `fixed` if time is left."""
     e = make_engine("llama3-8b", **opts)
     try:
-        held = e.stats().weights_bytes
+        stats = e.stats()
+        held = stats.weights_bytes
         warmup(e, shape.vocab)
         floor = held / rates.copy_bw  # one decode step streams every weight once
         single = run(e, w_single(shape.vocab))
         out = {"single": report("llama3-8b", f"single ({name})", single,
                                 weights_gib=held / 2**30, single_floor_tok_s=1 / floor,
+                                kv_bytes_per_token=stats.kv_bytes_per_token,
+                                kv_capacity_tokens=stats.kv_total_tokens,
                                 target=QUANT_TARGETS.get(name, ""))}
         if left() > 60:
             out["fixed"] = report("llama3-8b", f"fixed ({name})", run(e, fixed),
@@ -720,7 +724,7 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8", "fp8_a8", "det"):
+    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8", "fp8_a8", "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]
