@@ -224,18 +224,20 @@ def test_qgemv_is_exact_up_to_the_output_rounding_on_bf16_exact_weights(unpack: 
     scale through; this one does not."""
     n, k = 48, 256
     w = bf16_exact_q4(n, k, seed=3)
-    x, _ = inputs(3, k, n, torch.bfloat16, bias=False, seed=4)
     cfg = QGemvConfig(16, 128, 4, unpack=unpack)
-    expected = F.linear(x.double(), w.dequantize(dtype=torch.float32).double())
-    loose = F.linear(x.double().abs(), w.dequantize(dtype=torch.float32).double().abs())
+    dense = w.dequantize(dtype=torch.float32).double()
 
-    def excess(weight: QuantizedWeight) -> float:
+    def excess(weight: QuantizedWeight, x: torch.Tensor) -> float:
+        expected = F.linear(x.double(), dense)
+        loose = F.linear(x.double().abs(), dense.abs())
         got = qgemv(x, weight, config=cfg).double()
         return ((got - expected).abs() - 2.0**-7 * expected.abs() - 1e-6 * loose).max().item()
 
-    assert excess(w) <= 0
+    for rows in (3, 17):  # 17: more rows than one mma launch serves (MMA_MAX_ROWS)
+        x, _ = inputs(rows, k, n, torch.bfloat16, bias=False, seed=4)
+        assert excess(w, x) <= 0
     off = dataclasses.replace(w, scale=w.scale * 1.01)  # every scale 1% off
-    assert excess(off) > 0
+    assert excess(off, x) > 0
 
 
 @needs_triton

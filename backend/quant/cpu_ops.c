@@ -211,7 +211,7 @@ KV INLINE float kv_load1(const void* base, int64_t i, int kind) {
   }
   if (kind == KV_E4M3) {
     uint16_t c = (uint16_t)((const int8_t*)base)[i];  // sign-extended
-    return _cvtsh_ss((unsigned short)((c << 7) & 0xbf80)) * 256.0f;
+    return _cvtsh_ss((unsigned short)((c << 7) & (uint16_t)E4M3_F16_MASK)) * 256.0f;
   }
   return ((const float*)base)[i];
 }

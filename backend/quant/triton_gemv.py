@@ -39,7 +39,6 @@ import torch
 
 from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, next_power_of_2, tl, triton
 from sgl.backend.quant.triton_q4gemv import q4_lop3_kernel
-from sgl.backend.quant.triton_q4mma import q4_mma_kernel
 from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice, split_launch,
                                             store_rows)
 from sgl.backend.quant.weight import QuantizedWeight
@@ -285,6 +284,9 @@ def qgemv(
         if cfg.unpack not in UNPACKS:
             raise ValueError(f"unpack {cfg.unpack!r}: use one of {list(UNPACKS)}")
         block_g, groups = groups_per_block(cfg.block_k, gs), k // gs
+        if cfg.unpack == "mma" and w.bits == 4:  # (its own launches: all rows per program)
+            _q4_mma(x2, w, bias, y, cfg, block_g)
+            return y.reshape(*x.shape[:-1], n)
         gbytes = gs // 2 if w.bits == 4 else gs
         # (every group's bytes are a multiple of 4 and rows start 4-aligned: int32 views)
         codes = w.codes.view(torch.int32) if cfg.words else w.codes.view(torch.uint8)
@@ -294,9 +296,6 @@ def qgemv(
         sk = split_launch(y, cdiv(groups, block_g), block_g, n_blocks, cfg.split_k,
                           cfg.split_reduce)
         even = n % cfg.block_n == 0 and groups % block_g == 0
-        if cfg.unpack == "mma" and w.bits == 4:
-            _q4_mma(x2, w, bias, y, cfg, block_g)
-            return y.reshape(*x.shape[:-1], n)
         if cfg.unpack == "lop3" and w.bits == 4:
             words = w.codes.view(torch.int32)  # [N, K/8]: 4 words per group
             q4_lop3_kernel[(*grid, sk.split)](
@@ -336,12 +335,15 @@ def _q4_mma(x2: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, y: 
             cfg: QGemvConfig, block_g: int) -> None:
     """y [M, N] = x2 [M, K] @ w^T + bias through quant/triton_q4mma.py, every row of x (at
     most MMA_MAX_ROWS at a time) in one program per block of N."""
+    # (imported here: triton_q4mma takes load_group_scales from this module)
+    from sgl.backend.quant.triton_q4mma import q4_mma_kernel
+
     n, groups = w.out_features, w.in_features // w.group_size
+    sup_s, sup_z, sup = scale_args(w)
+    n_blocks = cdiv(n, cfg.block_n)
     for r0 in range(0, x2.shape[0], MMA_MAX_ROWS):
         xr, yr = x2[r0:r0 + MMA_MAX_ROWS], y[r0:r0 + MMA_MAX_ROWS]
         rows = xr.shape[0]
-        sup_s, sup_z, sup = scale_args(w)
-        n_blocks = cdiv(n, cfg.block_n)
         sk = split_launch(yr, cdiv(groups, block_g), block_g, n_blocks, cfg.split_k,
                           cfg.split_reduce)
         q4_mma_kernel[(n_blocks, sk.split)](

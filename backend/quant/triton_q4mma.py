@@ -51,6 +51,7 @@ every config with the reference before timing it).
 from __future__ import annotations
 
 from sgl.backend.kernels.triton_compat import tl, triton
+from sgl.backend.quant.triton_gemv import load_group_scales
 from sgl.backend.quant.triton_split import k_slice, store_rows
 
 __all__ = ["q4_mma_kernel"]
@@ -93,28 +94,6 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, gg, G, m2, SUPER: tl.constexpr,
-            EVEN: tl.constexpr):
-    """(scale, zero) float32 [BLOCK_N, BLOCK_G]; factored ones multiplied out."""
-    off = rows64[:, None] * G + gg[None, :]
-    if EVEN:
-        s = tl.load(SCALE + off).to(tl.float32)
-        z = tl.load(ZERO + off).to(tl.float32)
-    else:
-        s = tl.load(SCALE + off, mask=m2, other=0).to(tl.float32)
-        z = tl.load(ZERO + off, mask=m2, other=0).to(tl.float32)
-    if SUPER > 0:
-        sup = rows64[:, None] * (G // SUPER) + gg[None, :] // SUPER  # (repeats: L1 hits)
-        if EVEN:
-            s = s * tl.load(SUP_S + sup)
-            z = z * tl.load(SUP_Z + sup)
-        else:
-            s = s * tl.load(SUP_S + sup, mask=m2, other=0.0)
-            z = z * tl.load(SUP_Z + sup, mask=m2, other=0.0)
-    return s, z
-
-
-@triton.jit
 def q4_mma_kernel(
     X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y, P, CNT,
     N, G, SLICE_G,
@@ -151,6 +130,7 @@ def q4_mma_kernel(
         m2 = mask_n[:, None] & (gg < G)[None, :]
         if EVEN:  # no tile crosses the N or the G edge
             raw = tl.load(c_ptrs + g0 * 16)
+            s, z = load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, gg, G, m2, False, SUPER)
             xa = tl.load(xt_ptrs + g0 * 32, mask=mask_c[None, :], other=0.0)
             xb = tl.load(xt_ptrs + g0 * 32 + 16, mask=mask_c[None, :], other=0.0)
             xz = tl.load(xz_ptrs + g0 * 32, mask=mask_r[:, None, None], other=0.0)
@@ -158,13 +138,13 @@ def q4_mma_kernel(
         else:
             mask_j = (g0 + offs_j // 16) < G
             raw = tl.load(c_ptrs + g0 * 16, mask=mask_n[:, None] & mask_j[None, :], other=0)
+            s, z = load_group_scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, gg, G, m2, True, SUPER)
             mx = mask_j[:, None] & mask_c[None, :]
             xa = tl.load(xt_ptrs + g0 * 32, mask=mx, other=0.0)
             xb = tl.load(xt_ptrs + g0 * 32 + 16, mask=mx, other=0.0)
             xz = tl.load(xz_ptrs + g0 * 32,
                          mask=mask_r[:, None, None] & (gg < G)[None, :, None], other=0.0)
             xz = xz.to(tl.float32)
-        s, z = _scales(SCALE, ZERO, SUP_S, SUP_Z, rows64, gg, G, m2, SUPER, EVEN)
         sb = s.to(tl.bfloat16)
         ob = (s * -128.0).to(tl.bfloat16)  # -128 * sb exactly (a power of two)
         sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_G, 16)), (BLOCK_N, BKB))
