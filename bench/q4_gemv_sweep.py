@@ -166,7 +166,7 @@ def main() -> int:
         if m == 1:
             continue
         for shape, (n, k) in SHAPES.items():
-            measure(shape, m, gemv_config("q4", n, k, 32)._replace(unpack="bytes"), "shipped")
+            measure(shape, m, gemv_config("q4", n, k, 32), "shipped")
             for cls, (cfg, _, _) in best.items():
                 if shape in CLASSES[cls]:
                     measure(shape, m, cfg, f"{kind} best")
