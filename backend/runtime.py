@@ -23,7 +23,8 @@ from sgl.backend import gc_freeze
 from sgl.backend.model_source import resolve_model_source
 from sgl.backend.quant.cpu_layer import MAX_ROWS as CPU_DECODE_ROWS
 from sgl.backend.quant.policy import (check_activation_quantization, check_deterministic,
-                                      require_gguf_model, resolve_quantization)
+                                      require_gguf_model, resolve_activation_quantization,
+                                      resolve_quantization)
 from sgl.backend.req import Req
 from sgl.backend.spec_text import PieceTable, TextDrafter
 from sgl.backend.speculative import NgramDrafter, SpecConfig
@@ -58,8 +59,10 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     no_overlap = config.disable_overlap_schedule
     if no_overlap is None:
         no_overlap = not device.startswith("cuda")
+    quantization = resolve_quantization(config, device)
+    activations = resolve_activation_quantization(config.activation_quantization, quantization)
     resolved = config.replace(device=device, dtype=dtype, disable_overlap_schedule=no_overlap,
-                              quantization=resolve_quantization(config, device),
+                              quantization=quantization, activation_quantization=activations,
                               kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype,
                                                                     device, dtype))
     check_deterministic(resolved)

@@ -74,9 +74,11 @@ class EngineConfig:
     # GPU, quantization="fp8": "fp8" quantizes each product's input per row (token) to e4m3
     # with one float32 scale where the product has more rows than the FP8 GEMV and tiled
     # kernels take (prefill, large decode batches), and multiplies on the FP8 tensor cores
-    # (torch._scaled_mm): SGLang's W8A8 for `fp8`; meant for speed at batch (not yet measured
-    # on the device), not exact. Smaller products (single streams) keep unquantized inputs.
-    activation_quantization: Literal["none", "int8", "fp8"] = "none"
+    # (torch._scaled_mm): SGLang's W8A8 for `fp8`, 1.2x bf16's batch throughput where the
+    # weight-only path is 0.77x (docs/benchmarks.md), not exact. Smaller products (single
+    # streams, small batches) keep unquantized inputs. "none" there: FP8 weight-only at every
+    # row count. "auto": "fp8" under quantization="fp8" (SGLang's contract), else "none".
+    activation_quantization: Literal["auto", "none", "int8", "fp8"] = "auto"
 
     # -- memory ---------------------------------------------------------------------------
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static

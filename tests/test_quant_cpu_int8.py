@@ -194,7 +194,9 @@ def test_resolution_refuses_int8_on_float_weights() -> None:
     resolved = resolve_device(EngineConfig(model="smollm2-135m", device="cpu",
                                            quantization="gguf", activation_quantization="int8"))
     assert resolved.quantization == "gguf"
-    assert EngineConfig().activation_quantization == "none"
+    assert EngineConfig().activation_quantization == "auto"
+    default = resolve_device(EngineConfig(model="smollm2-135m", device="cpu", quantization="gguf"))
+    assert default.activation_quantization == "none"  # (float activations on the CPU)
 
 
 def test_a_model_folder_is_refused(tmp_path: pytest.TempPathFactory) -> None:

@@ -1,4 +1,4 @@
-"""Opt-in W8A8 for FP8 weights (`activation_quantization="fp8"`, quant/fp8.py): each row of a
+"""W8A8 for FP8 weights (`activation_quantization="fp8"`, quant/fp8.py): each row of a
 large product's input quantized to e4m3 with its own scale, multiplied on the FP8 tensor cores
 (torch._scaled_mm, which also runs on the CPU, so the arithmetic is checked here on any
 machine); the `gpu` tests check the routing and CUDA-graph replay on the device.
@@ -16,6 +16,7 @@ from sgl.backend.quant import fp8, linear
 from sgl.backend.quant.fp8 import (FP8_MAX, Fp8Weight, fp8_linear_reference, fp8_scaled_linear,
                                    fp8_scaled_linear_reference, quantize_rows,
                                    quantize_rows_reference, use_fp8_activations)
+from sgl.backend.quant.policy import resolve_activation_quantization
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
@@ -96,6 +97,17 @@ def test_fp8_activations_need_fp8_weights(options: dict[str, str]) -> None:
         EngineConfig(activation_quantization="fp8", **options)
     assert "quantization='fp8'" in str(info.value)
     EngineConfig(activation_quantization="fp8", quantization="fp8", device="cuda")  # accepted
+
+
+def test_auto_activations_are_w8a8_under_fp8_weights_only() -> None:
+    """"auto" (the default) resolves to SGLang's W8A8 under quantization="fp8" and to float
+    activations under every other weight kind; an explicit choice is kept."""
+    assert EngineConfig().activation_quantization == "auto"
+    assert resolve_activation_quantization("auto", "fp8") == "fp8"
+    for quantization in ("none", "gguf"):
+        assert resolve_activation_quantization("auto", quantization) == "none"
+    assert resolve_activation_quantization("none", "fp8") == "none"
+    assert resolve_activation_quantization("int8", "gguf") == "int8"
 
 
 @pytest.mark.gpu

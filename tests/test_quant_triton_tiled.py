@@ -1,7 +1,8 @@
 """The tiled Triton kernel on quantized weights (backend/quant/triton_gemm.py: `qgemm`, and its
 `weight_as_a` operand order) against dequantize-then-matmul: every GGUF format, ragged K
 steps, and row counts around the tile edges, 1..40 with 37 (the eager prefill that once went
-wrong on the device) at the real models' inner dimensions. Helpers and the bound:
+wrong on the device) at the real models' inner dimensions; split-K (`GemmConfig.split_k`,
+both reductions) in it and in FP8's tiled kernel. Helpers and the bound:
 tests/test_quant_triton.py; the interpreter set-up: tests/triton_interp.py.
 """
 
@@ -19,13 +20,15 @@ from test_quant_triton import (
     FMTS,
     K_QUANTS,
     assert_matches,
+    fp8_weight,
     inputs,
     qweight,
     ragged_block_k,
     shape_of,
 )
 
-from sgl.backend.quant import linear
+from sgl.backend.quant import linear, triton_split
+from sgl.backend.quant.triton_fp8 import fp8_gemm
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, qgemm
 
 TRITON_HERE = triton_runs_here(qgemm.__globals__["_qgemm_kernel"])
@@ -91,6 +94,55 @@ def test_qgemm_every_row_count_1_to_40(fmt: str) -> None:
         for weight_as_a in (False, True):
             cfg = gemm_config(m, 21, 576)._replace(weight_as_a=weight_as_a)
             assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
+
+
+SPLIT_KINDS = ["Q4_1", "Q8_0", "Q4_K/factored", "Q6_K/factored", "fp8"]
+
+
+def split_case(kind: str, seed: int):
+    """(run(x, bias, config) -> y, reference weight, K step, N) at a shape whose K loop has a
+    ragged last step and N no multiple of the tile: group-32 formats 13 groups in steps of 4,
+    K-quants 1280 in steps of 512, FP8 200 in steps of 32; N = 37 or 21."""
+    if kind == "fp8":
+        _, w8 = fp8_weight(37, 200, seed=seed)
+        return (lambda x, b, cfg: fp8_gemm(x, w8.weight, w8.scale, b, config=cfg),
+                w8.dequantize(), 32, 37)
+    fmt, _, factored = kind.partition("/")
+    n, k, block_k = (21, 1280, 512) if fmt in K_QUANTS else (37, 13 * 32, 128)
+    w = qweight(fmt, n, k, seed=seed, factored=bool(factored))
+    return (lambda x, b, cfg: qgemm(x, w, b, config=cfg)), w.dequantize(), block_k, n
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
+@pytest.mark.parametrize("weight_as_a", [False, True])
+def test_split_k_tiles_match_dequantize_then_matmul(kind: str, weight_as_a: bool) -> None:
+    """2, 3 and 4 slices (uneven ones among them) of a ragged K loop, 19 rows over two row
+    blocks, a bias added once: each reduction matches the reference, and the tile's last
+    slice gives bit for bit what the second kernel gives (both add the same float32 partials
+    in slice order); the tile counters are all back at 0 after the launch."""
+    run, ref, block_k, n = split_case(kind, seed=len(kind))
+    k = ref.shape[1]
+    x, b = inputs(19, k, n, torch.float32, bias=True, seed=5)
+    for split in (2, 3, 4):
+        cfg = GemmConfig(16, 16, block_k, 1, 1, weight_as_a, split_k=split)
+        by_kernel = run(x, b, cfg)
+        assert_matches(by_kernel, x, ref, b)
+        by_last = run(x, b, cfg._replace(split_reduce="last"))
+        assert torch.equal(by_last, by_kernel), split
+        assert not triton_split.tile_counters(x.device, 1).any()
+
+
+@needs_triton
+def test_split_k_tile_rows_do_not_depend_on_the_row_count() -> None:
+    """Row r of an M-row split product is the same bits for every M > r: a partials buffer or
+    a tile counter indexed with the wrong row stride or block would mix rows."""
+    run, ref, block_k, n = split_case("Q4_K/factored", seed=3)
+    x, b = inputs(18, ref.shape[1], n, torch.float32, bias=True, seed=6)
+    cfg = GemmConfig(16, 16, block_k, 1, 1, True, split_k=2, split_reduce="last")
+    full = run(x, b, cfg)
+    for m in (1, 5, 16, 17):
+        assert torch.equal(run(x[:m], b, cfg), full[:m]), m
 
 
 @skip_unless_rerun_needed(TRITON_HERE)

@@ -1,4 +1,4 @@
-"""Compile the one-row GEMV kernels for Hopper (sm_90) without a GPU: Triton's ahead-of-time
+"""Compile the one-row GEMV kernels (and the tiled ones' split-K) for Hopper (sm_90) without a GPU: Triton's ahead-of-time
 path (ASTSource -> TTIR -> PTX -> cubin through the ptxas its wheel ships). The interpreter
 runs the kernels' Python, not the compiler, so this is what catches a construct that only
 the compiled path rejects (the lop3 kernel's inline PTX among them), and it shows the PTX of
@@ -27,7 +27,8 @@ from triton.compiler import ASTSource
 from sgl.backend.kernels import (triton_activation, triton_attention_decode,
                                  triton_attention_extend, triton_kv_store, triton_rmsnorm,
                                  triton_rotary)
-from sgl.backend.quant import triton_fp8, triton_gemv, triton_q4gemv, triton_q4mma, triton_split
+from sgl.backend.quant import (triton_fp8, triton_gemm, triton_gemv, triton_q4gemv, triton_q4mma,
+                               triton_split)
 
 TARGET = GPUTarget("cuda", 90, 32)
 QGEMV_ARGS = {"X": "*bf16", "CODES": "*u8", "SCALE": "*i8", "ZERO": "*i8", "SUP_S": "*fp32",
@@ -198,6 +199,16 @@ def main() -> None:
                     DIRECT=True, PDL=True))
     for code in (norm, silu, attn):
         assert "griddepcontrol.launch_dependents" in code, "no early launch"
+    # The tiled kernels split along K (both operand orders), the tile's last slice adding.
+    tiled = {"M": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_ps": "i32"}
+    for w_as_a in (False, True):
+        common = dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, UPCAST=False, IEEE=False,
+                      W_AS_A=w_as_a, SPLIT=4, LAST=True)
+        check_last_slice_reduction(ptx(
+            triton_gemm._qgemm_kernel, {**QGEMV_ARGS, **tiled},
+            dict(common, BITS=4, GROUP=32, GBYTES=16, SUPER=8, BLOCK_G=4)))
+        check_last_slice_reduction(ptx(triton_fp8._fp8_gemm_kernel, {**FP8_ARGS, **tiled},
+                                       dict(common, BLOCK_K=128)))
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",
                                       "stride_ps": "i32", "stride_ym": "i32"},
         dict(HAS_BIAS=True, SPLIT=4, BLOCK=triton_split.REDUCE_BLOCK))

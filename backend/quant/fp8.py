@@ -1,6 +1,7 @@
 """FP8 weights (`quantization="fp8"`, SGLang's name): float8_e4m3fn with one float32 scale
-per output channel, converted at load from a float checkpoint; weight-only by default
-(activations stay in the model's dtype, so no calibration and no activation rounding).
+per output channel, converted at load from a float checkpoint. Products up to the tiled
+kernel's rows are weight-only (activations stay in the model's dtype); larger ones W8A8 by
+default (below).
 
     w = Fp8Weight.quantize(float_weight [N, K])      # scale[n] = amax(|W[n, :]|) / 448
     fp8_linear(x [..., K], w, bias) -> [..., N]      (x's dtype)
@@ -12,8 +13,8 @@ path (past the tiled kernel's rows: prefill, large decode batches) moves three b
 for the one it holds (read e4m3, write and read the scratch), so at batch it is slower than
 bf16 weights (docs/benchmarks.md).
 
-Opt-in W8A8 (`activation_quantization="fp8"`, marked by `use_fp8_activations`; SGLang's
-`fp8` always computes so): the products that would take the scratch path quantize their
+W8A8 (`activation_quantization="fp8"`, what its "auto" resolves to under FP8 weights; marked
+by `use_fp8_activations`; SGLang's `fp8` always computes so; "none" turns it off): the products that would take the scratch path quantize their
 input per row to e4m3 instead (`quantize_rows`: scale amax times 1/448, values rounded to
 nearest) and multiply on the FP8 tensor cores, both scales applied in the product's epilogue
 (`torch._scaled_mm`, row-wise scales). Not exact: each input row is rounded to 3 mantissa

@@ -8,7 +8,16 @@ from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
 __all__ = ["check_activation_quantization", "check_deterministic", "require_gguf_model",
+           "resolve_activation_quantization",
            "resolve_quantization"]
+
+
+def resolve_activation_quantization(asked: str, quantization: str) -> str:
+    """`activation_quantization` for a resolved `quantization`: "auto" is W8A8 ("fp8") under
+    FP8 weights, as SGLang's `fp8` computes (quant/fp8.py), and float activations otherwise."""
+    if asked != "auto":
+        return asked
+    return "fp8" if quantization == "fp8" else "none"
 
 
 def resolve_quantization(config: EngineConfig, device: str) -> str:

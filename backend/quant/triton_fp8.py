@@ -34,7 +34,8 @@ import torch
 
 from sgl.backend.kernels.triton_compat import (cdiv, is_interpreted, mma, pdl_launch, tl,
                                                triton, wait_for_inputs)
-from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, store_tile
+from sgl.backend.quant.triton_gemm import (GemmConfig, gemm_config, split_tile_launch,
+                                           store_split_tile)
 from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
 from sgl.backend.quant.triton_split import (finish_split, gemv_program, k_slice, split_launch,
                                             store_rows)
@@ -282,14 +283,16 @@ def fp8_gemv(
 
 @triton.jit
 def _fp8_gemm_kernel(
-    X, W, SCALE, B, Y,
-    M, N, K,
-    stride_xm, stride_wn, stride_ym,
+    X, W, SCALE, B, Y, P, CNT,
+    M, N, K, SLICE_K,
+    stride_xm, stride_wn, stride_ym, stride_ps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, W_AS_A: tl.constexpr,
+    SPLIT: tl.constexpr, LAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # fastest: the row blocks sharing a weight tile run together
     pid_n = tl.program_id(1)
+    k_lo, k_hi = k_slice(tl.program_id(2), K, SLICE_K, SPLIT)  # this program's part of K
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -300,7 +303,7 @@ def _fp8_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         mask_k = k0 + offs_k < K
         xa = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -314,7 +317,8 @@ def _fp8_gemm_kernel(
         acc *= s[:, None]
     else:
         acc *= s[None, :]
-    store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, W_AS_A)
+    store_split_tile(acc, B, Y, P, CNT, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_ps,
+                     HAS_BIAS, W_AS_A, SPLIT, LAST)
 
 
 def fp8_gemm(
@@ -330,15 +334,17 @@ def fp8_gemm(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m and n:
         cfg = config or gemm_config(m, n, k, kind="fp8")
-        _fp8_gemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
-            x2, weight, scale, bias if bias is not None else scale, y,
-            m, n, k,
-            x2.stride(0), weight.stride(0), y.stride(0),
+        grid, sk = split_tile_launch(y, cfg, cdiv(k, cfg.block_k), cfg.block_k)
+        _fp8_gemm_kernel[grid](
+            x2, weight, scale, bias if bias is not None else scale, y, sk.partials, sk.counters,
+            m, n, k, sk.slice_units,
+            x2.stride(0), weight.stride(0), y.stride(0), sk.slice_stride,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, UPCAST=is_interpreted(_fp8_gemm_kernel),
             IEEE=x.dtype == torch.float32, W_AS_A=cfg.weight_as_a,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 

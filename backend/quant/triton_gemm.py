@@ -12,6 +12,11 @@ and feeds tensor cores through `tl.dot` with float32 accumulators (W4A16 / W8A16
 activations are never quantized). The weight bytes are read once per BLOCK_M rows and the
 dequantization is paid once per BLOCK_M rows too.
 
+`GemmConfig.split_k` > 1 cuts K into slices on a third grid axis, as the GEMVs do
+(quant/triton_split.py: float32 partials added in slice order by a second kernel or by the
+tile's last slice): at a few dozen rows an 8B product has only N / BLOCK_N tiles (32-128 at
+N = 4096), too few programs to keep the GPU's memory system busy.
+
 Which operand the weight tile is (`GemmConfig.weight_as_a`) is a switch for the device to
 decide: as the second operand (y = x W^T, the weight tile transposed) Hopper's wgmma must
 read it from shared memory, so the dequantized tile takes a trip through it; as the first
@@ -44,9 +49,11 @@ from sgl.backend.quant.triton_gemv import (
     nibbles_f32,
     scale_args,
 )
+from sgl.backend.quant.triton_split import finish_split, k_slice, split_launch, sum_slices
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["GEMM_DEFAULTS", "GemmConfig", "gemm_config", "qdequant", "qgemm", "store_tile"]
+__all__ = ["GEMM_DEFAULTS", "GemmConfig", "gemm_config", "qdequant", "qgemm", "split_tile_launch",
+           "store_split_tile", "store_tile"]
 
 
 class GemmConfig(NamedTuple):
@@ -56,6 +63,8 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     weight_as_a: bool = False  # the weight tile as the dot's first operand (module doc)
+    split_k: int = 1  # K slices (a third grid axis, quant/triton_split.py); 1: no split
+    split_reduce: str = "kernel"  # who adds the slices: "kernel" (a second one) | "last"
 
 
 # Tiles by weight kind (quant/linear.py's names: "q4", "q8", "fp8") and rows (shape-only:
@@ -111,16 +120,18 @@ def _weight_tile(CODES, SCALE, ZERO, SUP_S, SUP_Z, c_ptrs, rows64, offs_g, g0, G
 
 @triton.jit
 def _qgemm_kernel(
-    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y,
-    M, N, G,
-    stride_xm, stride_cn, stride_ym,
+    X, CODES, SCALE, ZERO, SUP_S, SUP_Z, B, Y, P, CNT,
+    M, N, G, SLICE_G,
+    stride_xm, stride_cn, stride_ym, stride_ps,
     BITS: tl.constexpr, GROUP: tl.constexpr, GBYTES: tl.constexpr, SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, W_AS_A: tl.constexpr,
+    SPLIT: tl.constexpr, LAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # fastest: the row blocks sharing a weight tile run together
     pid_n = tl.program_id(1)
+    g_lo, g_hi = k_slice(tl.program_id(2), G, SLICE_G, SPLIT)  # this program's groups of K
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_g = tl.arange(0, BLOCK_G)
@@ -138,7 +149,7 @@ def _qgemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):
+    for g0 in range(g_lo, g_hi, BLOCK_G):
         w_lo, w_hi = _weight_tile(CODES, SCALE, ZERO, SUP_S, SUP_Z, c_ptrs, rows64, offs_g, g0,
                                   G, mask_n, dt, BITS, GBYTES, SUPER, BLOCK_N, BLOCK_G)
         mask_x = mask_m[:, None] & (g0 + offs_j // GBYTES < G)[None, :]
@@ -153,7 +164,8 @@ def _qgemm_kernel(
                 acc += mma(w_hi, tl.trans(xb), UPCAST, IEEE)
             else:
                 acc += mma(xb, tl.trans(w_hi), UPCAST, IEEE)
-    store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, W_AS_A)
+    store_split_tile(acc, B, Y, P, CNT, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_ps,
+                     HAS_BIAS, W_AS_A, SPLIT, LAST)
 
 
 @triton.jit
@@ -173,6 +185,48 @@ def store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: t
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def store_split_tile(acc, B, Y, P, CNT, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_ps,
+                     HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr, SPLIT: tl.constexpr,
+                     LAST: tl.constexpr):
+    """`store_tile` for a program of a split-K launch (grid axis 2: its K slice). SPLIT == 1:
+    store_tile. Else the slice's float32 tile into P [SPLIT, M, N] (rows `stride_ym` apart,
+    as in Y); with LAST the program that completes the tile (the tile's counter in CNT, as
+    triton_split.store_rows does for a row) adds the slices in order into Y, else
+    `reduce_partials` does after the kernel."""
+    if SPLIT == 1:
+        store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, TRANSPOSED)
+    else:
+        pid_s = tl.program_id(2)
+        store_tile(acc, B, P + pid_s.to(tl.int64) * stride_ps, offs_m, offs_n, mask_m, mask_n,
+                   stride_ym, False, TRANSPOSED)
+        if LAST:
+            tl.debug_barrier()  # all of this program's stores before the release below
+            cnt = CNT + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                if TRANSPOSED:
+                    p = P + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+                    mask = mask_n[:, None] & mask_m[None, :]
+                else:
+                    p = P + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+                    mask = mask_m[:, None] & mask_n[None, :]
+                total = sum_slices(p, mask, stride_ps, SPLIT, True)
+                tl.store(cnt, 0)  # (the tile is done: zero for the next launch)
+                store_tile(total, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS,
+                           TRANSPOSED)
+
+
+def split_tile_launch(y: torch.Tensor, cfg: GemmConfig, steps: int, step: int):
+    """(grid, SplitLaunch) of a tiled launch writing y [M, N] with a K loop of `steps` steps
+    of `step` units (quant/triton_split.py's split_launch, one counter per output tile)."""
+    m, n = y.shape
+    m_blocks, n_blocks = cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)
+    # (split_launch sizes the counters for M x n_blocks: at least the m_blocks x n_blocks tiles)
+    sk = split_launch(y, steps, step, n_blocks, cfg.split_k, cfg.split_reduce)
+    return (m_blocks, n_blocks, sk.split), sk
+
+
 def qgemm(
     x: torch.Tensor,  # [..., K]
     w: QuantizedWeight,
@@ -185,19 +239,21 @@ def qgemm(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m and n:
         cfg = config or gemm_config(m, n, k, gs, "q4" if w.bits == 4 else "q8")
-        block_g = groups_per_block(cfg.block_k, gs)
+        block_g, groups = groups_per_block(cfg.block_k, gs), k // gs
         sup_s, sup_z, sup = scale_args(w)
-        _qgemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
+        grid, sk = split_tile_launch(y, cfg, cdiv(groups, block_g), block_g)
+        _qgemm_kernel[grid](
             x2, w.codes.view(torch.uint8), w.scale, w.zero, sup_s, sup_z,
-            bias if bias is not None else sup_s, y,
-            m, n, k // gs,
-            x2.stride(0), w.codes.stride(0), y.stride(0),
+            bias if bias is not None else sup_s, y, sk.partials, sk.counters,
+            m, n, groups, sk.slice_units,
+            x2.stride(0), w.codes.stride(0), y.stride(0), sk.slice_stride,
             BITS=w.bits, GROUP=gs, GBYTES=gs // 2 if w.bits == 4 else gs, SUPER=sup,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_G=block_g, UPCAST=is_interpreted(_qgemm_kernel),
             IEEE=x.dtype == torch.float32, W_AS_A=cfg.weight_as_a,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 

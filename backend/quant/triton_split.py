@@ -40,7 +40,7 @@ from sgl.backend.kernels.triton_compat import cdiv, tl, triton
 
 __all__ = ["MIN_COUNTERS", "REDUCE_BLOCK", "SPLIT_REDUCES", "SplitLaunch", "check_split", "k_slice",
            "finish_split", "gemv_program", "reduce_partials", "split_launch", "split_plan",
-           "store_rows", "tile_counters"]
+           "store_rows", "sum_slices", "tile_counters"]
 
 REDUCE_BLOCK = 512  # outputs per program of the reduction (it reads SPLIT floats per output)
 
@@ -86,7 +86,7 @@ def _store_y(y, B, Y, row, offs_n, mask_n, stride_ym, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _sum_slices(p, mask, stride_ps, SPLIT: tl.constexpr, COHERENT: tl.constexpr):
+def sum_slices(p, mask, stride_ps, SPLIT: tl.constexpr, COHERENT: tl.constexpr):
     """Sum over s of p[s * stride_ps], in slice order (the same bits on every run); COHERENT:
     read at L2 (.cg), past an L1 that may not have seen other programs' stores."""
     if COHERENT:
@@ -118,7 +118,7 @@ def store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, n_blocks, offs_n, mask_n, N, 
             cnt = CNT + row.to(tl.int64) * n_blocks + pid_n
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT - 1:
-                acc = _sum_slices(p, mask_n, stride_ps, SPLIT, True)
+                acc = sum_slices(p, mask_n, stride_ps, SPLIT, True)
                 tl.store(cnt, 0)  # (the tile is done: zero for the next launch)
                 _store_y(acc, B, Y, row, offs_n, mask_n, stride_ym, HAS_BIAS)
 
@@ -129,7 +129,7 @@ def _reduce_kernel(P, B, Y, N, stride_ps, stride_ym,
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    acc = _sum_slices(P + row.to(tl.int64) * N + offs, mask, stride_ps, SPLIT, False)
+    acc = sum_slices(P + row.to(tl.int64) * N + offs, mask, stride_ps, SPLIT, False)
     _store_y(acc, B, Y, row, offs, mask, stride_ym, HAS_BIAS)
 
 
