@@ -631,11 +631,14 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  "q4_bytes": dict(quantization="gguf"), "fp8_s9": dict(quantization="fp8"),
                  "fp8_nopdl": dict(quantization="fp8"),
                  "fp8_a8": dict(quantization="fp8", activation_quantization="fp8"),
+                 # FP8 weight-only at every row count (the default before session 17)
+                 "fp8_wo": dict(quantization="fp8", activation_quantization="none"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
                  "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
-                 "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380"}
+                 "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380",
+                 "fp8_wo": "single output_tok_s >= 380"}
 
 
 @contextmanager
@@ -724,7 +727,8 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8", "fp8_a8", "det", "kv_fp8"):
+    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8", "det",
+                 "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]

@@ -337,6 +337,30 @@ def test_gpu_split_k_last_slice_reduction_under_load(kind: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["q4", "fp8"])
+def test_gpu_split_k_tiles_last_slice_reduction_under_load(kind: str) -> None:
+    """The tiled kernels' one-launch reduction (GemmConfig.split_k): gate_up's 28,672 rows at
+    16 rows of x (448 tiles x 4 slices racing for their counters), 20 runs each equal bit for
+    bit to the two-launch reduction, and that within the tight bound."""
+    n, k = 28672, 4096
+    x = torch.randn(16, k, device=CUDA, dtype=torch.bfloat16)
+    cfg = GemmConfig(16, 64, 128, 4, 3, False, split_k=4, split_reduce="kernel")
+    if kind == "fp8":
+        w8 = Fp8Weight.quantize(torch.randn(n, k, device=CUDA) * 0.02)
+        run = lambda c: fp8_gemm(x, w8.weight, w8.scale, config=c)  # noqa: E731
+        ref = w8.dequantize(torch.float32)
+    else:
+        w = random_qweight(n, k, 4, 32, seed=2, factored=True)
+        run = lambda c: qgemm(x, w, config=c)  # noqa: E731
+        ref = w.dequantize(dtype=torch.bfloat16)
+    expected = run(cfg)
+    assert_tight(expected, x, ref)
+    last = cfg._replace(split_reduce="last")
+    for i in range(20):
+        assert torch.equal(run(last), expected), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["q4", "fp8"])
 def test_gpu_split_k_rows_do_not_depend_on_the_row_count(kind: str) -> None:
     """Row r of an M-row split product is bit for bit the same for M = r+1..5, and M = 5 is
     within the tight bound."""

@@ -24,7 +24,7 @@ from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imp
 from test_quant_triton import FMTS, K_QUANTS, assert_matches, fp8_weight, inputs, qweight
 
 from sgl.backend.kernels import triton_compat
-from sgl.backend.quant import linear, triton_fp8, triton_gemv, triton_split
+from sgl.backend.quant import linear, triton_fp8, triton_gemm, triton_gemv, triton_split
 from sgl.backend.quant.triton_fp8 import fp8_gemv
 from sgl.backend.quant.triton_gemv import QGemvConfig, qgemv
 from sgl.backend.quant.triton_split import split_plan
@@ -140,6 +140,10 @@ def test_the_defaults_tables_splits_are_valid() -> None:
         for _, cfg in entries:
             triton_split.check_split(cfg.split_k, cfg.split_reduce)  # raises if not
             assert triton_gemv.gemv_config(kind, 4096, 4096, 32).split_k >= 1
+    for entries in triton_gemm.GEMM_DEFAULTS.values():  # (the tiled kernels' table too)
+        for _, small, large in entries:
+            for cfg in (small, large):
+                triton_split.check_split(cfg.split_k, cfg.split_reduce)
 
 
 @needs_triton

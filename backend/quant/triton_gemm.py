@@ -69,21 +69,24 @@ class GemmConfig(NamedTuple):
 
 # Tiles by weight kind (quant/linear.py's names: "q4", "q8", "fp8") and rows (shape-only:
 # graph-safe), set from bench/quant_gemv_bench.py's sweep at 16, 64, 256 and 1,024 rows
-# (session 6, H200). Each entry: (largest M, config for N <= 8192, config for larger N); the
-# last covers the rest. GemmConfig(block_m, block_n, block_k, num_warps, num_stages,
-# weight_as_a). quant/linear.py's CUDA_ROUTES decides the rows this kernel serves at all.
+# (session 6, H200), the split-K entries from bench/tiled_split_sweep.py (session 17, H200:
+# per 8B step at 16 rows Q4 6,975 -> 5,847 us and FP8 3,904 -> 3,073, at 64 rows Q4 11,897 ->
+# 9,521 and FP8 6,230 -> 5,158; at 128-256 rows no split beat scratch + cuBLAS). Each entry:
+# (largest M, config for N <= 8192, config for larger N); the last covers the rest.
+# GemmConfig(block_m, block_n, block_k, num_warps, num_stages, weight_as_a, split_k,
+# split_reduce). quant/linear.py's CUDA_ROUTES decides the rows this kernel serves at all.
 _G = GemmConfig
 GEMM_DEFAULTS: dict[str, tuple[tuple[int, GemmConfig, GemmConfig], ...]] = {
-    "q4": ((16, _G(16, 32, 256, 4, 3), _G(16, 64, 128, 4, 3)),
-           (64, _G(64, 32, 128, 4, 3), _G(64, 128, 128, 8, 2, True)),
+    "q4": ((16, _G(16, 64, 256, 4, 3, False, 4, "last"), _G(16, 64, 128, 4, 3, False, 2, "last")),
+           (64, _G(64, 128, 128, 4, 3, False, 8, "last"), _G(64, 128, 128, 8, 2, True)),
            (256, _G(64, 64, 128, 4, 2, True), _G(128, 128, 128, 8, 4, True)),
            (1 << 62, _G(128, 128, 128, 8, 3, True), _G(128, 128, 128, 8, 4, True))),
     "q8": ((16, _G(16, 32, 128, 4, 3), _G(16, 32, 64, 4, 4)),
            (64, _G(64, 32, 128, 4, 3), _G(64, 64, 64, 4, 3, True)),
            (256, _G(128, 64, 128, 8, 3), _G(128, 128, 64, 8, 3)),
            (1 << 62, _G(128, 128, 64, 8, 3), _G(128, 128, 64, 8, 3))),
-    "fp8": ((16, _G(16, 32, 128, 4, 4), _G(16, 32, 256, 4, 3)),
-            (64, _G(64, 32, 128, 4, 4), _G(64, 128, 128, 8, 3, True)),
+    "fp8": ((16, _G(16, 32, 128, 4, 4, False, 4, "last"), _G(16, 32, 256, 4, 3)),
+            (64, _G(64, 64, 128, 4, 4, False, 4, "last"), _G(64, 128, 128, 8, 3, True)),
             (256, _G(64, 64, 128, 4, 3, True), _G(128, 128, 64, 4, 3, True)),
             (1 << 62, _G(128, 128, 64, 4, 3, True), _G(128, 128, 64, 4, 3, True))),
 }
