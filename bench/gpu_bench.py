@@ -633,12 +633,13 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  "fp8_a8": dict(quantization="fp8", activation_quantization="fp8"),
                  # FP8 weight-only at every row count (the default before session 17)
                  "fp8_wo": dict(quantization="fp8", activation_quantization="none"),
+                 "q4_l2": dict(quantization="gguf"),  # scratch slices of 16 MiB (variant)
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
                  "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
                  "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380",
-                 "fp8_wo": "single output_tok_s >= 380"}
+                 "fp8_wo": "single output_tok_s >= 380", "q4_l2": "single output_tok_s >= 500"}
 
 
 @contextmanager
@@ -648,8 +649,9 @@ def engine_variant(name: str) -> Iterator[None]:
     tiles (before the lop3 kernel, quant/triton_q4gemv.py); "fp8_s9" is "fp8" as session 9
     left it: the first FP8 GEMV kernel (fp8_decode="cvt") with its session-6 tiles and the LM
     head in bf16, no early launches (before the word kernel and the FP8 head); "fp8_nopdl" is
-    "fp8" without the GEMVs' early launches (kernels/triton_compat.py). The others: the
-    shipped code.
+    "fp8" without the GEMVs' early launches (kernels/triton_compat.py); "q4_l2" is "q4" with
+    the dequantize + cuBLAS path in 16 MiB scratch slices (bench/scratch_slices.py). The
+    others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH
     from sgl.backend.quant import install
@@ -663,6 +665,11 @@ def engine_variant(name: str) -> Iterator[None]:
         GEMV_DEFAULTS["fp8"] = ((8192, QGemvConfig(8, 1024, 4, fp8_decode="cvt")),
                                 (1 << 62, QGemvConfig(4, 1024, 4, fp8_decode="cvt")))
         install.install_fp8 = lambda model: install_fp8(model, head=False)
+    from sgl.backend.quant import linear
+
+    scratch = linear.SCRATCH_ELEMENTS
+    if name == "q4_l2":
+        linear.SCRATCH_ELEMENTS = 8 << 20
     early = PDL_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
     from sgl.backend.kernels import triton_matmul
@@ -676,6 +683,7 @@ def engine_variant(name: str) -> Iterator[None]:
         yield
     finally:
         triton_matmul.TILE.update(det_tile)
+        linear.SCRATCH_ELEMENTS = scratch
         GEMV_DEFAULTS.update(shipped)
         install.install_fp8 = install_fp8
         PDL_SWITCH[0] = early
@@ -727,8 +735,8 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8", "det",
-                 "kv_fp8"):
+    for name in ("q4_bytes", "q4", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8",
+                 "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]
