@@ -111,17 +111,17 @@ def test_auto_activations_are_w8a8_under_fp8_weights_only() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 64, 65, 300])
-def test_gpu_marked_weights_quantize_only_past_the_tiled_rows(m: int) -> None:
-    """Up to the tiled kernel's rows a marked weight runs the weight-only kernels (bit for bit
-    what an unmarked one gives); past them, the W8A8 product."""
+@pytest.mark.parametrize("m", [1, 8, fp8.W8A8_MIN_ROWS - 1, fp8.W8A8_MIN_ROWS, 65, 300])
+def test_gpu_marked_weights_quantize_from_w8a8_min_rows(m: int) -> None:
+    """Below W8A8_MIN_ROWS a marked weight runs the weight-only kernels (bit for bit what an
+    unmarked one gives); from there on, the W8A8 product."""
     import dataclasses
 
     w = _weight(4096, 4096, seed=m, device=CUDA)
     marked = dataclasses.replace(w, fp8_activations=True)
     x = torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16)
     got = linear.quant_linear(x, marked)
-    if linear.cuda_route(m, "fp8") != "scratch":
+    if m < fp8.W8A8_MIN_ROWS:
         assert torch.equal(got, linear.quant_linear(x, w))
     else:
         assert torch.equal(got, fp8_scaled_linear(x, w))

@@ -19,6 +19,7 @@ from triton_interp import (  # first: sets TRITON_INTERPRET before triton is imp
 from test_quant_triton import assert_matches, assert_same_16_bit, fp8_weight, inputs
 
 from sgl.backend.kernels.triton_compat import tl, triton
+from sgl.backend.quant import fp8, linear
 from sgl.backend.quant.fp8 import FP8_MAX, Fp8Weight
 from sgl.backend.quant.triton_fp8 import (
     e4m3_f32,
@@ -39,6 +40,26 @@ def decode_all(B, OUT, SEXT: tl.constexpr):
     offs = tl.arange(0, 256)
     b = tl.load(B + offs).to(tl.int32)  # (int8 bytes: sign-extended)
     tl.store(OUT + offs, e4m3_f32_sext(b) if SEXT else e4m3_f32(b))
+
+
+@needs_triton
+def test_marked_fp8_weights_run_w8a8_from_its_min_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA dispatch (here under the interpreter): a weight marked for W8A8 keeps the
+    weight-only kernels below W8A8_MIN_ROWS (bit for bit an unmarked weight's product) and
+    runs the W8A8 product from there on; an unmarked weight never quantizes its input."""
+    import dataclasses
+
+    monkeypatch.setattr(linear, "use_triton", lambda x: True)
+    _, w = fp8_weight(32, 64, seed=2)
+    marked = dataclasses.replace(w, fp8_activations=True)
+    x, _ = inputs(fp8.W8A8_MIN_ROWS, 64, 32, torch.float32, bias=False, seed=2)
+    below = x[:fp8.W8A8_MIN_ROWS - 1]
+    assert torch.equal(fp8.fp8_linear(below, marked), fp8.fp8_linear(below, w))
+    if not fp8._cpu_rowwise_scaled_mm() and DEVICE == "cpu":
+        pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only")
+    assert torch.equal(fp8.fp8_linear(x, marked), fp8.fp8_scaled_linear(x, w))
+    assert_matches(fp8.fp8_linear(x, w), x, w.dequantize(), None)  # (unmarked: weight-only)
+    assert not torch.equal(fp8.fp8_linear(x, w), fp8.fp8_linear(x, marked))
 
 
 @needs_triton

@@ -14,12 +14,13 @@ for the one it holds (read e4m3, write and read the scratch), so at batch it is 
 bf16 weights (docs/benchmarks.md).
 
 W8A8 (`activation_quantization="fp8"`, what its "auto" resolves to under FP8 weights; marked
-by `use_fp8_activations`; SGLang's `fp8` always computes so; "none" turns it off): the products that would take the scratch path quantize their
-input per row to e4m3 instead (`quantize_rows`: scale amax times 1/448, values rounded to
-nearest) and multiply on the FP8 tensor cores, both scales applied in the product's epilogue
-(`torch._scaled_mm`, row-wise scales). Not exact: each input row is rounded to 3 mantissa
-bits. The smaller products keep unquantized inputs: at a few rows a product streams its
-weights, and the activations' bytes and precision cost more than they would save. On the
+by `use_fp8_activations`; SGLang's `fp8` always computes so; "none" turns it off): products
+of more than `W8A8_MIN_ROWS` rows quantize their input per row to e4m3 (`quantize_rows`:
+scale amax times 1/448, values rounded to nearest) and multiply on the FP8 tensor cores, both
+scales applied in the product's epilogue (`torch._scaled_mm`, row-wise scales). Not exact:
+each input row is rounded to 3 mantissa bits. The smaller products keep unquantized inputs
+(the GEMV, the tiled kernel): at a few rows a product streams its weights, and quantizing
+the activations costs more than it saves. On the
 CPU there is no FP8 kernel: the runtime refuses `fp8` there (runtime.py);
 `fp8_scaled_linear` itself runs on either device (tests).
 """
@@ -32,11 +33,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FP8_MAX", "Fp8Weight", "fp8_linear", "fp8_linear_reference", "fp8_scaled_linear",
+__all__ = ["FP8_MAX", "W8A8_MIN_ROWS", "Fp8Weight", "fp8_linear", "fp8_linear_reference", "fp8_scaled_linear",
            "fp8_scaled_linear_reference", "quantize_rows", "quantize_rows_reference",
            "use_fp8_activations"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Rows from which a marked weight's product runs W8A8. bench/scratch_slices.py and
+# bench/tiled_split_sweep.py (session 17, H200), us per 8B step: at 16 rows the tiled kernel
+# 3,073 against W8A8's 4,779, at 64 rows 5,158 against 4,536 (W8A8 at 128: 4,169, bf16 4,455);
+# the lines cross near 50 rows.
+W8A8_MIN_ROWS = 49
 
 
 @dataclass(frozen=True)
@@ -107,13 +113,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     from sgl.backend.quant.linear import cuda_route, dense_via_scratch
     from sgl.backend.quant.triton_fp8 import fp8_dequant, fp8_gemm, fp8_gemv
 
-    path = cuda_route(x.numel() // x.shape[-1] if x.shape[-1] else 0, "fp8")
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if w.fp8_activations and rows >= W8A8_MIN_ROWS and scaled_mm_fits(w):
+        return fp8_scaled_linear(x, w, bias)
+    path = cuda_route(rows, "fp8")
     if path == "gemv":
         return fp8_gemv(x, w.weight, w.scale, bias)
     if path == "gemm":
         return fp8_gemm(x, w.weight, w.scale, bias)
-    if w.fp8_activations and scaled_mm_fits(w):
-        return fp8_scaled_linear(x, w, bias)
     return dense_via_scratch(x, w.out_features, w.in_features, bias,
                              lambda sl: fp8_dequant(w.weight, w.scale, x.dtype, sl))
 
