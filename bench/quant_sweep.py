@@ -47,6 +47,19 @@ def write_report(out: Path, name: str, lines: list[str], kind: str, best: dict, 
     print(text, flush=True)
     (out / f"{name}.md").write_text(text)
 
+def save_table(name: str, lines: list[str], t0: float) -> None:
+    """A bench's table and the machine to stdout and $OUT/<name>.md (bench/results/ without
+    $OUT)."""
+    import os
+
+    text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+                               f"{time.monotonic() - t0:.0f} s\n")
+    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    print(text, flush=True)
+
+
 def class_of(name: str) -> str:
     return "small" if SHAPES[name][0] <= LIMIT["small"] else "large"
 

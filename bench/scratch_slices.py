@@ -18,7 +18,6 @@ what `quantization="fp8"` runs past the tiled rows by default. Prints µs per pr
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from common import ensure_sgl_importable  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
-from quant_sweep import WEIGHT, WeightSet, call, time_path  # noqa: E402
+from quant_sweep import WEIGHT, WeightSet, call, save_table, time_path  # noqa: E402
 
 from sgl.backend.quant import linear  # noqa: E402
 from sgl.backend.quant.fp8 import fp8_scaled_linear  # noqa: E402
@@ -78,12 +77,7 @@ def main() -> None:
                          + (f" | {step['w8a8']:.0f} ({step['w8a8'] / step['bf16']:.2f}x) |"
                             if kind == "fp8" else " | - |"))
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
-                               f"{time.monotonic() - t0:.0f} s\n")
-    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scratch_slices.md").write_text(text)
-    print(text)
+    save_table("scratch_slices", lines, t0)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ order given: `fixed`'s 128 rows of 4-bit weights first). Tables to stdout and $O
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from common import ensure_sgl_importable  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES  # noqa: E402
-from quant_sweep import WEIGHT, WeightSet, class_of, time_path  # noqa: E402
+from quant_sweep import WEIGHT, WeightSet, class_of, save_table, time_path  # noqa: E402
 
 from sgl.backend.quant.linear import cuda_route  # noqa: E402
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config  # noqa: E402
@@ -115,12 +114,7 @@ def main() -> None:
                      f"{step['best']:.0f} | {step['best'] / step['shipped']:.2f} | "
                      f"{step['best'] / step['bf16']:.2f} | |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
-                               f"{time.monotonic() - t0:.0f} s\n")
-    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tiled_split_sweep.md").write_text(text)
-    print(text)
+    save_table("tiled_split_sweep", lines, t0)
 
 
 if __name__ == "__main__":
