@@ -23,6 +23,7 @@ from sgl.backend import gc_freeze
 from sgl.backend.model_source import resolve_model_source
 from sgl.backend.quant.cpu_layer import MAX_ROWS as CPU_DECODE_ROWS
 from sgl.backend.quant.policy import (check_activation_quantization, check_deterministic,
+                                      check_fp8_device,
                                       require_gguf_model, resolve_activation_quantization,
                                       resolve_quantization)
 from sgl.backend.req import Req
@@ -222,6 +223,7 @@ class Runtime:
         attention = config.attention_backend
         check_float8_kv_attention(self.kv_dtype, self.kernels.attention if attention == "auto"
                                   else attention, self.device)
+        check_fp8_device(config.quantization, self.device)
         model, self.model_config = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format,
             model_config=config.model_config, seed=config.random_seed, cache=config.cache_dir,

@@ -16,7 +16,7 @@ from sgl.backend.quant import fp8, linear
 from sgl.backend.quant.fp8 import (FP8_MAX, Fp8Weight, fp8_linear_reference, fp8_scaled_linear,
                                    fp8_scaled_linear_reference, quantize_rows,
                                    quantize_rows_reference, use_fp8_activations)
-from sgl.backend.quant.policy import resolve_activation_quantization
+from sgl.backend.quant.policy import check_fp8_device, resolve_activation_quantization
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
@@ -97,6 +97,20 @@ def test_fp8_activations_need_fp8_weights(options: dict[str, str]) -> None:
         EngineConfig(activation_quantization="fp8", **options)
     assert "quantization='fp8'" in str(info.value)
     EngineConfig(activation_quantization="fp8", quantization="fp8", device="cuda")  # accepted
+
+
+def test_fp8_weights_need_an_sm89_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 weights (their Triton e4m3 kernels, W8A8's FP8 tensor cores) are refused on a GPU
+    older than compute capability 8.9 with what to use instead, before anything loads."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    check_fp8_device("fp8", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(InvalidConfigError, match="capability 8.9 or later .* this one is 8.0: "
+                                                 "use quantization='none'"):
+        check_fp8_device("fp8", cuda)
+    check_fp8_device("gguf", cuda)  # (4/8-bit codes: any GPU Triton runs on)
+    check_fp8_device("fp8", torch.device("cpu"))  # (refused elsewhere: resolve_quantization)
 
 
 def test_auto_activations_are_w8a8_under_fp8_weights_only() -> None:

@@ -4,12 +4,27 @@ cannot work, so they fail with an InvalidConfigError instead of a surprise."""
 
 from __future__ import annotations
 
+import torch
+
 from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
-__all__ = ["check_activation_quantization", "check_deterministic", "require_gguf_model",
-           "resolve_activation_quantization",
-           "resolve_quantization"]
+__all__ = ["check_activation_quantization", "check_deterministic", "check_fp8_device",
+           "require_gguf_model", "resolve_activation_quantization", "resolve_quantization"]
+
+
+def check_fp8_device(quantization: str, device: torch.device) -> None:
+    """FP8 weights on CUDA run Triton kernels over e4m3 (Triton's fp8e4nv, compiled for compute
+    capability 8.9 and later only) and, W8A8, `torch._scaled_mm` on the FP8 tensor cores
+    (8.9 and later too): an older GPU is refused before the load, not at the first product."""
+    if quantization != "fp8" or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise InvalidConfigError(
+            f"quantization='fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper: "
+            f"e4m3 in the kernels and FP8 tensor cores), this one is {major}.{minor}: use "
+            f"quantization='none' for float weights, or 'gguf' with a GGUF file")
 
 
 def resolve_activation_quantization(asked: str, quantization: str) -> str:
