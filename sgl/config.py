@@ -62,8 +62,9 @@ class EngineConfig:
     random_seed: int = 0
     cache_dir: str | None = None  # dequantized GGUF weights and the default model; None: ~/.cache/sgl
     # Weight precision (kernels in sgl/backend/quant). "gguf": a GGUF file's quantized tensors
-    # stay quantized (CPU: C kernels; CUDA: Triton); "fp8" (CUDA only): float weights converted
-    # at load to float8 e4m3 with per-channel scales, activations unquantized; "none": float
+    # stay quantized (CPU: C kernels; CUDA: Triton); "fp8" (CUDA, compute capability 8.9+):
+    # float weights converted at load to float8 e4m3 with per-channel scales (activations:
+    # `activation_quantization` below, W8A8 at 49 rows and more by default); "none": float
     # weights in `dtype` (a GGUF is dequantized). "auto": "gguf" on the CPU when `dtype` is
     # "auto", else "none" (an explicit dtype asks for float weights; the GPU opts in).
     quantization: Literal["auto", "none", "gguf", "fp8"] = "auto"
