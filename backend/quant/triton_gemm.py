@@ -49,7 +49,8 @@ from sgl.backend.quant.triton_gemv import (
     nibbles_f32,
     scale_args,
 )
-from sgl.backend.quant.triton_split import finish_split, k_slice, split_launch, sum_slices
+from sgl.backend.quant.triton_split import (SplitLaunch, finish_split, k_slice, split_launch,
+                                            sum_slices)
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["GEMM_DEFAULTS", "GemmConfig", "gemm_config", "qdequant", "qgemm", "split_tile_launch",
@@ -220,7 +221,8 @@ def store_split_tile(acc, B, Y, P, CNT, offs_m, offs_n, mask_m, mask_n, stride_y
                            TRANSPOSED)
 
 
-def split_tile_launch(y: torch.Tensor, cfg: GemmConfig, steps: int, step: int):
+def split_tile_launch(y: torch.Tensor, cfg: GemmConfig, steps: int,
+                      step: int) -> tuple[tuple[int, int, int], SplitLaunch]:
     """(grid, SplitLaunch) of a tiled launch writing y [M, N] with a K loop of `steps` steps
     of `step` units (quant/triton_split.py's split_launch, one counter per output tile)."""
     m, n = y.shape
