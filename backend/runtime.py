@@ -23,7 +23,7 @@ from sgl.backend import gc_freeze
 from sgl.backend.model_source import resolve_model_source
 from sgl.backend.quant.cpu_layer import MAX_ROWS as CPU_DECODE_ROWS
 from sgl.backend.quant.policy import (check_activation_quantization, check_deterministic,
-                                      check_fp8_device,
+                                      check_fp8_device, require_float8_gpu,
                                       require_gguf_model, resolve_activation_quantization,
                                       resolve_quantization)
 from sgl.backend.req import Req
@@ -105,12 +105,9 @@ def check_float8_kv_attention(kv: torch.dtype, attention: str, device: torch.dev
         raise InvalidConfigError(
             f"kv_cache_dtype='fp8_e4m3' with the Triton attention on {device}: Triton's "
             f"interpreter rounds float8 stores wrongly; {use}")
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise InvalidConfigError(
-            f"kv_cache_dtype='fp8_e4m3' with the Triton attention needs a GPU of compute "
-            f"capability 8.9 or later (Triton's float8 e4m3), this one is {major}.{minor}: "
-            f"{use} (the torch attention decodes without CUDA graphs)")
+    require_float8_gpu(device, "kv_cache_dtype='fp8_e4m3' with the Triton attention",
+                       "Triton's float8 e4m3",
+                       f"{use} (the torch attention decodes without CUDA graphs)")
 
 
 def _available_bytes(device: torch.device) -> int:

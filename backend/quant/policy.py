@@ -10,7 +10,8 @@ from sgl.config import EngineConfig
 from sgl.errors import InvalidConfigError
 
 __all__ = ["check_activation_quantization", "check_deterministic", "check_fp8_device",
-           "require_gguf_model", "resolve_activation_quantization", "resolve_quantization"]
+           "require_float8_gpu", "require_gguf_model", "resolve_activation_quantization",
+           "resolve_quantization"]
 
 
 def check_fp8_device(quantization: str, device: torch.device) -> None:
@@ -19,12 +20,18 @@ def check_fp8_device(quantization: str, device: torch.device) -> None:
     (8.9 and later too): an older GPU is refused before the load, not at the first product."""
     if quantization != "fp8" or device.type != "cuda":
         return
+    require_float8_gpu(device, "quantization='fp8'",
+                       "Ada, Hopper: e4m3 in the kernels and FP8 tensor cores",
+                       "use quantization='none' for float weights, or 'gguf' with a GGUF file")
+
+
+def require_float8_gpu(device: torch.device, what: str, why: str, instead: str) -> None:
+    """InvalidConfigError unless `device` (CUDA) has compute capability 8.9 or later, where
+    Triton compiles float8 e4m3 (fp8e4nv) and the FP8 tensor cores exist."""
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        raise InvalidConfigError(
-            f"quantization='fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper: "
-            f"e4m3 in the kernels and FP8 tensor cores), this one is {major}.{minor}: use "
-            f"quantization='none' for float weights, or 'gguf' with a GGUF file")
+        raise InvalidConfigError(f"{what} needs a GPU of compute capability 8.9 or later "
+                                 f"({why}), this one is {major}.{minor}: {instead}")
 
 
 def resolve_activation_quantization(asked: str, quantization: str) -> str:
