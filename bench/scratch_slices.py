@@ -2,7 +2,8 @@
 kernel's rows) at the slice sizes `SCRATCH_ELEMENTS` allows, on 4-bit (Q4_K structure,
 factored) and FP8 weights of the Llama-3.1-8B shapes, against bf16 cuBLAS.
 
-    python bench/scratch_slices.py [--rows 128,256,2048,16,32,64] [--mib 128,32,16,8] [--kinds q4,fp8]
+    python bench/scratch_slices.py [--rows 128,256,2048,16,32,64] [--mib 128,32,16,8]
+                                   [--kinds q4,fp8]
 
 A slice that fits in the GPU's L2 (50 MB on the H100/H200) can be written by the dequantize
 kernel and read by the GEMM without a round trip to DRAM, and the next slice reuses the same

@@ -11,7 +11,8 @@ checked against float32 dequantize-then-matmul first; then prints per N class (N
 larger) the best config and the per-8B-step totals (32 layers x the four projections + the
 head) of bf16, what ships and the best split. Graph-timed over >= 256 MiB of weight copies
 (bench/quant_sweep.py). Stops at `--budget` seconds with what it has (kind:rows pairs in the
-order given: `fixed`'s 128 rows of 4-bit weights first). Tables to stdout and $OUT/tiled_split_sweep.md.
+order given: `fixed`'s 128 rows of 4-bit weights first). Tables to stdout and
+$OUT/tiled_split_sweep.md.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     ws = WeightSet()
-    lines = ["| kind | rows | class | bf16 us/step | shipped (route) us/step | best split us/step | "
-             "best / shipped | best / bf16 | best config per class |", "|" + "---|" * 9]
+    lines = ["| kind | rows | class | bf16 us/step | shipped (route) us/step | "
+             "best split us/step | best / shipped | best / bf16 | best config per class |", "|" + "---|" * 9]
     for pair in args.pairs.split(","):
         kind, m = pair.split(":")[0], int(pair.split(":")[1])
         if time.monotonic() - t0 > args.budget:

@@ -74,8 +74,8 @@ class EngineConfig:
     # "none": activations stay float32. Refused where it cannot apply (GPU, float weights).
     # GPU, quantization="fp8": "fp8" quantizes each product's input per row (token) to e4m3
     # with one float32 scale where the product has 49 rows or more (prefill, large decode
-    # batches; the FP8 GEMV and tiled kernels serve fewer), and multiplies on the FP8 tensor cores
-    # (torch._scaled_mm): SGLang's W8A8 for `fp8`, 1.2x bf16's batch throughput where the
+    # batches; the FP8 GEMV and tiled kernels serve fewer), and multiplies on the FP8 tensor
+    # cores (torch._scaled_mm): SGLang's W8A8 for `fp8`, 1.2x bf16's batch throughput where the
     # weight-only path is 0.77x (docs/benchmarks.md), not exact. Smaller products (single
     # streams, small batches) keep unquantized inputs. "none" there: FP8 weight-only at every
     # row count. "auto": "fp8" under quantization="fp8" (SGLang's contract), else "none".

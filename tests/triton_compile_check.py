@@ -1,10 +1,9 @@
-"""Compile the one-row GEMV kernels (and the tiled ones' split-K) for Hopper (sm_90) without a GPU: Triton's ahead-of-time
-path (ASTSource -> TTIR -> PTX -> cubin through the ptxas its wheel ships). The interpreter
-runs the kernels' Python, not the compiler, so this is what catches a construct that only
-the compiled path rejects (the lop3 kernel's inline PTX among them), and it shows the PTX of
-the one-launch split-K reduction: the
-partial stored, a CTA barrier, then the acquire-release atomic, and the partials read back at
-L2 (ld.global.cg).
+"""Compile the one-row GEMV kernels (and the tiled ones' split-K) for Hopper (sm_90) without a
+GPU: Triton's ahead-of-time path (ASTSource -> TTIR -> PTX -> cubin through the ptxas its
+wheel ships). The interpreter runs the kernels' Python, not the compiler, so this is what
+catches a construct that only the compiled path rejects (the lop3 kernel's inline PTX among
+them), and it shows the PTX of the one-launch split-K reduction: the partial stored, a CTA
+barrier, then the acquire-release atomic, and the partials read back at L2 (ld.global.cg).
 
     python tests/triton_compile_check.py      (TRITON_INTERPRET unset; prints "ok")
 

@@ -1,7 +1,7 @@
 """FP8 weights (`quantization="fp8"`, SGLang's name): float8_e4m3fn with one float32 scale
-per output channel, converted at load from a float checkpoint. Products up to the tiled
-kernel's rows are weight-only (activations stay in the model's dtype); larger ones W8A8 by
-default (below).
+per output channel, converted at load from a float checkpoint. Products of fewer than
+`W8A8_MIN_ROWS` rows are weight-only (activations stay in the model's dtype); larger ones
+W8A8 by default (below).
 
     w = Fp8Weight.quantize(float_weight [N, K])      # scale[n] = amax(|W[n, :]|) / 448
     fp8_linear(x [..., K], w, bias) -> [..., N]      (x's dtype)
@@ -15,7 +15,7 @@ bf16 weights (docs/benchmarks.md).
 
 W8A8 (`activation_quantization="fp8"`, what its "auto" resolves to under FP8 weights; marked
 by `use_fp8_activations`; SGLang's `fp8` always computes so; "none" turns it off): products
-of more than `W8A8_MIN_ROWS` rows quantize their input per row to e4m3 (`quantize_rows`:
+of `W8A8_MIN_ROWS` rows or more quantize their input per row to e4m3 (`quantize_rows`:
 scale amax times 1/448, values rounded to nearest) and multiply on the FP8 tensor cores, both
 scales applied in the product's epilogue (`torch._scaled_mm`, row-wise scales). Not exact:
 each input row is rounded to 3 mantissa bits. The smaller products keep unquantized inputs
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FP8_MAX", "W8A8_MIN_ROWS", "Fp8Weight", "fp8_linear", "fp8_linear_reference", "fp8_scaled_linear",
-           "fp8_scaled_linear_reference", "quantize_rows", "quantize_rows_reference",
-           "use_fp8_activations"]
+__all__ = ["FP8_MAX", "W8A8_MIN_ROWS", "Fp8Weight", "fp8_linear", "fp8_linear_reference",
+           "fp8_scaled_linear", "fp8_scaled_linear_reference", "quantize_rows",
+           "quantize_rows_reference", "use_fp8_activations"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Rows from which a marked weight's product runs W8A8. bench/scratch_slices.py and

@@ -173,20 +173,31 @@ def _qgemm_kernel(
 
 
 @triton.jit
+def _tile_offsets(offs_m, offs_n, mask_m, mask_n, stride_ym, TRANSPOSED: tl.constexpr):
+    """(offsets, mask) of an output tile of a row-major [M, N] (rows `stride_ym` apart) in the
+    accumulator's orientation: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when TRANSPOSED."""
+    if TRANSPOSED:
+        off = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        mask = mask_n[:, None] & mask_m[None, :]
+    else:
+        off = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+    return off, mask
+
+
+@triton.jit
 def store_tile(acc, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: tl.constexpr,
                TRANSPOSED: tl.constexpr):
     """Add the bias and store an output tile: acc [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M]
     when TRANSPOSED (the weight was the dot's first operand)."""
-    if TRANSPOSED:
-        if HAS_BIAS:
-            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        y_ptrs = Y + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if HAS_BIAS:
+        b = tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if TRANSPOSED:
+            acc += b[:, None]
+        else:
+            acc += b[None, :]
+    off, mask = _tile_offsets(offs_m, offs_n, mask_m, mask_n, stride_ym, TRANSPOSED)
+    tl.store(Y + off, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -209,13 +220,8 @@ def store_split_tile(acc, B, Y, P, CNT, offs_m, offs_n, mask_m, mask_n, stride_y
             cnt = CNT + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT - 1:
-                if TRANSPOSED:
-                    p = P + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-                    mask = mask_n[:, None] & mask_m[None, :]
-                else:
-                    p = P + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-                    mask = mask_m[:, None] & mask_n[None, :]
-                total = sum_slices(p, mask, stride_ps, SPLIT, True)
+                off, mask = _tile_offsets(offs_m, offs_n, mask_m, mask_n, stride_ym, TRANSPOSED)
+                total = sum_slices(P + off, mask, stride_ps, SPLIT, True)
                 tl.store(cnt, 0)  # (the tile is done: zero for the next launch)
                 store_tile(total, B, Y, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS,
                            TRANSPOSED)
