@@ -4,9 +4,11 @@ FP8 weights at decode batches of the Llama-3.1-8B shapes, against what ships at 
 cuBLAS.
 
     python bench/tiled_split_sweep.py [--pairs q4:128,q4:16,fp8:16,q4:64,q4:256] [--budget 240]
+                                      [--join off|on|both]
 
 Per (kind, rows) it times, on every shape, the table's tile unsplit and split 2/4/8 at BLOCK_N
-32/64/128 (the table's BLOCK_M and operand order; at 128+ rows also BLOCK_M 128), each
+32/64/128 (the table's BLOCK_M and operand order; at 128+ rows also BLOCK_M 128; 4-bit
+weights with and without `join`, one dot per K step over both halves of a group), each
 checked against float32 dequantize-then-matmul first; then prints per N class (N <= 8192,
 larger) the best config and the per-8B-step totals (32 layers x the four projections + the
 head) of bf16, what ships and the best split. Graph-timed over >= 256 MiB of weight copies
@@ -38,14 +40,15 @@ from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config  # noqa: E402
 GROUP = {"q4": 32, "fp8": 64}
 
 
-def candidates(kind: str, m: int, n: int) -> list[GemmConfig]:
+def candidates(kind: str, m: int, n: int, joins: tuple[bool, ...]) -> list[GemmConfig]:
     base = gemm_config(m, n, 4096, GROUP[kind], kind)
     out = []
     for block_m in ([base.block_m] + ([128] if m >= 128 and base.block_m != 128 else [])):
         for block_n in (32, 64, 128):
             for split in (1, 2, 4, 8):
-                out.append(base._replace(block_m=block_m, block_n=block_n, split_k=split,
-                                         split_reduce="last"))
+                for join in (joins if kind == "q4" else (False,)):
+                    out.append(base._replace(block_m=block_m, block_n=block_n, split_k=split,
+                                             split_reduce="last", join=join))
     return out
 
 
@@ -68,7 +71,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", default="q4:128,q4:16,fp8:16,q4:64,q4:256,fp8:64")
     ap.add_argument("--budget", type=float, default=240.0)
+    ap.add_argument("--join", choices=("off", "on", "both"), default="both",
+                    help="4-bit tiles: `GemmConfig.join` (one dot per K step) off, on or both")
     args = ap.parse_args()
+    joins = {"off": (False,), "on": (True,), "both": (False, True)}[args.join]
     t0 = time.monotonic()
     ws = WeightSet()
     lines = ["| kind | rows | class | bf16 us/step | shipped (route) us/step | "
@@ -93,7 +99,7 @@ def main() -> None:
                     us = (time_path(ws, "bf16", name, x, path) if label == "bf16"
                           else checked(ws, kind, name, x, path, cfg, ref))
                     totals[label] = totals.get(label, 0.0) + WEIGHT[name] * (us or 1e9)
-                for cfg in candidates(kind, m, n):
+                for cfg in candidates(kind, m, n, joins):
                     us = checked(ws, kind, name, x, "gemm", cfg, ref)
                     totals[cfg] = totals.get(cfg, 0.0) + WEIGHT[name] * (us or 1e9)
                     print(f"{kind} M={m} {name} {tuple(cfg)}: "

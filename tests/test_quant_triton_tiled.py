@@ -2,7 +2,8 @@
 `weight_as_a` operand order) against dequantize-then-matmul: every GGUF format, ragged K
 steps, and row counts around the tile edges, 1..40 with 37 (the eager prefill that once went
 wrong on the device) at the real models' inner dimensions; split-K (`GemmConfig.split_k`,
-both reductions) in it and in FP8's tiled kernel. Helpers and the bound:
+both reductions) in it and in FP8's tiled kernel; 4-bit tiles joined into one dot per K step
+(`GemmConfig.join`). Helpers and the bound:
 tests/test_quant_triton.py; the interpreter set-up: tests/triton_interp.py.
 """
 
@@ -94,6 +95,29 @@ def test_qgemm_every_row_count_1_to_40(fmt: str) -> None:
         for weight_as_a in (False, True):
             cfg = gemm_config(m, 21, 576)._replace(weight_as_a=weight_as_a)
             assert_matches(qgemm(x[:m], w, b, config=cfg), x[:m], ref, b)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])  # the formats of 4-bit codes
+@pytest.mark.parametrize("factored", [False, True])
+@pytest.mark.parametrize("weight_as_a", [False, True])
+def test_joined_4bit_tiles_match_dequantize_then_matmul(fmt: str, factored: bool,
+                                                        weight_as_a: bool) -> None:
+    """`GemmConfig.join`: a group's low and high codes interleaved back into K order in
+    registers, one dot per K step over x's columns as they lie (instead of a dot per half over
+    gathered columns): 17 rows over two row blocks, a ragged last K step, bf16 and float32
+    activations, unsplit and split in three with the last slice adding."""
+    if factored and fmt not in K_QUANTS:
+        pytest.skip("no factored form")
+    n, k = shape_of(fmt)
+    w = qweight(fmt, n, k, seed=11, factored=factored)
+    ref = w.dequantize()
+    for dtype in (torch.float32, torch.bfloat16):
+        x, b = inputs(17, k, n, dtype, bias=True, seed=12)
+        for split in (1, 3):
+            cfg = GemmConfig(16, 16, ragged_block_k(w), 1, 1, weight_as_a, split_k=split,
+                             split_reduce="last", join=True)
+            assert_matches(qgemm(x, w, b, config=cfg), x, ref, b)
 
 
 SPLIT_KINDS = ["Q4_1", "Q8_0", "Q4_K/factored", "Q6_K/factored", "fp8"]

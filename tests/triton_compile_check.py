@@ -203,9 +203,10 @@ def main() -> None:
     for w_as_a in (False, True):
         common = dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, UPCAST=False, IEEE=False,
                       W_AS_A=w_as_a, SPLIT=4, LAST=True)
-        check_last_slice_reduction(ptx(
-            triton_gemm._qgemm_kernel, {**QGEMV_ARGS, **tiled},
-            dict(common, BITS=4, GROUP=32, GBYTES=16, SUPER=8, BLOCK_G=4)))
+        for join in (False, True):  # 4-bit: two dots per K step, or one over both halves
+            check_last_slice_reduction(ptx(
+                triton_gemm._qgemm_kernel, {**QGEMV_ARGS, **tiled},
+                dict(common, BITS=4, GROUP=32, GBYTES=16, SUPER=8, BLOCK_G=4, JOIN=join)))
         check_last_slice_reduction(ptx(triton_fp8._fp8_gemm_kernel, {**FP8_ARGS, **tiled},
                                        dict(common, BLOCK_K=128)))
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",

@@ -66,6 +66,7 @@ class GemmConfig(NamedTuple):
     weight_as_a: bool = False  # the weight tile as the dot's first operand (module doc)
     split_k: int = 1  # K slices (a third grid axis, quant/triton_split.py); 1: no split
     split_reduce: str = "kernel"  # who adds the slices: "kernel" (a second one) | "last"
+    join: bool = False  # 4-bit: both halves of a group in one tile and one dot (module doc)
 
 
 # Tiles by weight kind (quant/linear.py's names: "q4", "q8", "fp8") and rows (shape-only:
@@ -103,9 +104,11 @@ def gemm_config(m: int, n: int, k: int, group_size: int = 32, kind: str = "q4") 
 @triton.jit
 def _weight_tile(CODES, SCALE, ZERO, SUP_S, SUP_Z, c_ptrs, rows64, offs_g, g0, G, mask_n,
                  dt: tl.constexpr, BITS: tl.constexpr, GBYTES: tl.constexpr,
-                 SUPER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The dequantized weights of one K step in x's dtype, [BLOCK_N, BLOCK_G * GBYTES] each:
-    (low codes, high codes) for 4 bits (the high tile the same as the low for 8 bits)."""
+                 SUPER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                 JOIN: tl.constexpr):
+    """The dequantized weights of one K step in x's dtype: (low codes, high codes) for 4 bits,
+    [BLOCK_N, BLOCK_G * GBYTES] each; with JOIN (and for 8 bits) one tile [BLOCK_N,
+    BLOCK_G * GROUP] in K order, returned twice."""
     mask_g = g0 + offs_g < G
     m2 = mask_n[:, None] & mask_g[None, :]
     raw = tl.load(c_ptrs + g0 * GBYTES, mask=m2[:, :, None], other=0)  # [BLOCK_N, BLOCK_G, GB]
@@ -113,8 +116,15 @@ def _weight_tile(CODES, SCALE, ZERO, SUP_S, SUP_Z, c_ptrs, rows64, offs_g, g0, G
     s, z = s[:, :, None], z[:, :, None]
     if BITS == 4:
         lo, hi = nibbles_f32(raw.to(tl.int32))
-        w_lo = tl.reshape((lo * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
-        w_hi = tl.reshape((hi * s + z).to(dt), (BLOCK_N, BLOCK_G * GBYTES))
+        w_lo = (lo * s + z).to(dt)  # [BLOCK_N, BLOCK_G, GBYTES]
+        w_hi = (hi * s + z).to(dt)
+        if JOIN:  # k = g * GROUP + half * GBYTES + byte: a byte's two codes in one thread
+            w_lo = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2)),
+                              (BLOCK_N, BLOCK_G * 2 * GBYTES))
+            w_hi = w_lo
+        else:
+            w_lo = tl.reshape(w_lo, (BLOCK_N, BLOCK_G * GBYTES))
+            w_hi = tl.reshape(w_hi, (BLOCK_N, BLOCK_G * GBYTES))
     else:
         w_lo = tl.reshape((int8_f32(raw.to(tl.int32)) * s + z).to(dt),
                           (BLOCK_N, BLOCK_G * GBYTES))
@@ -131,7 +141,7 @@ def _qgemm_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, W_AS_A: tl.constexpr,
-    SPLIT: tl.constexpr, LAST: tl.constexpr,
+    SPLIT: tl.constexpr, LAST: tl.constexpr, JOIN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # fastest: the row blocks sharing a weight tile run together
     pid_n = tl.program_id(1)
@@ -140,14 +150,19 @@ def _qgemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_g = tl.arange(0, BLOCK_G)
     offs_i = tl.arange(0, GBYTES)
-    offs_j = tl.arange(0, BLOCK_G * GBYTES)  # [BLOCK_KB]: byte column of the tile
     mask_m, mask_n = offs_m < M, offs_n < N
     rows64 = offs_n.to(tl.int64)
     c_ptrs = (CODES + rows64[:, None, None] * stride_cn + offs_g[None, :, None] * GBYTES
               + offs_i[None, None, :])  # [BLOCK_N, BLOCK_G, GBYTES]
-    # Column of K a byte's (low) code belongs to: group * GROUP + byte within the group.
-    x_col = (offs_j // GBYTES) * GROUP + offs_j % GBYTES  # [BLOCK_KB]
-    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + x_col[None, :]  # [BLOCK_M, BLOCK_KB]
+    if JOIN or BITS == 8:  # one tile in K order: x's columns as they lie
+        offs_j = tl.arange(0, BLOCK_G * GROUP)  # [TILE_K]
+        x_grp = offs_j // GROUP
+        x_col = offs_j
+    else:  # column of K a byte's low code belongs to: group * GROUP + byte within the group
+        offs_j = tl.arange(0, BLOCK_G * GBYTES)  # [TILE_K]: byte column of the tile
+        x_grp = offs_j // GBYTES
+        x_col = x_grp * GROUP + offs_j % GBYTES
+    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + x_col[None, :]  # [BLOCK_M, TILE_K]
     dt = X.dtype.element_ty
     if W_AS_A:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
@@ -155,14 +170,14 @@ def _qgemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g0 in range(g_lo, g_hi, BLOCK_G):
         w_lo, w_hi = _weight_tile(CODES, SCALE, ZERO, SUP_S, SUP_Z, c_ptrs, rows64, offs_g, g0,
-                                  G, mask_n, dt, BITS, GBYTES, SUPER, BLOCK_N, BLOCK_G)
-        mask_x = mask_m[:, None] & (g0 + offs_j // GBYTES < G)[None, :]
+                                  G, mask_n, dt, BITS, GBYTES, SUPER, BLOCK_N, BLOCK_G, JOIN)
+        mask_x = mask_m[:, None] & (g0 + x_grp < G)[None, :]
         xa = tl.load(x_ptrs + g0 * GROUP, mask=mask_x, other=0.0)
         if W_AS_A:
             acc += mma(w_lo, tl.trans(xa), UPCAST, IEEE)
         else:
             acc += mma(xa, tl.trans(w_lo), UPCAST, IEEE)
-        if BITS == 4:  # the high nibbles: x 16 columns further
+        if BITS == 4 and not JOIN:  # the high nibbles: x 16 columns further
             xb = tl.load(x_ptrs + g0 * GROUP + GBYTES, mask=mask_x, other=0.0)
             if W_AS_A:
                 acc += mma(w_hi, tl.trans(xb), UPCAST, IEEE)
@@ -262,7 +277,8 @@ def qgemm(
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_G=block_g, UPCAST=is_interpreted(_qgemm_kernel),
             IEEE=x.dtype == torch.float32, W_AS_A=cfg.weight_as_a,
-            SPLIT=sk.split, LAST=sk.last, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT=sk.split, LAST=sk.last, JOIN=cfg.join, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)
