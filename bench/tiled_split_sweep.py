@@ -4,7 +4,7 @@ FP8 weights at decode batches of the Llama-3.1-8B shapes, against what ships at 
 cuBLAS.
 
     python bench/tiled_split_sweep.py [--pairs q4:128,q4:16,fp8:16,q4:64,q4:256] [--budget 240]
-                                      [--join off|on|both]
+                                      [--join off|on|both] [--warps 4,8]
 
 Per (kind, rows) it times, on every shape, the table's tile unsplit and split 2/4/8 at BLOCK_N
 32/64/128 (the table's BLOCK_M and operand order; at 128+ rows also BLOCK_M 128; 4-bit
@@ -40,15 +40,18 @@ from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config  # noqa: E402
 GROUP = {"q4": 32, "fp8": 64}
 
 
-def candidates(kind: str, m: int, n: int, joins: tuple[bool, ...]) -> list[GemmConfig]:
+def candidates(kind: str, m: int, n: int, joins: tuple[bool, ...],
+               warps: tuple[int, ...] = ()) -> list[GemmConfig]:
     base = gemm_config(m, n, 4096, GROUP[kind], kind)
     out = []
     for block_m in ([base.block_m] + ([128] if m >= 128 and base.block_m != 128 else [])):
         for block_n in (32, 64, 128):
             for split in (1, 2, 4, 8):
                 for join in (joins if kind == "q4" else (False,)):
-                    out.append(base._replace(block_m=block_m, block_n=block_n, split_k=split,
-                                             split_reduce="last", join=join))
+                    for num_warps in (warps or (base.num_warps,)):
+                        out.append(base._replace(block_m=block_m, block_n=block_n,
+                                                 split_k=split, split_reduce="last",
+                                                 join=join, num_warps=num_warps))
     return out
 
 
@@ -73,8 +76,11 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=240.0)
     ap.add_argument("--join", choices=("off", "on", "both"), default="both",
                     help="4-bit tiles: `GemmConfig.join` (one dot per K step) off, on or both")
+    ap.add_argument("--warps", default="", help="warps per program to try, e.g. 4,8 "
+                    "(default: the table's)")
     args = ap.parse_args()
     joins = {"off": (False,), "on": (True,), "both": (False, True)}[args.join]
+    warps = tuple(int(w) for w in args.warps.split(",") if w)
     t0 = time.monotonic()
     ws = WeightSet()
     lines = ["| kind | rows | class | bf16 us/step | shipped (route) us/step | "
@@ -99,7 +105,7 @@ def main() -> None:
                     us = (time_path(ws, "bf16", name, x, path) if label == "bf16"
                           else checked(ws, kind, name, x, path, cfg, ref))
                     totals[label] = totals.get(label, 0.0) + WEIGHT[name] * (us or 1e9)
-                for cfg in candidates(kind, m, n, joins):
+                for cfg in candidates(kind, m, n, joins, warps):
                     us = checked(ws, kind, name, x, "gemm", cfg, ref)
                     totals[cfg] = totals.get(cfg, 0.0) + WEIGHT[name] * (us or 1e9)
                     print(f"{kind} M={m} {name} {tuple(cfg)}: "

@@ -34,8 +34,9 @@ them to the tensor cores (`GemmConfig.join`):
   x's columns as they lie. Under Triton 3.6 the two-dot step waits for the first dot's wgmma
   before issuing the second (`wgmma.wait_group 0` inside the loop); the joined step issues
   its wgmmas asynchronously and waits on them one K step later, so the dequantization of the
-  next tile overlaps them. Per 8B step on the H200: 9.4 -> 8.1 ms at 64 rows, and at 128
-  rows 11.4 ms against scratch + cuBLAS's 12.1 (at 16 rows no change; at 256 scratch wins).
+  next tile overlaps them. Per 8B step on the H200: 9.4 -> 8.1 ms at 64 rows (7.7 with the
+  wide products' tiles retuned), and at 128 rows 11.4 ms against scratch + cuBLAS's 12.1 (at
+  16 rows no change; at 256 scratch wins).
 
 `qdequant` writes the float weight (prefill: many rows, where cuBLAS on a dequantized
 scratch beats a tiled kernel of ours and the dequantization is a small part of the step;
@@ -82,8 +83,9 @@ class GemmConfig(NamedTuple):
 # (session 6, H200), the split-K entries from bench/tiled_split_sweep.py (session 17, H200:
 # per 8B step at 16 rows Q4 6,975 -> 5,847 us and FP8 3,904 -> 3,073, at 64 rows Q4 11,897 ->
 # 9,521 and FP8 6,230 -> 5,158; at 128-256 rows no split beat scratch + cuBLAS), the joined
-# 4-bit entries from the same sweep with `--join both` (session 18: at 64 rows 9,402 -> 8,142
-# us, at 128 rows 11,416 against scratch's 12,144; 256 rows stay on scratch). Each entry:
+# 4-bit entries from the same sweep with `--join both` and `--warps 4,8` (session 18: at 64
+# rows 9,402 -> 7,721 us, at 128 rows 11,416 against scratch's 12,144; 256 rows stay on
+# scratch). Each entry:
 # (largest M, config for N <= 8192, config for larger N); the last covers the rest.
 # GemmConfig(block_m, block_n, block_k, num_warps, num_stages, weight_as_a, split_k,
 # split_reduce, join). quant/linear.py's CUDA_ROUTES decides the rows this kernel serves.
@@ -91,7 +93,7 @@ _G = GemmConfig
 GEMM_DEFAULTS: dict[str, tuple[tuple[int, GemmConfig, GemmConfig], ...]] = {
     "q4": ((16, _G(16, 64, 256, 4, 3, False, 4, "last"), _G(16, 64, 128, 4, 3, False, 2, "last")),
            (64, _G(64, 64, 128, 4, 3, False, 4, "last", True),
-            _G(64, 128, 128, 8, 2, True, 1, "kernel", True)),
+            _G(64, 64, 128, 4, 2, True, 2, "last", True)),
            (128, _G(128, 64, 128, 4, 2, True, 4, "last", True),
             _G(128, 128, 128, 8, 4, True, 1, "kernel", True)),
            (256, _G(128, 64, 128, 4, 2, True, 2, "last", True),
