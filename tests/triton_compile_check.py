@@ -7,6 +7,9 @@ barrier, then the acquire-release atomic, and the partials read back at L2 (ld.g
 
     python tests/triton_compile_check.py      (TRITON_INTERPRET unset; prints "ok")
 
+The joined 4-bit tiles' K loop leaves its wgmmas in flight across steps
+(`check_dots_stay_in_flight`: the reason `GemmConfig.join` exists).
+
 It also compiles the KV store, rotary store and attention kernels over a float8 e4m3 pool
 (`check_float8_kv_cache`): the rounding instruction of the stores, the widening of the loads.
 
@@ -60,6 +63,19 @@ def check_last_slice_reduction(code: str) -> None:
     store = max(i for i, line in enumerate(lines[:atom]) if "st.global" in line)
     assert any("bar.sync" in line for line in lines[store:atom]), "no barrier before the atom"
     assert any("ld.global.cg" in line for line in lines[atom:]), "partials not read at L2"
+
+
+def check_dots_stay_in_flight(code: str) -> None:
+    """The K loop issues wgmmas and never waits for all of them (`wgmma.wait_group 0`) before
+    its next step: the next tile's dequantization overlaps the tensor cores' work. (The tiled
+    4-bit kernel's two-dot step waits for the first dot's wgmmas before the second; the
+    joined step was built to avoid that: triton_gemm's module docstring.)"""
+    lines = code.splitlines()
+    head = next(i for i, line in enumerate(lines) if "Loop Header" in line)
+    end = next(i for i in range(head + 1, len(lines)) if " bra" in lines[i])
+    loop = "\n".join(lines[head:end])
+    assert "wgmma.mma_async" in loop, "no wgmma in the K loop"
+    assert not re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", loop), "a full wait per step"
 
 
 def check_loads_around_wait(code: str) -> None:
@@ -204,9 +220,12 @@ def main() -> None:
         common = dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, UPCAST=False, IEEE=False,
                       W_AS_A=w_as_a, SPLIT=4, LAST=True)
         for join in (False, True):  # 4-bit: two dots per K step, or one over both halves
-            check_last_slice_reduction(ptx(
-                triton_gemm._qgemm_kernel, {**QGEMV_ARGS, **tiled},
-                dict(common, BITS=4, GROUP=32, GBYTES=16, SUPER=8, BLOCK_G=4, JOIN=join)))
+            consts = dict(common, BITS=4, GROUP=32, GBYTES=16, SUPER=8, BLOCK_G=4, JOIN=join)
+            check_last_slice_reduction(ptx(triton_gemm._qgemm_kernel,
+                                           {**QGEMV_ARGS, **tiled}, consts))
+            if join and w_as_a:  # (64 weight rows: the wgmma's M; aligned as the 8B shapes)
+                check_dots_stay_in_flight(ptx(triton_gemm._qgemm_kernel,
+                                              {**QGEMV_ARGS, **tiled}, consts, aligned=True))
         check_last_slice_reduction(ptx(triton_fp8._fp8_gemm_kernel, {**FP8_ARGS, **tiled},
                                        dict(common, BLOCK_K=128)))
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",

@@ -67,9 +67,9 @@ TILE_BYTES = 16 << 20
 # H200, `--budget 400`: the tiled kernel beats scratch + cuBLAS up to 16-64 rows; from 256 rows
 # scratch wins, and both stay ~2x bf16's time). 4-bit codes up to 128 rows since session 18:
 # the joined tiles (triton_gemm, `GemmConfig.join`) took an 8B step at 128 rows to 11.4 ms
-# against scratch's 12.1 (bench/tiled_split_sweep.py). tests/test_quant_gpu.py checks the tiled kernel
-# at 1..40 rows on the real model's weights (session 5 saw wrong tokens on a 37-row prefill
-# through an earlier version of it).
+# against scratch's 12.1 (bench/tiled_split_sweep.py). tests/test_quant_gpu.py checks the
+# tiled kernel at 1..40 rows on the real model's weights (session 5 saw wrong tokens on a
+# 37-row prefill through an earlier version of it).
 CUDA_ROUTES: dict[str, tuple[tuple[int, str], ...]] = {
     "q4": ((2, "gemv"), (128, "gemm")),
     "q8": ((2, "gemv"), (16, "gemm")),
