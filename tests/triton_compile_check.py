@@ -42,16 +42,18 @@ FP8_ARGS = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "B": "*bf16", "Y": 
             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ps": "i32"}
 
 
-def ptx(kernel: Any, args: dict[str, str], consts: dict[str, Any], aligned: bool = False) -> str:
+def ptx(kernel: Any, args: dict[str, str], consts: dict[str, Any], aligned: bool = False,
+        num_warps: int = 4, num_stages: int = 3) -> str:
     """`aligned`: pointers, strides, N and K divisible by 16, as Triton specializes them at
     launch for the 8B shapes (what lets loads become 16-byte vectors)."""
     signature = {**args, **{name: "constexpr" for name in consts}}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in
              args.items() if aligned and (kind.startswith("*") or name.startswith("stride")
-                                          or name in ("N", "K"))}
+                                          or name in ("N", "K", "G", "SLICE_G", "SLICE_K"))}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts,
                                         attrs=attrs),
-                              target=TARGET, options={"num_warps": 4, "num_stages": 3})
+                              target=TARGET,
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     assert compiled.asm.get("cubin"), "no cubin"
     return compiled.asm["ptx"]
 
