@@ -5,6 +5,7 @@ cuBLAS.
 
     python bench/tiled_split_sweep.py [--pairs q4:128,q4:16,fp8:16,q4:64,q4:256] [--budget 240]
                                       [--join off|on|both] [--warps 4,8]
+                                      [--operands table|both]
 
 Per (kind, rows) it times, on every shape, the table's tile unsplit and split 2/4/8 at BLOCK_N
 32/64/128 (the table's BLOCK_M and operand order; at 128+ rows also BLOCK_M 128; 4-bit
@@ -41,7 +42,9 @@ GROUP = {"q4": 32, "fp8": 64}
 
 
 def candidates(kind: str, m: int, n: int, joins: tuple[bool, ...],
-               warps: tuple[int, ...] = ()) -> list[GemmConfig]:
+               warps: tuple[int, ...] = (), orders: tuple[bool, ...] = ()) -> list[GemmConfig]:
+    """The table's config varied: BLOCK_M (128 too from 128 rows), BLOCK_N, split, and the
+    `join`, warp counts and operand orders (`weight_as_a`) asked for (default: the table's)."""
     base = gemm_config(m, n, 4096, GROUP[kind], kind)
     out = []
     for block_m in ([base.block_m] + ([128] if m >= 128 and base.block_m != 128 else [])):
@@ -49,9 +52,11 @@ def candidates(kind: str, m: int, n: int, joins: tuple[bool, ...],
             for split in (1, 2, 4, 8):
                 for join in (joins if kind == "q4" else (False,)):
                     for num_warps in (warps or (base.num_warps,)):
-                        out.append(base._replace(block_m=block_m, block_n=block_n,
-                                                 split_k=split, split_reduce="last",
-                                                 join=join, num_warps=num_warps))
+                        for weight_as_a in (orders or (base.weight_as_a,)):
+                            out.append(base._replace(
+                                block_m=block_m, block_n=block_n, split_k=split,
+                                split_reduce="last", join=join, num_warps=num_warps,
+                                weight_as_a=weight_as_a))
     return out
 
 
@@ -78,9 +83,13 @@ def main() -> None:
                     help="4-bit tiles: `GemmConfig.join` (one dot per K step) off, on or both")
     ap.add_argument("--warps", default="", help="warps per program to try, e.g. 4,8 "
                     "(default: the table's)")
+    ap.add_argument("--operands", choices=("table", "both"), default="table",
+                    help="`weight_as_a`: the table's, or both operand orders (a weight tile "
+                    "as the first operand stays in registers: bench/kernel_loop_stats.py)")
     args = ap.parse_args()
     joins = {"off": (False,), "on": (True,), "both": (False, True)}[args.join]
     warps = tuple(int(w) for w in args.warps.split(",") if w)
+    orders = (False, True) if args.operands == "both" else ()
     t0 = time.monotonic()
     ws = WeightSet()
     lines = ["| kind | rows | class | bf16 us/step | shipped (route) us/step | "
@@ -105,7 +114,7 @@ def main() -> None:
                     us = (time_path(ws, "bf16", name, x, path) if label == "bf16"
                           else checked(ws, kind, name, x, path, cfg, ref))
                     totals[label] = totals.get(label, 0.0) + WEIGHT[name] * (us or 1e9)
-                for cfg in candidates(kind, m, n, joins, warps):
+                for cfg in candidates(kind, m, n, joins, warps, orders):
                     us = checked(ws, kind, name, x, "gemm", cfg, ref)
                     totals[cfg] = totals.get(cfg, 0.0) + WEIGHT[name] * (us or 1e9)
                     print(f"{kind} M={m} {name} {tuple(cfg)}: "
