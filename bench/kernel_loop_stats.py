@@ -10,8 +10,8 @@ shapes, and the table's config for (`--rows`, `--n`) or the `--config` given (Ge
 fields in order). Prints, for the K loop (the first loop of the PTX): its instructions by
 opcode, per thread and per weight dequantized, the wgmma instructions and how long they may
 stay in flight (`wgmma.wait_group N`: 0 means every step waits for its dots before the next
-tile is dequantized), the loads that block (ld.global) against the asynchronous copies that
-pipeline them (cp.async), and the shared memory the kernel asks for.
+tile is dequantized), and the loads that block (ld.global) against the asynchronous copies
+that pipeline them (cp.async).
 
 The device's Triton may compile differently from the one here: to read what the device runs,
 put its version first on the path, e.g. `pip install --target /tmp/t36 triton==3.6.0` and
@@ -34,7 +34,7 @@ from common import ensure_sgl_importable  # noqa: E402
 ensure_sgl_importable()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import triton  # noqa: E402
-from triton_compile_check import FP8_ARGS, QGEMV_ARGS, ptx  # noqa: E402
+from triton_compile_check import FP8_ARGS, QGEMV_ARGS, k_loop, ptx  # noqa: E402
 
 from sgl.backend.quant import triton_fp8, triton_gemm  # noqa: E402
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config  # noqa: E402
@@ -66,13 +66,6 @@ def compile_loop(kind: str, cfg: GemmConfig) -> tuple[str, int]:
     return code, cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
 
 
-def loop_body(code: str) -> list[str]:
-    lines = code.splitlines()
-    head = next(i for i, line in enumerate(lines) if "Loop Header" in line)
-    end = next(i for i in range(head + 1, len(lines)) if " bra" in lines[i])
-    return [line.strip() for line in lines[head:end + 1]]
-
-
 def opcode(line: str) -> str | None:
     if not line or line.startswith(("//", "$", ".", "{", "}")):
         return None
@@ -88,11 +81,10 @@ def main() -> None:
     ap.add_argument("--config", default="", help="GemmConfig fields, comma-separated")
     ap.add_argument("--top", type=int, default=24)
     args = ap.parse_args()
-    table_kind = "q4" if args.kind == "q4" else args.kind
     cfg = (parse_config(args.config) if args.config
-           else gemm_config(args.rows, args.n, 4096, GROUP[args.kind], table_kind))
+           else gemm_config(args.rows, args.n, 4096, GROUP[args.kind], args.kind))
     code, weights = compile_loop(args.kind, cfg)
-    body = loop_body(code)
+    body = [line.strip() for line in k_loop(code)]
     ops = collections.Counter(op for op in map(opcode, body) if op)
     total = sum(ops.values())
     print(f"triton {triton.__version__}, sm_90, {args.kind}, {cfg}")
@@ -104,8 +96,6 @@ def main() -> None:
     sync = sum(v for k, v in ops.items() if k.startswith("ld.global"))
     copies = sum(v for k, v in ops.items() if k.startswith("cp.async.c"))
     print(f"loads: {sync} blocking (ld.global), {copies} asynchronous copies (cp.async)")
-    shared = re.search(r"\.extern \.shared .*?\[(\d+)\]", code)
-    print(f"shared memory: {shared.group(1) if shared else '?'} bytes declared")
     for op, count in ops.most_common(args.top):
         print(f"  {count:6d}  {op}")
 

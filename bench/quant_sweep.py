@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -47,11 +48,10 @@ def write_report(out: Path, name: str, lines: list[str], kind: str, best: dict, 
     print(text, flush=True)
     (out / f"{name}.md").write_text(text)
 
+
 def save_table(name: str, lines: list[str], t0: float) -> None:
     """A bench's table and the machine to stdout and $OUT/<name>.md (bench/results/ without
     $OUT)."""
-    import os
-
     text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
                                f"{time.monotonic() - t0:.0f} s\n")
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")

@@ -21,6 +21,7 @@ $OUT/tiled_split_sweep.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -46,18 +47,12 @@ def candidates(kind: str, m: int, n: int, joins: tuple[bool, ...],
     """The table's config varied: BLOCK_M (128 too from 128 rows), BLOCK_N, split, and the
     `join`, warp counts and operand orders (`weight_as_a`) asked for (default: the table's)."""
     base = gemm_config(m, n, 4096, GROUP[kind], kind)
-    out = []
-    for block_m in ([base.block_m] + ([128] if m >= 128 and base.block_m != 128 else [])):
-        for block_n in (32, 64, 128):
-            for split in (1, 2, 4, 8):
-                for join in (joins if kind == "q4" else (False,)):
-                    for num_warps in (warps or (base.num_warps,)):
-                        for weight_as_a in (orders or (base.weight_as_a,)):
-                            out.append(base._replace(
-                                block_m=block_m, block_n=block_n, split_k=split,
-                                split_reduce="last", join=join, num_warps=num_warps,
-                                weight_as_a=weight_as_a))
-    return out
+    block_ms = [base.block_m] + ([128] if m >= 128 and base.block_m != 128 else [])
+    return [base._replace(block_m=block_m, block_n=block_n, split_k=split, split_reduce="last",
+                          join=join, num_warps=num_warps, weight_as_a=weight_as_a)
+            for block_m, block_n, split, join, num_warps, weight_as_a in itertools.product(
+                block_ms, (32, 64, 128), (1, 2, 4, 8), joins if kind == "q4" else (False,),
+                warps or (base.num_warps,), orders or (base.weight_as_a,))]
 
 
 def checked(ws: WeightSet, kind: str, name: str, x: torch.Tensor, path: str,

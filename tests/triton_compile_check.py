@@ -44,8 +44,9 @@ FP8_ARGS = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "B": "*bf16", "Y": 
 
 def ptx(kernel: Any, args: dict[str, str], consts: dict[str, Any], aligned: bool = False,
         num_warps: int = 4, num_stages: int = 3) -> str:
-    """`aligned`: pointers, strides, N and K divisible by 16, as Triton specializes them at
-    launch for the 8B shapes (what lets loads become 16-byte vectors)."""
+    """`aligned`: pointers, strides, N, K, the group count G and the split slices' sizes
+    divisible by 16, as Triton specializes them at launch for the 8B shapes (what lets loads
+    become 16-byte vectors and pipelined copies)."""
     signature = {**args, **{name: "constexpr" for name in consts}}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in
              args.items() if aligned and (kind.startswith("*") or name.startswith("stride")
@@ -67,15 +68,21 @@ def check_last_slice_reduction(code: str) -> None:
     assert any("ld.global.cg" in line for line in lines[atom:]), "partials not read at L2"
 
 
+def k_loop(code: str) -> list[str]:
+    """The PTX lines of a kernel's first loop (its K loop in the tiled kernels): from the
+    loop header's label to the branch that closes it."""
+    lines = code.splitlines()
+    head = next(i for i, line in enumerate(lines) if "Loop Header" in line)
+    end = next(i for i in range(head + 1, len(lines)) if " bra" in lines[i])
+    return lines[head:end + 1]
+
+
 def check_dots_stay_in_flight(code: str) -> None:
     """The K loop issues wgmmas and never waits for all of them (`wgmma.wait_group 0`) before
     its next step: the next tile's dequantization overlaps the tensor cores' work. (The tiled
     4-bit kernel's two-dot step waits for the first dot's wgmmas before the second; the
     joined step was built to avoid that: triton_gemm's module docstring.)"""
-    lines = code.splitlines()
-    head = next(i for i, line in enumerate(lines) if "Loop Header" in line)
-    end = next(i for i in range(head + 1, len(lines)) if " bra" in lines[i])
-    loop = "\n".join(lines[head:end])
+    loop = "\n".join(k_loop(code))
     assert "wgmma.mma_async" in loop, "no wgmma in the K loop"
     assert not re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", loop), "a full wait per step"
 
