@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import sgl
 from sgl.backend.layers.linear import Embedding, Linear
 from sgl.backend.model_loader import load_model
-from sgl.backend.quant import QuantizedWeight, linear, triton_gemv
+from sgl.backend.quant import QuantizedWeight, cuda_q4mma, linear, triton_gemv
+from sgl.backend.quant.cuda_q4mma import CudaQ4Config
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.install import weight_bytes
@@ -159,12 +160,13 @@ def test_gpu_fp8_linear_8b_shapes(n: int, k: int, m: int) -> None:
     assert_bf16_close(linear.quant_linear(x, w), x, w.dequantize())
 
 
-def assert_tight(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """got == x @ w^T (w: the reference's weights in x's dtype) up to the output's rounding
+def assert_tight(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+    """got == x @ w^T (+ bias) (w: the reference's weights in x's dtype) up to the output's rounding
     and float32 summation: 2^-8 of |y| in bf16 (2^-22 in float32) plus 1e-4 of |x| @ |w|.
     At K = 4096 a swapped nibble pair or a wrong group's scale moves y by ~1.5% of |x| @ |w|
     (assert_bf16_close's 2% bound would pass it)."""
-    expected = F.linear(x.float(), w.float())
+    expected = F.linear(x.float(), w.float(), None if bias is None else bias.float())
     rel = 2.0**-8 if got.dtype == torch.bfloat16 else 2.0**-22
     bound = rel * expected.abs() + 1e-4 * F.linear(x.float().abs(), w.float().abs()) + 1e-6
     excess = (got.float() - expected).abs() - bound
@@ -189,6 +191,35 @@ def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
     for tiles in GEMV_TILES:
         cfg = QGemvConfig(*tiles, **GEMV_VARIANTS[variant])
         assert_tight(qgemv(x, w, config=cfg), x, ref)
+
+
+CUDA_Q4_CONFIGS = [CudaQ4Config(1, 1), CudaQ4Config(1, 4), CudaQ4Config(2, 8),
+                   CudaQ4Config(4, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,factored", [(n, k, f) for n, k in LAYER_SHAPES + [(128256, 4096)]
+                                          for f in (False, True)]
+                         + [(1000, 768, True), (1000, 800, False), (48, 96, False),
+                            (16, 256, True)])
+def test_gpu_cuda_q4_gemv_matches_dequantize_then_matmul(n: int, k: int,
+                                                         factored: bool) -> None:
+    """The tensor-core 4-bit GEMV (cuda_q4mma) at every 8B shape, the head, and shapes off its
+    16-row tiles (N) and off its blocks of four groups (K: 800, 96), one and two rows with a
+    bias, against the tight bound; row 0 of two rows equals the one-row product bit for bit
+    (each MMA column sums on its own)."""
+    assert cuda_q4mma.available()
+    w = random_qweight(n, k, 4, 32, seed=n + k, factored=factored)
+    ref = w.dequantize(dtype=torch.float32)
+    x = torch.randn(2, k, device=CUDA, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
+    for cfg in CUDA_Q4_CONFIGS:
+        if 16 * cfg.tiles > n:
+            continue
+        one = cuda_q4mma.q4_mma_gemv(x[:1], w, bias, config=cfg)
+        two = cuda_q4mma.q4_mma_gemv(x, w, bias, config=cfg)
+        assert_tight(two, x, ref, bias)
+        assert torch.equal(one[0], two[0]), cfg
 
 
 @pytest.mark.gpu
@@ -414,6 +445,7 @@ def test_gpu_split_k_gemvs_replay_in_cuda_graphs(m: int, split: str,
     graph's pool; with "last" the tile counters, zeroed again by every launch, serve the next
     replay (three replays, each equal to eager)."""
     monkeypatch.setattr(linear, "CUDA_ROUTES", {k: ((2, "gemv"),) for k in ("q4", "q8", "fp8")})
+    monkeypatch.setattr(linear, "CUDA_Q4_GEMV", False)  # the Triton GEMV's split-K
     for kind in ("q4", "q8", "fp8"):
         monkeypatch.setitem(triton_gemv.GEMV_DEFAULTS, kind, (
             (1 << 62, QGemvConfig(32, 512, 4, split_k=4, split_reduce=split)),))

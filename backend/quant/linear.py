@@ -19,7 +19,9 @@ decode step would otherwise allocate and fill every step).
 CUDA (Triton): `CUDA_ROUTES` maps the number of rows, which is static inside a CUDA graph
 (the choice is fixed at capture, no host sync), and the weight's kind to a path:
     "gemv"      triton_gemv / triton_fp8: dequantize in registers, every code byte read once
-                (one program grid row per row of x)
+                (one program grid row per row of x); 4-bit codes with bf16 activations take
+                the CUDA tensor-core GEMV (cuda_q4mma, one pass over the weight for both
+                rows) where it compiles here (`CUDA_Q4_GEMV`)
     "gemm"      triton_gemm / triton_fp8: tiled, dequantize a weight tile, tensor-core dots
     "scratch"   dequantize slices of the weight to x's dtype, then cuBLAS (prefill)
 """
@@ -33,12 +35,12 @@ import torch.nn.functional as F
 
 from sgl.backend.kernels import onednn_linear
 from sgl.backend.kernels.dispatch import has_triton
-from sgl.backend.quant import cpu_kernel
+from sgl.backend.quant import cpu_kernel, cuda_q4mma
 from sgl.backend.quant.cpu_int8 import int8_linear
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight, mark_weights
 
-__all__ = ["CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES",
+__all__ = ["CUDA_Q4_GEMV", "CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES",
            "cuda_route", "dense_via_scratch", "keep_rows_invariant", "quant_linear",
            "quant_linear_reference", "use_triton", "weight_kind"]
 
@@ -75,6 +77,9 @@ CUDA_ROUTES: dict[str, tuple[tuple[int, str], ...]] = {
     "q8": ((2, "gemv"), (16, "gemm")),
     "fp8": ((1, "gemv"), (64, "gemm")),
 }
+# CUDA: whether 4-bit products of one or two bf16 rows take cuda_q4mma's tensor-core GEMV
+# (compiled with NVRTC at first use; where that fails, the Triton GEMV serves).
+CUDA_Q4_GEMV = True
 # Largest dequantized scratch, in weight elements (128 MB in bf16): bigger weights (the 8B
 # LM head is 525M) are dequantized and multiplied in row slices.
 SCRATCH_ELEMENTS = 64 << 20
@@ -174,6 +179,8 @@ def _quant_linear_triton(x: torch.Tensor, w: QuantizedWeight,
 
     path = cuda_route(x.numel() // x.shape[-1] if x.shape[-1] else 0, weight_kind(w))
     if path == "gemv":
+        if CUDA_Q4_GEMV and cuda_q4mma.supports(x, w) and cuda_q4mma.available():
+            return cuda_q4mma.q4_mma_gemv(x, w, bias)
         return qgemv(x, w, bias)
     if path == "gemm":
         return qgemm(x, w, bias)

@@ -1,0 +1,390 @@
+"""The 4-bit decode GEMV on the tensor cores, in CUDA C compiled at run time (NVRTC, through
+torch): one or two rows of bf16 activations against a 4-bit GGUF weight in its own layout.
+
+    q4_mma_gemv(x [M, K] bf16, w: QuantizedWeight, bias [N] | None) -> [M, N] bf16, M <= 2
+    available() -> whether the kernel compiles and runs here (CUDA, NVRTC); cached
+
+Why: the Triton lop3 GEMV (triton_q4gemv.py) spends ~5 instructions per weight on the CUDA
+cores (unpack, FMA, add, the per-step x work): issue-bound at ~1.8 TB/s of the H200's ~4.3.
+Here the multiply-adds run on the tensor cores (`mma.sync` m16n8k16, bf16 in, float32
+accumulate) and a weight costs about one and a half instructions: a `lop3` makes two codes
+bf16 at once, `128 + code` (the code in the low mantissa bits of 128.0: exact), and an
+`mma` takes eight of them per lane. bf16 x bf16 products are exact in float32, so every
+product is `(128 + code) * x` exactly, as the lop3 kernel's `code * x` is; the 128 comes
+off per group with the group's activation sum:
+
+    y[n] += scale[n,g] * sum_i (128 + code[n,g,i]) * x[g,i]  +  (zero[n,g] - 128 scale[n,g]) * xsum[g]
+
+The weight's bytes are read where QuantizedWeight keeps them (no second copy, no repacking):
+a group of 32 codes is 16 bytes, byte i holding code i (low nibble) and code i+16 (high).
+The mma's operand A is 16 weight rows by 16 K slots. Lane (gid = lane/4, c = lane%4) loads
+one 32-bit word of rows gid and gid+8 per group, bytes 4c..4c+3 (codes 4c..4c+3 and
+16+4c..16+4c+3), and one lop3 per pair of nibbles at bits (s, 16+s) gives a bf16
+pair: s = 0 -> codes (4c, 4c+2), 4 -> (16+4c, 18+4c), 8 -> (4c+1, 4c+3), 12 -> (17+4c,
+19+4c). The group's first mma takes the first two pairs, its second the other two; the K
+slots of an mma are any order of its 16 codes as long as x's slots (operand B, the same
+lane's c) follow the same order, so x's pairs are permuted to match (two `prmt`s from one
+8-byte load).
+
+Operand B's 8 columns, one per lane quad, carry four groups at once: column 2q + r holds
+group q of a block of four (and row r of x; with one row both columns of a pair hold row
+0), zero in the other groups' mmas. A block's eight mmas per 16 weight rows then leave lane
+c holding group c's sums for its two weight rows and both x rows, so each lane applies one
+group's scale per block (not four), and the four lanes' partials meet in two shuffles at
+the end. The groups' x sums come from the same columns through an mma with all-ones A.
+
+A program is WARPS warps on TILES tiles of 16 weight rows; the warps split K (interleaved
+blocks of four groups) and add their partials in shared memory. Each warp loads the next
+block's code words, scales and x before the current block's arithmetic.
+
+Compiled per (tiles, warps, rows, scale form) on first use and cached; where NVRTC or the
+launch is missing, `available()` is False and the Triton kernels serve (quant/linear.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, NamedTuple
+
+import torch
+
+from sgl.backend.quant.weight import QuantizedWeight
+
+__all__ = ["CudaQ4Config", "Q4MMA_DEFAULTS", "SOURCE", "available", "config_for",
+           "q4_mma_gemv", "supports"]
+
+log = logging.getLogger(__name__)
+
+
+class CudaQ4Config(NamedTuple):
+    tiles: int  # 16-row weight tiles per program
+    warps: int  # warps per program, splitting K
+
+
+# (largest N, config), the last entry covering the rest: set from bench/q4_cuda_sweep.py.
+Q4MMA_DEFAULTS: tuple[tuple[int, CudaQ4Config], ...] = (
+    (8192, CudaQ4Config(1, 4)),
+    (1 << 62, CudaQ4Config(2, 4)),
+)
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// bf16x2 (128 + a, 128 + b) from the nibbles a, b at bits 0 and 16 of w: (w & 0x000F000F) | 0x43004300
+__device__ __forceinline__ u32 bf16_pair(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));
+    return r;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// d += A (16 x 16, row) * B (16 x 8, col), bf16 in, float32 accumulate
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// p as the compiler must keep it: one register, so that constant offsets from it fold into the
+// loads' immediates instead of each load getting its own 64-bit address arithmetic
+template <typename T>
+__device__ __forceinline__ const T* pinned(const T* p) {
+    asm("" : "+l"(p));
+    return p;
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+#if SUPER
+typedef signed char scale_t;
+#else
+typedef float scale_t;
+#endif
+
+// Compiled per weight shape: G (groups of 32 along K) is a constant, so every row, tile and
+// group offset below is an immediate of one load from one pointer per array.
+struct Step {                 // one block of four groups, as one lane loads it
+    u32 w[TILES][2][4];       // words of group c: tile, row (gid, gid+8), word
+    float s[TILES][2], z[TILES][2];   // group c's scale and zero - 128 * scale, per row
+    u32 f[4][4];              // B operands: per word j, the pairs of x its codes meet (zero
+                              // in lanes whose column is not fed by this lane's group)
+};
+
+struct Lane {                 // a lane's operands at its first row, group c
+    const uint4* codes;       // row row0 + gid, group c (16 bytes)
+    const scale_t* scale;     // row row0 + gid, group c
+    const scale_t* zero;
+    const float* sup_s;       // SUPER: row row0 + gid's super-blocks
+    const float* sup_z;
+    const uint4* x;           // x[row, 32 c]
+    bool feeds;               // whether its B column (gid) is its group's: gid / 2 == c
+};
+
+// Block `blk`'s operands. TAIL (the last block when G % 4): groups past G are read as group
+// G - 1 with zero x, so they add nothing.
+template <bool TAIL>
+__device__ __forceinline__ void load_step(Step& st, const Lane& ln, int blk, int c) {
+    const int g0 = blk * 4;
+    const int gs = TAIL ? min(g0 + c, G - 1) - c : g0;  // this lane's group is gs + c
+    const uint4* cp = pinned(ln.codes + gs);
+    #pragma unroll
+    for (int t = 0; t < TILES; t++)
+        #pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const uint4 v = __ldg(cp + (16 * t + 8 * h) * G);
+            st.w[t][h][0] = v.x;
+            st.w[t][h][1] = v.y;
+            st.w[t][h][2] = v.z;
+            st.w[t][h][3] = v.w;
+        }
+    const scale_t* sp = pinned(ln.scale + gs);
+    const scale_t* zp = pinned(ln.zero + gs);
+#if SUPER
+    const float* ssp = pinned(ln.sup_s + (gs + c) / SUPER);
+    const float* szp = pinned(ln.sup_z + (gs + c) / SUPER);
+#endif
+    #pragma unroll
+    for (int t = 0; t < TILES; t++)
+        #pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = 16 * t + 8 * h;
+#if SUPER
+            const float s = (float)__ldg(sp + row * G) * __ldg(ssp + row * (G / SUPER));
+            const float z = (float)__ldg(zp + row * G) * __ldg(szp + row * (G / SUPER));
+#else
+            const float s = __ldg(sp + row * G), z = __ldg(zp + row * G);
+#endif
+            st.s[t][h] = s;
+            st.z[t][h] = fmaf(-128.0f, s, z);
+        }
+    uint4 xv[4] = {};  // x[8i .. 8i+7] of the lane's group
+    if (ln.feeds && (!TAIL || g0 + c < G)) {
+        const uint4* xp = pinned(ln.x + 4 * g0);
+        #pragma unroll
+        for (int i = 0; i < 4; i++)
+            xv[i] = __ldg(xp + i);
+    }
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {  // word j meets x[4j .. 4j+3] and x[16+4j .. 16+4j+3]
+        const uint4 lo = xv[j / 2], hi = xv[2 + j / 2];
+        const u32 l0 = j % 2 ? lo.z : lo.x, l1 = j % 2 ? lo.w : lo.y;
+        const u32 h0 = j % 2 ? hi.z : hi.x, h1 = j % 2 ? hi.w : hi.y;
+        st.f[j][0] = prmt(l0, l1, 0x5410);  // (x[4j], x[4j+2])
+        st.f[j][1] = prmt(h0, h1, 0x5410);  // (x[16+4j], x[18+4j])
+        st.f[j][2] = prmt(l0, l1, 0x7632);  // (x[4j+1], x[4j+3])
+        st.f[j][3] = prmt(h0, h1, 0x7632);  // (x[17+4j], x[19+4j])
+    }
+}
+
+__device__ __forceinline__ void run_step(const Step& st, float (&out)[TILES][2][ROWS]) {
+    const u32 ones = 0x3F803F80u;  // bf16x2 (1, 1)
+    float xs[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[TILES][4];
+    #pragma unroll
+    for (int t = 0; t < TILES; t++)
+        acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const u32* f = st.f[j];
+        mma(xs, ones, ones, ones, ones, f[0], f[1]);
+        mma(xs, ones, ones, ones, ones, f[2], f[3]);
+        #pragma unroll
+        for (int t = 0; t < TILES; t++) {
+            const u32 w0 = st.w[t][0][j], w1 = st.w[t][1][j];
+            mma(acc[t], bf16_pair(w0), bf16_pair(w1), bf16_pair(w0 >> 4), bf16_pair(w1 >> 4), f[0], f[1]);
+            mma(acc[t], bf16_pair(w0 >> 8), bf16_pair(w1 >> 8), bf16_pair(w0 >> 12), bf16_pair(w1 >> 12), f[2], f[3]);
+        }
+    }
+    // lane c now holds group c: acc[t] = {row gid x row 0, row gid x row 1, row gid+8 x 0, gid+8 x 1}
+    #pragma unroll
+    for (int t = 0; t < TILES; t++)
+        #pragma unroll
+        for (int h = 0; h < 2; h++)
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++)
+                out[t][h][r] = fmaf(st.s[t][h], acc[t][2 * h + r], fmaf(st.z[t][h], xs[r], out[t][h][r]));
+}
+
+// A program computes rows row0 .. row0 + 16 TILES - 1; the last one starts at N - 16 TILES so
+// that it stays inside the weight (its rows shared with the program before it get the same
+// values twice).
+extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
+        const u32* __restrict__ codes, const scale_t* __restrict__ scale,
+        const scale_t* __restrict__ zero, const float* __restrict__ sup_s,
+        const float* __restrict__ sup_z, const u16* __restrict__ x,
+        const u16* __restrict__ bias, u16* __restrict__ y,
+        int N, int stride_x, int stride_y, int has_bias) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, c = lane & 3;
+    const int row0 = min((int)blockIdx.x * (16 * TILES), N - 16 * TILES);
+    Lane ln;
+    const long r = row0 + gid;
+    ln.codes = (const uint4*)codes + r * G + c;
+    ln.scale = scale + r * G + c;
+    ln.zero = zero + r * G + c;
+    ln.sup_s = SUPER ? sup_s + r * (G / (SUPER ? SUPER : 1)) : sup_s;
+    ln.sup_z = SUPER ? sup_z + r * (G / (SUPER ? SUPER : 1)) : sup_z;
+    ln.x = (const uint4*)(x + (ROWS == 2 ? (gid & 1) * stride_x : 0) + 32 * c);
+    ln.feeds = (gid >> 1) == c;
+    float out[TILES][2][ROWS];
+    #pragma unroll
+    for (int t = 0; t < TILES; t++)
+        #pragma unroll
+        for (int h = 0; h < 2; h++)
+            #pragma unroll
+            for (int k = 0; k < ROWS; k++)
+                out[t][h][k] = 0.f;
+    const int full = G / 4;  // blocks of four whole groups; one more (TAIL) holds the rest
+    if (warp < full) {  // two steps in turn, each loaded while the other is computed
+        Step one, two;
+        load_step<false>(one, ln, warp, c);
+        for (int b = warp;;) {
+            load_step<false>(two, ln, min(b + WARPS, full - 1), c);
+            run_step(one, out);
+            if ((b += WARPS) >= full)
+                break;
+            load_step<false>(one, ln, min(b + WARPS, full - 1), c);
+            run_step(two, out);
+            if ((b += WARPS) >= full)
+                break;
+        }
+    }
+    if (G % 4 && warp == full % WARPS) {
+        Step st;
+        load_step<true>(st, ln, full, c);
+        run_step(st, out);
+    }
+    // the four lanes of a quad held groups 4b + c: add them
+    #pragma unroll
+    for (int t = 0; t < TILES; t++)
+        #pragma unroll
+        for (int h = 0; h < 2; h++)
+            #pragma unroll
+            for (int k = 0; k < ROWS; k++) {
+                float v = out[t][h][k];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                out[t][h][k] = v;
+            }
+    __shared__ float part[WARPS][TILES * 16 * ROWS];
+    if (c == 0) {
+        #pragma unroll
+        for (int t = 0; t < TILES; t++)
+            #pragma unroll
+            for (int h = 0; h < 2; h++)
+                #pragma unroll
+                for (int k = 0; k < ROWS; k++)
+                    part[warp][(16 * t + 8 * h + gid) * ROWS + k] = out[t][h][k];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < TILES * 16 * ROWS; i += WARPS * 32) {
+        float v = 0.f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; w++)
+            v += part[w][i];
+        const int n = row0 + i / ROWS, k = i % ROWS;
+        if (has_bias)
+            v += __uint_as_float((u32)bias[n] << 16);
+        y[(long)k * stride_y + n] = to_bf16(v);
+    }
+}
+"""
+
+
+def supports(x: torch.Tensor, w: Any) -> bool:
+    """Whether the kernel serves this product: CUDA bf16 activations of one or two rows
+    against 4-bit codes in groups of 32, plain float32 or factored scales."""
+    return (isinstance(w, QuantizedWeight) and x.is_cuda and x.dtype == torch.bfloat16
+            and w.bits == 4 and w.group_size == 32 and w.scale.dtype in (torch.float32, torch.int8)
+            and w.out_features >= 16 and 1 <= x.numel() // max(1, x.shape[-1]) <= 2)
+
+
+def config_for(n: int) -> CudaQ4Config:
+    return next(cfg for limit, cfg in Q4MMA_DEFAULTS if n <= limit)
+
+
+def _defines(cfg: CudaQ4Config, rows: int, super_groups: int, groups: int) -> str:
+    return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define ROWS {rows}\n"
+            f"#define SUPER {super_groups}\n#define G {groups}\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg: CudaQ4Config, rows: int, super_groups: int, groups: int) -> Any:
+    return torch.cuda._compile_kernel(_defines(cfg, rows, super_groups, groups) + SOURCE,
+                                      "q4_mma_gemv")
+
+
+def q4_mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                config: CudaQ4Config | None = None) -> torch.Tensor:
+    """x [..., K] bf16 (one or two rows) @ w^T (+ bias) -> [..., N] bf16."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features)
+    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()  # 16-byte loads of x
+    m, n = x2.shape[0], w.out_features
+    y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    cfg = config or config_for(n)
+    cfg = cfg._replace(tiles=min(cfg.tiles, n // 16))  # (the last program starts at N - 16 tiles)
+    kernel = _kernel(cfg, m, w.super_groups, w.in_features // 32)
+    codes = w.codes.view(torch.int32)  # [N, K/8] words: 4 per group
+    sup_s = w.super_scale if w.super_groups else w.scale
+    sup_z = w.super_zero if w.super_groups else w.zero
+    b = bias if bias is not None else y
+    kernel(grid=(-(-n // (16 * cfg.tiles)), 1, 1), block=(32 * cfg.warps, 1, 1),
+           args=[codes, w.scale, w.zero, sup_s, sup_z, x2, b, y, n, x2.stride(0), y.stride(0),
+                 int(bias is not None)])
+    return y.view(*lead, n)
+
+
+_available: bool | None = None  # available()'s answer, once known
+
+
+def available() -> bool:
+    """Whether the kernel compiles and gives the reference's answer on this machine's GPU:
+    checked once, on a small weight, outside CUDA graph capture (a capture before the answer
+    is known gets False: the engine's eager warm-up comes first); False without CUDA or
+    NVRTC."""
+    global _available
+    if _available is not None:
+        return _available
+    if not (torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")):
+        _available = False
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    _available = _self_check()
+    return _available
+
+
+def _self_check() -> bool:
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        codes = torch.randint(0, 256, (40, 96 // 2), device="cuda", dtype=torch.uint8,
+                              generator=gen)
+        scale = torch.rand(40, 3, device="cuda", generator=gen) * 0.1
+        zero = -torch.rand(40, 3, device="cuda", generator=gen) * 0.1
+        w = QuantizedWeight(codes, scale, zero, 4, 32, 96, "Q4_1")
+        x = torch.randn(2, 96, device="cuda", dtype=torch.bfloat16, generator=gen)
+        want = x.float() @ w.dequantize(dtype=torch.float32).t()
+        for rows in (1, 2):
+            got = q4_mma_gemv(x[:rows], w, config=CudaQ4Config(1, 2)).float()
+            if not torch.allclose(got, want[:rows], rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+                log.warning("the CUDA 4-bit GEMV disagrees with its reference; Triton serves")
+                return False
+        return True
+    except Exception as exc:  # no NVRTC, an older torch, a driver without the target
+        log.info("the CUDA 4-bit GEMV is not available (%s: %s); Triton serves",
+                 type(exc).__name__, exc)
+        return False
