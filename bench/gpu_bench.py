@@ -634,12 +634,14 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # FP8 weight-only at every row count (the default before session 17)
                  "fp8_wo": dict(quantization="fp8", activation_quantization="none"),
                  "q4_l2": dict(quantization="gguf"),  # scratch slices of 16 MiB (variant)
+                 "q4_triton": dict(quantization="gguf"),  # the Triton GEMV at 1-2 rows (variant)
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
                  "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
                  "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380",
-                 "fp8_wo": "single output_tok_s >= 380", "q4_l2": "single output_tok_s >= 500"}
+                 "fp8_wo": "single output_tok_s >= 380", "q4_l2": "single output_tok_s >= 500",
+                 "q4_triton": "single output_tok_s >= 500"}
 
 
 @contextmanager
@@ -650,8 +652,9 @@ def engine_variant(name: str) -> Iterator[None]:
     left it: the first FP8 GEMV kernel (fp8_decode="cvt") with its session-6 tiles and the LM
     head in bf16, no early launches (before the word kernel and the FP8 head); "fp8_nopdl" is
     "fp8" without the GEMVs' early launches (kernels/triton_compat.py); "q4_l2" is "q4" with
-    the dequantize + cuBLAS path in 16 MiB scratch slices (bench/scratch_slices.py). The
-    others: the shipped code.
+    the dequantize + cuBLAS path in 16 MiB scratch slices (bench/scratch_slices.py);
+    "q4_triton" is "q4" with its one- and two-row products on the Triton GEMV instead of the
+    CUDA one (quant/linear.py CUDA_Q4_GEMV, session 19). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH
     from sgl.backend.quant import install
@@ -667,9 +670,10 @@ def engine_variant(name: str) -> Iterator[None]:
         install.install_fp8 = lambda model: install_fp8(model, head=False)
     from sgl.backend.quant import linear
 
-    scratch = linear.SCRATCH_ELEMENTS
+    scratch, cuda_q4 = linear.SCRATCH_ELEMENTS, linear.CUDA_Q4_GEMV
     if name == "q4_l2":
         linear.SCRATCH_ELEMENTS = 8 << 20
+    linear.CUDA_Q4_GEMV = cuda_q4 and name != "q4_triton"
     early = PDL_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
     from sgl.backend.kernels import triton_matmul
@@ -684,14 +688,16 @@ def engine_variant(name: str) -> Iterator[None]:
     finally:
         triton_matmul.TILE.update(det_tile)
         linear.SCRATCH_ELEMENTS = scratch
+        linear.CUDA_Q4_GEMV = cuda_q4
         GEMV_DEFAULTS.update(shipped)
         install.install_fp8 = install_fp8
         PDL_SWITCH[0] = early
 
 
 def quant_engine(name: str, opts: dict[str, Any], rates: Rates, shape: Shape,
-                 fixed: list[Request]) -> dict[str, Any]:
-    """One engine of the quant section: single stream, then `fixed` if time is left."""
+                 fixed: list[Request] | None) -> dict[str, Any]:
+    """One engine of the quant section: single stream, then `fixed` (unless None) if time is
+    left."""
     e = make_engine("llama3-8b", **opts)
     try:
         stats = e.stats()
@@ -704,7 +710,7 @@ def quant_engine(name: str, opts: dict[str, Any], rates: Rates, shape: Shape,
                                 kv_bytes_per_token=stats.kv_bytes_per_token,
                                 kv_capacity_tokens=stats.kv_total_tokens,
                                 target=QUANT_TARGETS.get(name, ""))}
-        if left() > 60:
+        if fixed is not None and left() > 60:
             out["fixed"] = report("llama3-8b", f"fixed ({name})", run(e, fixed),
                                   weights_gib=held / 2**30)
         return out
@@ -725,7 +731,8 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
     note(f"quant: CUDA_ROUTES {CUDA_ROUTES}")
     ensure_8b_state(args, state)
     shape, res = state["shape"], {}
-    fixed = w_fixed(max(8, int(512 * args.scale)), shape.vocab)
+    fixed = (w_fixed(max(8, int(512 * args.scale)), shape.vocab)
+             if args.quant_fixed else None)
     for name in args.quant_engines.split(","):
         opts = QUANT_ENGINES[name]
         if left() < 90:
@@ -735,7 +742,7 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8",
+    for name in ("q4_bytes", "q4_triton", "q4", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8",
                  "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
@@ -763,6 +770,8 @@ def main() -> int:
     ap.add_argument("--quant-engines", default="bf16,q4,fp8",
                     help=f"quant section's engines, in order, of {sorted(QUANT_ENGINES)} "
                          "(q4_bytes, fp8_s9: the befores of before/after runs, engine_variant)")
+    ap.add_argument("--quant-no-fixed", dest="quant_fixed", action="store_false",
+                    help="quant section: single streams only")
     args = ap.parse_args()
     args.sections = args.only.split(",")
     if args.smoke:

@@ -7,9 +7,10 @@ blocks, plain and factored scales, a bias).
 
 Weights: Q4 in the GPU's factored form (Q4_K structure, 4.75 bits; bench/quant_sweep.py's
 `make_weight`), cycled through >= 256 MiB of copies; graph-timed (bench/gemv_bench.py's
-`graph_us`). Per shape and row count: bf16 cuBLAS, the shipped route (quant_linear), every
-config; then the best config per N class of Q4MMA_DEFAULTS and the 8B step (32 x the four
-layer shapes + the head as Q4) for each. Output: stdout and $OUT/q4_cuda_sweep.md; every
+`graph_us`). Per shape and row count: bf16 cuBLAS, the Triton GEMV (quant_linear with
+linear.CUDA_Q4_GEMV off), every
+config; then the best config per shape and the 8B step (32 x the four layer shapes + the head
+as Q4) for each. Output: stdout and $OUT/q4_cuda_sweep.md; every
 measurement as JSON lines in $OUT/q4_cuda_sweep.jsonl, written as taken.
 """
 
@@ -35,10 +36,12 @@ from quant_sweep import WeightSet, make_weight, nbytes_of  # noqa: E402
 
 from sgl.backend.quant import cuda_q4mma  # noqa: E402
 from sgl.backend.quant.cuda_q4mma import CudaQ4Config, q4_mma_gemv  # noqa: E402
+from sgl.backend.quant import linear  # noqa: E402
 from sgl.backend.quant.linear import quant_linear  # noqa: E402
 from sgl.backend.quant.weight import QuantizedWeight  # noqa: E402
 
-GRID = [CudaQ4Config(t, w) for t, w in itertools.product((1, 2, 4), (1, 2, 4, 8))]
+# (tiles, warps, span)
+GRID = [CudaQ4Config(t, w, span) for t, w, span in itertools.product((1, 2), (2, 4, 8), (1, 2, 4))]
 STEP = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 
 
@@ -116,8 +119,10 @@ def main() -> int:
         put(shape, m, "bf16 cublas", graph_us([lambda w=w: F.linear(x, w)
                                                for w in bf16.get("bf16", shape)], reps=5))
         copies = ws.get("q4", shape)
-        put(shape, m, "shipped", graph_us([lambda w=w: quant_linear(x, w) for w in copies],
-                                          reps=5))
+        linear.CUDA_Q4_GEMV = False
+        put(shape, m, "triton gemv", graph_us([lambda w=w: quant_linear(x, w) for w in copies],
+                                              reps=5))
+        linear.CUDA_Q4_GEMV = True
         for cfg in GRID:
             try:
                 err = rel_err(x, copies[0], None, cfg)
@@ -126,21 +131,21 @@ def main() -> int:
             except Exception as exc:  # a config that does not compile or launch
                 print(f"{shape} {tuple(cfg)}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            put(shape, m, f"cuda {cfg.tiles}t {cfg.warps}w", us, err)
+            put(shape, m, f"cuda {cfg.tiles}t {cfg.warps}w {cfg.span}s", us, err)
         bf16.cache.clear()
         ws.cache.clear()
 
-    lines = ["| rows | shape | bf16 cuBLAS | shipped | best CUDA config | us | TB/s | vs shipped |",
+    lines = ["| rows | shape | bf16 cuBLAS | Triton GEMV | best CUDA config | us | TB/s | vs Triton |",
              "|---|---|---|---|---|---|---|---|"]
     steps: dict[int, list[float]] = {}
     for m, shape in itertools.product(rows, SHAPES):
         cands = {lab: us for (s, mm, lab), us in res.items()
                  if s == shape and mm == m and lab.startswith("cuda")}
-        if not cands or (shape, m, "shipped") not in res:
+        if not cands or (shape, m, "triton gemv") not in res:
             continue
         lab, us = min(cands.items(), key=lambda kv: kv[1])
         n, k = SHAPES[shape]
-        ship, blas = res[shape, m, "shipped"], res[shape, m, "bf16 cublas"]
+        ship, blas = res[shape, m, "triton gemv"], res[shape, m, "bf16 cublas"]
         lines.append(f"| {m} | {shape} | {blas:.1f} | {ship:.1f} | {lab} | {us:.1f} | "
                      f"{nbytes_of('q4', n, k) / us / 1e6:.2f} | {us / ship:.2f} |")
         tot = steps.setdefault(m, [0.0, 0.0, 0.0])

@@ -193,8 +193,8 @@ def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
         assert_tight(qgemv(x, w, config=cfg), x, ref)
 
 
-CUDA_Q4_CONFIGS = [CudaQ4Config(1, 1), CudaQ4Config(1, 4), CudaQ4Config(2, 8),
-                   CudaQ4Config(4, 2)]
+CUDA_Q4_CONFIGS = [CudaQ4Config(1, 1, 1), CudaQ4Config(1, 4, 4), CudaQ4Config(2, 8, 2),
+                   CudaQ4Config(4, 2, 1), CudaQ4Config(1, 2, 4), CudaQ4Config(1, 8, 2)]
 
 
 @pytest.mark.gpu
@@ -205,7 +205,7 @@ CUDA_Q4_CONFIGS = [CudaQ4Config(1, 1), CudaQ4Config(1, 4), CudaQ4Config(2, 8),
 def test_gpu_cuda_q4_gemv_matches_dequantize_then_matmul(n: int, k: int,
                                                          factored: bool) -> None:
     """The tensor-core 4-bit GEMV (cuda_q4mma) at every 8B shape, the head, and shapes off its
-    16-row tiles (N) and off its blocks of four groups (K: 800, 96), one and two rows with a
+    16-row tiles (N) and off its steps of groups (K: 800, 96, 768), one and two rows with a
     bias, against the tight bound; row 0 of two rows equals the one-row product bit for bit
     (each MMA column sums on its own)."""
     assert cuda_q4mma.available()

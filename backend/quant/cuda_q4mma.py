@@ -2,43 +2,53 @@
 torch): one or two rows of bf16 activations against a 4-bit GGUF weight in its own layout.
 
     q4_mma_gemv(x [M, K] bf16, w: QuantizedWeight, bias [N] | None) -> [M, N] bf16, M <= 2
-    available() -> whether the kernel compiles and runs here (CUDA, NVRTC); cached
+    available() -> whether the kernel compiles and agrees with its reference here; cached
 
-Why: the Triton lop3 GEMV (triton_q4gemv.py) spends ~5 instructions per weight on the CUDA
-cores (unpack, FMA, add, the per-step x work): issue-bound at ~1.8 TB/s of the H200's ~4.3.
-Here the multiply-adds run on the tensor cores (`mma.sync` m16n8k16, bf16 in, float32
-accumulate) and a weight costs about one and a half instructions: a `lop3` makes two codes
-bf16 at once, `128 + code` (the code in the low mantissa bits of 128.0: exact), and an
-`mma` takes eight of them per lane. bf16 x bf16 products are exact in float32, so every
-product is `(128 + code) * x` exactly, as the lop3 kernel's `code * x` is; the 128 comes
-off per group with the group's activation sum:
+Why: the Triton lop3 GEMV (triton_q4gemv.py) does its multiply-adds on the CUDA cores, ~5
+instructions per weight, and streams an 8B decode step's 4-bit weights at ~1.8 TB/s of the
+H200's ~4.2. Here they run on the tensor cores (`mma.sync` m16n8k16, bf16 in, float32
+accumulate): a `lop3` makes two codes bf16 at once, `128 + code` (the nibble in the low
+mantissa bits of 128.0, exact), and an mma takes eight per lane, ~2.5 SASS instructions
+per weight in all. bf16 x bf16 products are exact in float32, so every product is
+`(128 + code) * x` exactly, as the lop3 kernel's `code * x` is; the 128 comes off per group
+with the group's activation sum:
 
     y[n] += scale[n,g] * sum_i (128 + code[n,g,i]) * x[g,i]  +  (zero[n,g] - 128 scale[n,g]) * xsum[g]
 
-The weight's bytes are read where QuantizedWeight keeps them (no second copy, no repacking):
-a group of 32 codes is 16 bytes, byte i holding code i (low nibble) and code i+16 (high).
-The mma's operand A is 16 weight rows by 16 K slots. Lane (gid = lane/4, c = lane%4) loads
-one 32-bit word of rows gid and gid+8 per group, bytes 4c..4c+3 (codes 4c..4c+3 and
-16+4c..16+4c+3), and one lop3 per pair of nibbles at bits (s, 16+s) gives a bf16
-pair: s = 0 -> codes (4c, 4c+2), 4 -> (16+4c, 18+4c), 8 -> (4c+1, 4c+3), 12 -> (17+4c,
-19+4c). The group's first mma takes the first two pairs, its second the other two; the K
-slots of an mma are any order of its 16 codes as long as x's slots (operand B, the same
-lane's c) follow the same order, so x's pairs are permuted to match (two `prmt`s from one
-8-byte load).
+The bytes are read where QuantizedWeight keeps them (no second copy, no repacking): a group
+of 32 codes is 16 bytes, byte i holding code i (low nibble) and code i+16 (high).
 
-Operand B's 8 columns, one per lane quad, carry four groups at once: column 2q + r holds
-group q of a block of four (and row r of x; with one row both columns of a pair hold row
-0), zero in the other groups' mmas. A block's eight mmas per 16 weight rows then leave lane
-c holding group c's sums for its two weight rows and both x rows, so each lane applies one
-group's scale per block (not four), and the four lanes' partials meet in two shuffles at
-the end. The groups' x sums come from the same columns through an mma with all-ones A.
+Lanes and operands. Lane (gid = lane / 4, c = lane % 4) loads whole groups with 16-byte
+loads: of weight rows gid and gid + 8 of its tile, the groups SPAN c .. SPAN c + SPAN - 1 of
+each step of 4 SPAN groups (a warp reads 64 SPAN contiguous bytes of each of its 16 rows).
+An mma's operand A is 16 rows by 16 K slots, four slots per lane and row; lane c fills its
+slots from its own group: word j (bytes 4j..4j+3) gives, one lop3 per pair of nibbles at bits
+(s, 16 + s), the pairs s = 0: codes (4j, 4j+2), 4: (16+4j, 18+4j), 8: (4j+1, 4j+3),
+12: (17+4j, 19+4j); the first mma of the word takes the first two, the second the others.
+Operand B's column n (the x pairs of the lanes with gid = n, two slots each) is non-zero only
+in lane n / 2's slots: the lanes with gid / 2 == c "feed" their column with the x of their
+own group, in the same slot order (`prmt` from 16-byte loads), the others give zeros. So
+column n sums lane n / 2's group alone, and C's columns 2c, 2c+1 land in lane c: each lane
+ends a sub-step holding its own group's sums for its two rows (and the two rows of x, one
+per column; with one row both hold row 0), applies that group's scale once, and the four
+lanes of a quad add their partials with two shuffles at the end. The x sums come from the
+same B through an mma with all-ones A.
 
-A program is WARPS warps on TILES tiles of 16 weight rows; the warps split K (interleaved
-blocks of four groups) and add their partials in shared memory. Each warp loads the next
-block's code words, scales and x before the current block's arithmetic.
+A program is WARPS warps on TILES tiles of 16 rows; the warps take the steps in turn (K
+split) and add their sums in shared memory. Each warp loads a step's codes and scales while
+it computes the one before (two steps in registers, taken in turn).
 
-Compiled per (tiles, warps, rows, scale form) on first use and cached; where NVRTC or the
-launch is missing, `available()` is False and the Triton kernels serve (quant/linear.py).
+Measured on the H200 (bench/q4_cuda_sweep.py, docs/benchmarks.md, session 19): an 8B decode
+step's GEMVs (32 layers' four, the head as Q4) 1,933 us against the lop3 kernel's 2,409 at
+one row, and 2,081 against 4,162 at two rows (one pass over the weight serves both). Slower
+and dropped: 4-byte word loads per group (the first version: 16 half-used sectors per load)
+and a cp.async pipeline of 2-8 steps in shared memory per warp (1.5-1.7x slower than the
+register double buffer at every shape).
+
+Compiled per (config, rows, scale form, K) on first use and cached, K a constant so that
+every row and group offset is an immediate of its load. Where NVRTC or the launch is
+missing, or the self-check disagrees, `available()` is False and the Triton GEMV serves
+(quant/linear.py).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ import torch
 
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["CudaQ4Config", "Q4MMA_DEFAULTS", "SOURCE", "available", "config_for",
+__all__ = ["CudaQ4Config", "Q4MMA_DEFAULTS", "SOURCE", "available", "config_for", "fitted",
            "q4_mma_gemv", "supports"]
 
 log = logging.getLogger(__name__)
@@ -60,12 +70,16 @@ log = logging.getLogger(__name__)
 class CudaQ4Config(NamedTuple):
     tiles: int  # 16-row weight tiles per program
     warps: int  # warps per program, splitting K
+    span: int = 1  # 16-byte groups a lane loads per row and step (a warp: 64 span bytes a row)
 
 
-# (largest N, config), the last entry covering the rest: set from bench/q4_cuda_sweep.py.
+# (largest N, config), the last entry covering the rest: set from bench/q4_cuda_sweep.py
+# (H200, session 19): one program per 16 rows on 8 warps, 32 bytes of a row per lane and step,
+# was the best config or within 2% of it at every 8B shape at one row (qkv 7.7, o_proj 6.4,
+# down 16.4 us; gate_up 27.1 against 26.6, the head 104.4 against 103.0) and the best at two
+# rows but for the head.
 Q4MMA_DEFAULTS: tuple[tuple[int, CudaQ4Config], ...] = (
-    (8192, CudaQ4Config(1, 4)),
-    (1 << 62, CudaQ4Config(2, 4)),
+    (1 << 62, CudaQ4Config(1, 8, 2)),
 )
 
 SOURCE = r"""
@@ -115,111 +129,128 @@ typedef float scale_t;
 
 // Compiled per weight shape: G (groups of 32 along K) is a constant, so every row, tile and
 // group offset below is an immediate of one load from one pointer per array.
-struct Step {                 // one block of four groups, as one lane loads it
-    u32 w[TILES][2][4];       // words of group c: tile, row (gid, gid+8), word
-    float s[TILES][2], z[TILES][2];   // group c's scale and zero - 128 * scale, per row
-    u32 f[4][4];              // B operands: per word j, the pairs of x its codes meet (zero
-                              // in lanes whose column is not fed by this lane's group)
+//
+// A step covers 4 SPAN groups of K: lane c holds groups SPAN c .. SPAN c + SPAN - 1 of its
+// rows (SPAN 16-byte loads, contiguous), and the step's SPAN sub-steps each take one of them
+// per lane. A warp thus reads 64 SPAN contiguous bytes of each of its rows per step.
+struct Step {
+    uint4 w[TILES][2][SPAN];             // codes: tile, row (gid, gid+8), sub-step
+    float s[TILES][2][SPAN], z[TILES][2][SPAN];  // scale, and zero - 128 * scale
 };
 
-struct Lane {                 // a lane's operands at its first row, group c
-    const uint4* codes;       // row row0 + gid, group c (16 bytes)
-    const scale_t* scale;     // row row0 + gid, group c
+struct Lane {                 // a lane's operands at its first row, group SPAN c
+    const uint4* codes;       // row row0 + gid (16 bytes a group)
+    const scale_t* scale;     // row row0 + gid
     const scale_t* zero;
     const float* sup_s;       // SUPER: row row0 + gid's super-blocks
     const float* sup_z;
-    const uint4* x;           // x[row, 32 c]
-    bool feeds;               // whether its B column (gid) is its group's: gid / 2 == c
+    const uint4* x;           // x[row, 32 SPAN c] (16 bytes = 8 activations)
+    int first;                // SPAN c: its first group in a step
+    bool feeds;               // whether its B column (gid) is its own group's: gid / 2 == c
 };
 
-// Block `blk`'s operands. TAIL (the last block when G % 4): groups past G are read as group
-// G - 1 with zero x, so they add nothing.
+// Step `st`'s operands. TAIL (the last step when G % (4 SPAN)): groups past G are read as
+// group G - 1 (with zero x in run_step, they add nothing).
 template <bool TAIL>
-__device__ __forceinline__ void load_step(Step& st, const Lane& ln, int blk, int c) {
-    const int g0 = blk * 4;
-    const int gs = TAIL ? min(g0 + c, G - 1) - c : g0;  // this lane's group is gs + c
-    const uint4* cp = pinned(ln.codes + gs);
-    #pragma unroll
-    for (int t = 0; t < TILES; t++)
-        #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const uint4 v = __ldg(cp + (16 * t + 8 * h) * G);
-            st.w[t][h][0] = v.x;
-            st.w[t][h][1] = v.y;
-            st.w[t][h][2] = v.z;
-            st.w[t][h][3] = v.w;
-        }
-    const scale_t* sp = pinned(ln.scale + gs);
-    const scale_t* zp = pinned(ln.zero + gs);
+__device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
+    const int g0 = step * 4 * SPAN;
+    const uint4* cp = pinned(ln.codes + g0);
+    const scale_t* sp = pinned(ln.scale + g0);
+    const scale_t* zp = pinned(ln.zero + g0);
 #if SUPER
-    const float* ssp = pinned(ln.sup_s + (gs + c) / SUPER);
-    const float* szp = pinned(ln.sup_z + (gs + c) / SUPER);
+    const float* ssp = pinned(ln.sup_s + g0 / SUPER);  // (SPAN divides SUPER: one super-block)
+    const float* szp = pinned(ln.sup_z + g0 / SUPER);
 #endif
     #pragma unroll
     for (int t = 0; t < TILES; t++)
         #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int row = 16 * t + 8 * h;
+            #pragma unroll
+            for (int i = 0; i < SPAN; i++) {
+                // its group g0 + first + off: off = i, or in TAIL clamped to the last group
+                const int off = TAIL ? min(g0 + ln.first + i, G - 1) - g0 - ln.first : i;
+                st.w[t][h][i] = __ldg(cp + row * G + off);
 #if SUPER
-            const float s = (float)__ldg(sp + row * G) * __ldg(ssp + row * (G / SUPER));
-            const float z = (float)__ldg(zp + row * G) * __ldg(szp + row * (G / SUPER));
+                const int so = TAIL ? (g0 + ln.first + off) / SUPER - g0 / SUPER - ln.first / SUPER : 0;
+                const float sup = __ldg(ssp + row * (G / SUPER) + so);
+                const float sz = __ldg(szp + row * (G / SUPER) + so);
+                const float s = (float)__ldg(sp + row * G + off) * sup;
+                const float z = (float)__ldg(zp + row * G + off) * sz;
 #else
-            const float s = __ldg(sp + row * G), z = __ldg(zp + row * G);
+                const float s = __ldg(sp + row * G + off), z = __ldg(zp + row * G + off);
 #endif
-            st.s[t][h] = s;
-            st.z[t][h] = fmaf(-128.0f, s, z);
+                st.s[t][h][i] = s;
+                st.z[t][h][i] = fmaf(-128.0f, s, z);
+            }
         }
-    uint4 xv[4] = {};  // x[8i .. 8i+7] of the lane's group
-    if (ln.feeds && (!TAIL || g0 + c < G)) {
-        const uint4* xp = pinned(ln.x + 4 * g0);
-        #pragma unroll
-        for (int i = 0; i < 4; i++)
-            xv[i] = __ldg(xp + i);
-    }
+}
+
+// the pairs of x that word j's codes meet, from x[32 g .. 32 g + 31] (xv: 4 x 8 activations)
+__device__ __forceinline__ void x_pairs(u32 (&f)[4][4], const uint4 (&xv)[4]) {
     #pragma unroll
     for (int j = 0; j < 4; j++) {  // word j meets x[4j .. 4j+3] and x[16+4j .. 16+4j+3]
         const uint4 lo = xv[j / 2], hi = xv[2 + j / 2];
         const u32 l0 = j % 2 ? lo.z : lo.x, l1 = j % 2 ? lo.w : lo.y;
         const u32 h0 = j % 2 ? hi.z : hi.x, h1 = j % 2 ? hi.w : hi.y;
-        st.f[j][0] = prmt(l0, l1, 0x5410);  // (x[4j], x[4j+2])
-        st.f[j][1] = prmt(h0, h1, 0x5410);  // (x[16+4j], x[18+4j])
-        st.f[j][2] = prmt(l0, l1, 0x7632);  // (x[4j+1], x[4j+3])
-        st.f[j][3] = prmt(h0, h1, 0x7632);  // (x[17+4j], x[19+4j])
+        f[j][0] = prmt(l0, l1, 0x5410);  // (x[4j], x[4j+2])
+        f[j][1] = prmt(h0, h1, 0x5410);  // (x[16+4j], x[18+4j])
+        f[j][2] = prmt(l0, l1, 0x7632);  // (x[4j+1], x[4j+3])
+        f[j][3] = prmt(h0, h1, 0x7632);  // (x[17+4j], x[19+4j])
     }
 }
 
-__device__ __forceinline__ void run_step(const Step& st, float (&out)[TILES][2][ROWS]) {
+template <bool TAIL>
+__device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int step,
+                                         float (&out)[TILES][2][ROWS]) {
     const u32 ones = 0x3F803F80u;  // bf16x2 (1, 1)
-    float xs[4] = {0.f, 0.f, 0.f, 0.f};
-    float acc[TILES][4];
+    const int g0 = step * 4 * SPAN;
     #pragma unroll
-    for (int t = 0; t < TILES; t++)
-        acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-    #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const u32* f = st.f[j];
-        mma(xs, ones, ones, ones, ones, f[0], f[1]);
-        mma(xs, ones, ones, ones, ones, f[2], f[3]);
-        #pragma unroll
-        for (int t = 0; t < TILES; t++) {
-            const u32 w0 = st.w[t][0][j], w1 = st.w[t][1][j];
-            mma(acc[t], bf16_pair(w0), bf16_pair(w1), bf16_pair(w0 >> 4), bf16_pair(w1 >> 4), f[0], f[1]);
-            mma(acc[t], bf16_pair(w0 >> 8), bf16_pair(w1 >> 8), bf16_pair(w0 >> 12), bf16_pair(w1 >> 12), f[2], f[3]);
-        }
-    }
-    // lane c now holds group c: acc[t] = {row gid x row 0, row gid x row 1, row gid+8 x 0, gid+8 x 1}
-    #pragma unroll
-    for (int t = 0; t < TILES; t++)
-        #pragma unroll
-        for (int h = 0; h < 2; h++)
+    for (int i = 0; i < SPAN; i++) {
+        uint4 xv[4] = {};  // the activations of the lane's group, in the lanes that feed it
+        if (ln.feeds && (!TAIL || g0 + ln.first + i < G)) {
+            const uint4* xp = ln.x + 4 * (g0 + i);
             #pragma unroll
-            for (int r = 0; r < ROWS; r++)
-                out[t][h][r] = fmaf(st.s[t][h], acc[t][2 * h + r], fmaf(st.z[t][h], xs[r], out[t][h][r]));
+            for (int v = 0; v < 4; v++)
+                xv[v] = __ldg(xp + v);
+        }
+        u32 f[4][4];
+        x_pairs(f, xv);
+        float xs[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[TILES][4];
+        #pragma unroll
+        for (int t = 0; t < TILES; t++)
+            acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            mma(xs, ones, ones, ones, ones, f[j][0], f[j][1]);
+            mma(xs, ones, ones, ones, ones, f[j][2], f[j][3]);
+            #pragma unroll
+            for (int t = 0; t < TILES; t++) {
+                const uint4 a = st.w[t][0][i], b = st.w[t][1][i];
+                const u32 w0 = j == 0 ? a.x : j == 1 ? a.y : j == 2 ? a.z : a.w;
+                const u32 w1 = j == 0 ? b.x : j == 1 ? b.y : j == 2 ? b.z : b.w;
+                mma(acc[t], bf16_pair(w0), bf16_pair(w1), bf16_pair(w0 >> 4), bf16_pair(w1 >> 4),
+                    f[j][0], f[j][1]);
+                mma(acc[t], bf16_pair(w0 >> 8), bf16_pair(w1 >> 8), bf16_pair(w0 >> 12),
+                    bf16_pair(w1 >> 12), f[j][2], f[j][3]);
+            }
+        }
+        // lane c holds its group's sums: acc[t] = {row gid x row 0, gid x 1, gid+8 x 0, gid+8 x 1}
+        #pragma unroll
+        for (int t = 0; t < TILES; t++)
+            #pragma unroll
+            for (int h = 0; h < 2; h++)
+                #pragma unroll
+                for (int r = 0; r < ROWS; r++)
+                    out[t][h][r] = fmaf(st.s[t][h][i], acc[t][2 * h + r],
+                                        fmaf(st.z[t][h][i], xs[r], out[t][h][r]));
+    }
 }
 
 // A program computes rows row0 .. row0 + 16 TILES - 1; the last one starts at N - 16 TILES so
 // that it stays inside the weight (its rows shared with the program before it get the same
-// values twice).
+// values twice). Its warps take the steps in turn and add their sums in shared memory.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
         const u32* __restrict__ codes, const scale_t* __restrict__ scale,
         const scale_t* __restrict__ zero, const float* __restrict__ sup_s,
@@ -231,12 +262,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
     const int row0 = min((int)blockIdx.x * (16 * TILES), N - 16 * TILES);
     Lane ln;
     const long r = row0 + gid;
-    ln.codes = (const uint4*)codes + r * G + c;
-    ln.scale = scale + r * G + c;
-    ln.zero = zero + r * G + c;
-    ln.sup_s = SUPER ? sup_s + r * (G / (SUPER ? SUPER : 1)) : sup_s;
-    ln.sup_z = SUPER ? sup_z + r * (G / (SUPER ? SUPER : 1)) : sup_z;
-    ln.x = (const uint4*)(x + (ROWS == 2 ? (gid & 1) * stride_x : 0) + 32 * c);
+    ln.codes = (const uint4*)codes + r * G + SPAN * c;
+    ln.scale = scale + r * G + SPAN * c;
+    ln.zero = zero + r * G + SPAN * c;
+    ln.sup_s = SUPER ? sup_s + r * (G / (SUPER ? SUPER : 1)) + SPAN * c / (SUPER ? SUPER : 1) : sup_s;
+    ln.sup_z = SUPER ? sup_z + r * (G / (SUPER ? SUPER : 1)) + SPAN * c / (SUPER ? SUPER : 1) : sup_z;
+    ln.x = (const uint4*)(x + (ROWS == 2 ? (gid & 1) * stride_x : 0)) + 4 * SPAN * c;
+    ln.first = SPAN * c;
     ln.feeds = (gid >> 1) == c;
     float out[TILES][2][ROWS];
     #pragma unroll
@@ -246,27 +278,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
             #pragma unroll
             for (int k = 0; k < ROWS; k++)
                 out[t][h][k] = 0.f;
-    const int full = G / 4;  // blocks of four whole groups; one more (TAIL) holds the rest
+    const int full = G / (4 * SPAN);  // whole steps; one more (TAIL) holds the rest
     if (warp < full) {  // two steps in turn, each loaded while the other is computed
         Step one, two;
-        load_step<false>(one, ln, warp, c);
+        load_step<false>(one, ln, warp);
         for (int b = warp;;) {
-            load_step<false>(two, ln, min(b + WARPS, full - 1), c);
-            run_step(one, out);
+            load_step<false>(two, ln, min(b + WARPS, full - 1));
+            run_step<false>(one, ln, b, out);
             if ((b += WARPS) >= full)
                 break;
-            load_step<false>(one, ln, min(b + WARPS, full - 1), c);
-            run_step(two, out);
+            load_step<false>(one, ln, min(b + WARPS, full - 1));
+            run_step<false>(two, ln, b, out);
             if ((b += WARPS) >= full)
                 break;
         }
     }
-    if (G % 4 && warp == full % WARPS) {
+    if (G % (4 * SPAN) && warp == full % WARPS) {
         Step st;
-        load_step<true>(st, ln, full, c);
-        run_step(st, out);
+        load_step<true>(st, ln, full);
+        run_step<true>(st, ln, full, out);
     }
-    // the four lanes of a quad held groups 4b + c: add them
+    // the four lanes of a quad held different groups: add them
     #pragma unroll
     for (int t = 0; t < TILES; t++)
         #pragma unroll
@@ -315,9 +347,14 @@ def config_for(n: int) -> CudaQ4Config:
     return next(cfg for limit, cfg in Q4MMA_DEFAULTS if n <= limit)
 
 
+def fitted(cfg: CudaQ4Config, n: int) -> CudaQ4Config:
+    """`cfg` with at most n / 16 tiles: the last program starts at N - 16 tiles."""
+    return cfg._replace(tiles=min(cfg.tiles, n // 16))
+
+
 def _defines(cfg: CudaQ4Config, rows: int, super_groups: int, groups: int) -> str:
-    return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define ROWS {rows}\n"
-            f"#define SUPER {super_groups}\n#define G {groups}\n")
+    return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
+            f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {groups}\n")
 
 
 @functools.lru_cache(maxsize=None)
@@ -335,8 +372,7 @@ def q4_mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None =
         x2 = x2.contiguous()  # 16-byte loads of x
     m, n = x2.shape[0], w.out_features
     y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    cfg = config or config_for(n)
-    cfg = cfg._replace(tiles=min(cfg.tiles, n // 16))  # (the last program starts at N - 16 tiles)
+    cfg = fitted(config or config_for(n), n)
     kernel = _kernel(cfg, m, w.super_groups, w.in_features // 32)
     codes = w.codes.view(torch.int32)  # [N, K/8] words: 4 per group
     sup_s = w.super_scale if w.super_groups else w.scale
