@@ -21,6 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def results_dir() -> Path:
+    """Where a bench writes its tables and logs: $OUT on the device machine (its files come
+    back from there), else bench/results; created."""
+    out = Path(os.environ.get("OUT") or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def ensure_sgl_importable() -> None:
     """Without an (editable) install, e.g. on the GPU machine, map sgl.backend -> backend/ and
     sgl.grammars -> grammars/ (the setuptools package-dir mapping) with a meta-path finder."""

@@ -26,7 +26,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ensure_sgl_importable  # noqa: E402
+from common import ensure_sgl_importable, results_dir  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
@@ -73,8 +72,7 @@ def main() -> int:
     ap.add_argument("--norm", action="store_true")
     args = ap.parse_args()
     t0 = time.monotonic()
-    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir()
     log = open(out / "fp8_gemv_sweep.jsonl", "a")
     ws, res = WeightSet(), {}  # res[(shape, label)] = us
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ensure_sgl_importable  # noqa: E402
+from common import ensure_sgl_importable, results_dir  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
@@ -88,8 +87,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2")
     args = ap.parse_args()
     t0 = time.monotonic()
-    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir()
     log = open(out / "q4_cuda_sweep.jsonl", "a")
     rows = [int(r) for r in args.rows.split(",")]
     print(f"available: {cuda_q4mma.available()}", flush=True)

@@ -14,7 +14,6 @@ the table also goes to $OUT/q4_rows.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ensure_sgl_importable  # noqa: E402
+from common import ensure_sgl_importable, results_dir  # noqa: E402
 
 ensure_sgl_importable()
 from gemv_bench import SHAPES, graph_us  # noqa: E402
@@ -69,8 +68,7 @@ def main() -> None:
         lines.append(f"| {m} | 8B step | | {totals[m, 'shipped']:.0f} | {totals[m, 'mma']:.0f} | "
                      f"{totals[m, 'mma'] / totals[m, 'shipped']:.2f} |")
         print(lines[-1], flush=True)
-    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir()
     (out / "q4_rows.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -43,7 +43,6 @@ bench/gemv_bench.py: calls replayed from one CUDA graph, cycling through enough 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ensure_sgl_importable  # noqa: E402
+from common import ensure_sgl_importable, results_dir  # noqa: E402
 
 ensure_sgl_importable()
 from quant_sweep import (  # noqa: E402
@@ -110,8 +109,7 @@ def main() -> int:
     unknown = set(phases) - {"base", "gemv", "split", "gemm"}
     if unknown:
         ap.error(f"--phases: unknown {sorted(unknown)}; use base, gemv, split, gemm")
-    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir()
     budget = Budget(args.budget)
     rec = Recorder(out / "quant_gemv_sweep.jsonl")
     ws = WeightSet()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from common import results_dir
 from gemv_bench import SHAPES, graph_us
 
 from sgl.backend.kernels import triton_gemv as gemv
@@ -54,8 +54,7 @@ def save_table(name: str, lines: list[str], t0: float) -> None:
     $OUT)."""
     text = "\n".join(lines) + (f"\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
                                f"{time.monotonic() - t0:.0f} s\n")
-    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir()
     (out / f"{name}.md").write_text(text)
     print(text, flush=True)
 
