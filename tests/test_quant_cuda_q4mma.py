@@ -81,7 +81,7 @@ VARIANTS = [  # (config, rows, super_groups, groups): the defaults at the 8B Ks 
     # SmolLM2's (576 = 18 groups: a tail step), plain and factored scales
     (cfg, rows, sup, groups)
     for cfg in sorted({c for _, c in Q4MMA_DEFAULTS} | {CudaQ4Config(2, 2, 1)})
-    for rows in (1, 2) for sup, groups in ((8, 128), (8, 448), (0, 18), (0, 25))
+    for rows in (1, 2, 5, 8) for sup, groups in ((8, 128), (8, 448), (0, 18), (0, 25))
 ]
 
 

@@ -205,21 +205,22 @@ CUDA_Q4_CONFIGS = [CudaQ4Config(1, 1, 1), CudaQ4Config(1, 4, 4), CudaQ4Config(2,
 def test_gpu_cuda_q4_gemv_matches_dequantize_then_matmul(n: int, k: int,
                                                          factored: bool) -> None:
     """The tensor-core 4-bit GEMV (cuda_q4mma) at every 8B shape, the head, and shapes off its
-    16-row tiles (N) and off its steps of groups (K: 800, 96, 768), one and two rows with a
-    bias, against the tight bound; row 0 of two rows equals the one-row product bit for bit
-    (each MMA column sums on its own)."""
+    16-row tiles (N) and off its steps of groups (K: 800, 96, 768), one to eight rows with a
+    bias, against the tight bound; row 0 of every row count equals the one-row product bit for
+    bit (each MMA column sums on its own)."""
     assert cuda_q4mma.available()
     w = random_qweight(n, k, 4, 32, seed=n + k, factored=factored)
     ref = w.dequantize(dtype=torch.float32)
-    x = torch.randn(2, k, device=CUDA, dtype=torch.bfloat16)
+    x = torch.randn(cuda_q4mma.MAX_ROWS, k, device=CUDA, dtype=torch.bfloat16)
     bias = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
     for cfg in CUDA_Q4_CONFIGS:
         if 16 * cfg.tiles > n:
             continue
         one = cuda_q4mma.q4_mma_gemv(x[:1], w, bias, config=cfg)
-        two = cuda_q4mma.q4_mma_gemv(x, w, bias, config=cfg)
-        assert_tight(two, x, ref, bias)
-        assert torch.equal(one[0], two[0]), cfg
+        for m in (2, 3, 8):
+            got = cuda_q4mma.q4_mma_gemv(x[:m], w, bias, config=cfg)
+            assert_tight(got, x[:m], ref, bias)
+            assert torch.equal(one[0], got[0]), (cfg, m)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """The 4-bit decode GEMV on the tensor cores, in CUDA C compiled at run time (NVRTC, through
-torch): one or two rows of bf16 activations against a 4-bit GGUF weight in its own layout.
+torch): a few rows of bf16 activations against a 4-bit GGUF weight in its own layout.
 
-    q4_mma_gemv(x [M, K] bf16, w: QuantizedWeight, bias [N] | None) -> [M, N] bf16, M <= 2
+    q4_mma_gemv(x [M, K] bf16, w: QuantizedWeight, bias [N] | None) -> [M, N] bf16, M <= 8
     available() -> whether the kernel compiles and agrees with its reference here; cached
 
 Why: the Triton lop3 GEMV (triton_q4gemv.py) does its multiply-adds on the CUDA cores, ~5
@@ -29,10 +29,11 @@ Operand B's column n (the x pairs of the lanes with gid = n, two slots each) is 
 in lane n / 2's slots: the lanes with gid / 2 == c "feed" their column with the x of their
 own group, in the same slot order (`prmt` from 16-byte loads), the others give zeros. So
 column n sums lane n / 2's group alone, and C's columns 2c, 2c+1 land in lane c: each lane
-ends a sub-step holding its own group's sums for its two rows (and the two rows of x, one
-per column; with one row both hold row 0), applies that group's scale once, and the four
-lanes of a quad add their partials with two shuffles at the end. The x sums come from the
-same B through an mma with all-ones A.
+ends a sub-step holding its own group's sums for its two rows (and two rows of x, one per
+column; with one row both hold row 0), applies that group's scale once, and the four lanes
+of a quad add their partials with two shuffles at the end. The x sums come from the same B
+through an mma with all-ones A. More rows of x ride in pairs: each pair its own B and mmas
+on the same A registers (the unpacking is shared), up to four pairs.
 
 A program is WARPS warps on TILES tiles of 16 rows; the warps take the steps in turn (K
 split) and add their sums in shared memory. Each warp loads a step's codes and scales while
@@ -40,7 +41,11 @@ it computes the one before (two steps in registers, taken in turn).
 
 Measured on the H200 (bench/q4_cuda_sweep.py, docs/benchmarks.md, session 19): an 8B decode
 step's GEMVs (32 layers' four, the head as Q4) 1,933 us against the lop3 kernel's 2,409 at
-one row, and 2,081 against 4,162 at two rows (one pass over the weight serves both). Slower
+one row, and 2,081 against 4,162 at two rows (one pass over the weight serves both). The
+engine routes one and two rows here (linear.CUDA_ROUTES "gemv"); 3-8 rows (the pairs past
+the first) are compiled on CI but have not run on a GPU yet (session 19 ran out of device
+time): not routed until tests/test_quant_gpu.py passes on the device and the sweep
+(`--rows 1,2,4,8`) shows them faster than the tiled kernel. Slower
 and dropped: 4-byte word loads per group (the first version: 16 half-used sectors per load)
 and a cp.async pipeline of 2-8 steps in shared memory per warp (1.5-1.7x slower than the
 register double buffer at every shape).
@@ -61,8 +66,8 @@ import torch
 
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["CudaQ4Config", "Q4MMA_DEFAULTS", "SOURCE", "available", "config_for", "fitted",
-           "q4_mma_gemv", "supports"]
+__all__ = ["CudaQ4Config", "MAX_ROWS", "Q4MMA_DEFAULTS", "SOURCE", "available", "config_for",
+           "fitted", "q4_mma_gemv", "supports"]
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +149,9 @@ struct Lane {                 // a lane's operands at its first row, group SPAN 
     const scale_t* zero;
     const float* sup_s;       // SUPER: row row0 + gid's super-blocks
     const float* sup_z;
-    const uint4* x;           // x[row, 32 SPAN c] (16 bytes = 8 activations)
+    const uint4* x;           // x[0, 32 SPAN c] (16 bytes = 8 activations)
+    int x_row;                // x's row stride in 16 bytes
+    int odd;                  // gid % 2: the row of a pair its B column carries
     int first;                // SPAN c: its first group in a step
     bool feeds;               // whether its B column (gid) is its own group's: gid / 2 == c
 };
@@ -200,6 +207,10 @@ __device__ __forceinline__ void x_pairs(u32 (&f)[4][4], const uint4 (&xv)[4]) {
     }
 }
 
+// Rows of x ride in pairs: pair p's B columns 2c, 2c+1 carry x rows 2p and 2p+1 (an odd
+// last row repeated), each pair its own mmas on the same A registers.
+#define PAIRS ((ROWS + 1) / 2)
+
 template <bool TAIL>
 __device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int step,
                                          float (&out)[TILES][2][ROWS]) {
@@ -207,44 +218,60 @@ __device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int ste
     const int g0 = step * 4 * SPAN;
     #pragma unroll
     for (int i = 0; i < SPAN; i++) {
-        uint4 xv[4] = {};  // the activations of the lane's group, in the lanes that feed it
-        if (ln.feeds && (!TAIL || g0 + ln.first + i < G)) {
-            const uint4* xp = ln.x + 4 * (g0 + i);
-            #pragma unroll
-            for (int v = 0; v < 4; v++)
-                xv[v] = __ldg(xp + v);
-        }
-        u32 f[4][4];
-        x_pairs(f, xv);
-        float xs[4] = {0.f, 0.f, 0.f, 0.f};
-        float acc[TILES][4];
+        u32 f[PAIRS][4][4];  // per pair, the x pairs each word meets (module docstring)
         #pragma unroll
-        for (int t = 0; t < TILES; t++)
-            acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+        for (int p = 0; p < PAIRS; p++) {
+            uint4 xv[4] = {};  // the activations of the lane's group, in the lanes that feed it
+            if (ln.feeds && (!TAIL || g0 + ln.first + i < G)) {
+                const int row = ROWS == 1 ? 0 : min(2 * p + ln.odd, ROWS - 1);
+                const uint4* xp = ln.x + row * ln.x_row + 4 * (g0 + i);
+                #pragma unroll
+                for (int v = 0; v < 4; v++)
+                    xv[v] = __ldg(xp + v);
+            }
+            x_pairs(f[p], xv);
+        }
+        float xs[PAIRS][4], acc[PAIRS][TILES][4];
+        #pragma unroll
+        for (int p = 0; p < PAIRS; p++) {
+            xs[p][0] = xs[p][1] = xs[p][2] = xs[p][3] = 0.f;
+            #pragma unroll
+            for (int t = 0; t < TILES; t++)
+                acc[p][t][0] = acc[p][t][1] = acc[p][t][2] = acc[p][t][3] = 0.f;
+        }
         #pragma unroll
         for (int j = 0; j < 4; j++) {
-            mma(xs, ones, ones, ones, ones, f[j][0], f[j][1]);
-            mma(xs, ones, ones, ones, ones, f[j][2], f[j][3]);
+            #pragma unroll
+            for (int p = 0; p < PAIRS; p++) {
+                mma(xs[p], ones, ones, ones, ones, f[p][j][0], f[p][j][1]);
+                mma(xs[p], ones, ones, ones, ones, f[p][j][2], f[p][j][3]);
+            }
             #pragma unroll
             for (int t = 0; t < TILES; t++) {
                 const uint4 a = st.w[t][0][i], b = st.w[t][1][i];
                 const u32 w0 = j == 0 ? a.x : j == 1 ? a.y : j == 2 ? a.z : a.w;
                 const u32 w1 = j == 0 ? b.x : j == 1 ? b.y : j == 2 ? b.z : b.w;
-                mma(acc[t], bf16_pair(w0), bf16_pair(w1), bf16_pair(w0 >> 4), bf16_pair(w1 >> 4),
-                    f[j][0], f[j][1]);
-                mma(acc[t], bf16_pair(w0 >> 8), bf16_pair(w1 >> 8), bf16_pair(w0 >> 12),
-                    bf16_pair(w1 >> 12), f[j][2], f[j][3]);
+                const u32 lo0 = bf16_pair(w0), lo1 = bf16_pair(w1);
+                const u32 lo2 = bf16_pair(w0 >> 4), lo3 = bf16_pair(w1 >> 4);
+                const u32 hi0 = bf16_pair(w0 >> 8), hi1 = bf16_pair(w1 >> 8);
+                const u32 hi2 = bf16_pair(w0 >> 12), hi3 = bf16_pair(w1 >> 12);
+                #pragma unroll
+                for (int p = 0; p < PAIRS; p++) {
+                    mma(acc[p][t], lo0, lo1, lo2, lo3, f[p][j][0], f[p][j][1]);
+                    mma(acc[p][t], hi0, hi1, hi2, hi3, f[p][j][2], f[p][j][3]);
+                }
             }
         }
-        // lane c holds its group's sums: acc[t] = {row gid x row 0, gid x 1, gid+8 x 0, gid+8 x 1}
+        // lane c holds its group's sums: acc[p][t] = {row gid x x-row 2p, gid x 2p+1,
+        // gid+8 x 2p, gid+8 x 2p+1}
         #pragma unroll
         for (int t = 0; t < TILES; t++)
             #pragma unroll
             for (int h = 0; h < 2; h++)
                 #pragma unroll
                 for (int r = 0; r < ROWS; r++)
-                    out[t][h][r] = fmaf(st.s[t][h][i], acc[t][2 * h + r],
-                                        fmaf(st.z[t][h][i], xs[r], out[t][h][r]));
+                    out[t][h][r] = fmaf(st.s[t][h][i], acc[r / 2][t][2 * h + r % 2],
+                                        fmaf(st.z[t][h][i], xs[r / 2][r % 2], out[t][h][r]));
     }
 }
 
@@ -267,7 +294,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
     ln.zero = zero + r * G + SPAN * c;
     ln.sup_s = SUPER ? sup_s + r * (G / (SUPER ? SUPER : 1)) + SPAN * c / (SUPER ? SUPER : 1) : sup_s;
     ln.sup_z = SUPER ? sup_z + r * (G / (SUPER ? SUPER : 1)) + SPAN * c / (SUPER ? SUPER : 1) : sup_z;
-    ln.x = (const uint4*)(x + (ROWS == 2 ? (gid & 1) * stride_x : 0)) + 4 * SPAN * c;
+    ln.x = (const uint4*)x + 4 * SPAN * c;
+    ln.x_row = stride_x / 8;
+    ln.odd = gid & 1;
     ln.first = SPAN * c;
     ln.feeds = (gid >> 1) == c;
     float out[TILES][2][ROWS];
@@ -335,12 +364,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
 """
 
 
+MAX_ROWS = 8  # rows of x in one pass over the weight (four pairs of B columns)
+
+
 def supports(x: torch.Tensor, w: Any) -> bool:
-    """Whether the kernel serves this product: CUDA bf16 activations of one or two rows
+    """Whether the kernel serves this product: CUDA bf16 activations of 1..MAX_ROWS rows
     against 4-bit codes in groups of 32, plain float32 or factored scales."""
     return (isinstance(w, QuantizedWeight) and x.is_cuda and x.dtype == torch.bfloat16
             and w.bits == 4 and w.group_size == 32 and w.scale.dtype in (torch.float32, torch.int8)
-            and w.out_features >= 16 and 1 <= x.numel() // max(1, x.shape[-1]) <= 2)
+            and w.out_features >= 16 and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS)
 
 
 def config_for(n: int) -> CudaQ4Config:
@@ -358,14 +390,15 @@ def _defines(cfg: CudaQ4Config, rows: int, super_groups: int, groups: int) -> st
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(cfg: CudaQ4Config, rows: int, super_groups: int, groups: int) -> Any:
-    return torch.cuda._compile_kernel(_defines(cfg, rows, super_groups, groups) + SOURCE,
-                                      "q4_mma_gemv")
+def _kernel(cfg: CudaQ4Config, rows: int, super_groups: int, groups: int, device: int) -> Any:
+    with torch.cuda.device(device):  # (the module is loaded into that device's context)
+        return torch.cuda._compile_kernel(_defines(cfg, rows, super_groups, groups) + SOURCE,
+                                          "q4_mma_gemv")
 
 
 def q4_mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                 config: CudaQ4Config | None = None) -> torch.Tensor:
-    """x [..., K] bf16 (one or two rows) @ w^T (+ bias) -> [..., N] bf16."""
+    """x [..., K] bf16 (1..MAX_ROWS rows) @ w^T (+ bias) -> [..., N] bf16."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
@@ -373,54 +406,69 @@ def q4_mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None =
     m, n = x2.shape[0], w.out_features
     y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
     cfg = fitted(config or config_for(n), n)
-    kernel = _kernel(cfg, m, w.super_groups, w.in_features // 32)
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(cfg, m, w.super_groups, w.in_features // 32, device)
     codes = w.codes.view(torch.int32)  # [N, K/8] words: 4 per group
     sup_s = w.super_scale if w.super_groups else w.scale
     sup_z = w.super_zero if w.super_groups else w.zero
     b = bias if bias is not None else y
     kernel(grid=(-(-n // (16 * cfg.tiles)), 1, 1), block=(32 * cfg.warps, 1, 1),
            args=[codes, w.scale, w.zero, sup_s, sup_z, x2, b, y, n, x2.stride(0), y.stride(0),
-                 int(bias is not None)])
+                 int(bias is not None)], stream=torch.cuda.current_stream(device))
     return y.view(*lead, n)
 
 
-_available: bool | None = None  # available()'s answer, once known
+_available: dict[int, bool] = {}  # available()'s answers, per device, once known
 
 
-def available() -> bool:
-    """Whether the kernel compiles and gives the reference's answer on this machine's GPU:
-    checked once, on a small weight, outside CUDA graph capture (a capture before the answer
-    is known gets False: the engine's eager warm-up comes first); False without CUDA or
-    NVRTC."""
-    global _available
-    if _available is not None:
-        return _available
+def available(device: torch.device | None = None) -> bool:
+    """Whether the kernel compiles and gives the reference's answer on this GPU (`device`, by
+    default the current one): checked once per device, outside CUDA graph capture (a capture
+    before the answer is known gets False: the engine's eager warm-up comes first); False
+    without CUDA or NVRTC."""
     if not (torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")):
-        _available = False
         return False
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    _available = _self_check()
-    return _available
+    index = (device.index if device is not None and device.index is not None
+             else torch.cuda.current_device())
+    if index not in _available:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        with torch.cuda.device(index):
+            _available[index] = _self_check(torch.device("cuda", index))
+    return _available[index]
 
 
-def _self_check() -> bool:
+def _self_check(device: torch.device) -> bool:
+    """The shipped configs on two small weights, one and two rows, against float32
+    dequantize-then-matmul: factored K-quant scales over whole steps, and plain scales with
+    K ending inside a step."""
+    from sgl.backend.quant.factored import factor
+
     try:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        codes = torch.randint(0, 256, (40, 96 // 2), device="cuda", dtype=torch.uint8,
-                              generator=gen)
-        scale = torch.rand(40, 3, device="cuda", generator=gen) * 0.1
-        zero = -torch.rand(40, 3, device="cuda", generator=gen) * 0.1
-        w = QuantizedWeight(codes, scale, zero, 4, 32, 96, "Q4_1")
-        x = torch.randn(2, 96, device="cuda", dtype=torch.bfloat16, generator=gen)
-        want = x.float() @ w.dequantize(dtype=torch.float32).t()
-        for rows in (1, 2):
-            got = q4_mma_gemv(x[:rows], w, config=CudaQ4Config(1, 2)).float()
-            if not torch.allclose(got, want[:rows], rtol=1e-2, atol=1e-2 * float(want.abs().max())):
-                log.warning("the CUDA 4-bit GEMV disagrees with its reference; Triton serves")
-                return False
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def weight(n: int, k: int, per: int) -> QuantizedWeight:
+            codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8,
+                                  generator=gen)
+            # Q4_K's structure: float16 d per `per` groups times a 6-bit integer per group
+            d = (torch.rand(n, k // 32 // per, device=device, generator=gen) * 1e-3).half()
+            d = d.float().repeat_interleave(per, dim=1)
+            sc = torch.randint(0, 64, (n, k // 32), device=device, generator=gen).float()
+            return QuantizedWeight(codes, d * sc, -d * (63 - sc), 4, 32, k, "Q4_K")
+
+        for w in (factor(weight(48, 1024, 8)), weight(40, 96, 1)):
+            x = torch.randn(2, w.in_features, device=device, dtype=torch.bfloat16,
+                            generator=gen)
+            want = x.float() @ w.dequantize(dtype=torch.float32).t()
+            for rows in (1, 2):
+                got = q4_mma_gemv(x[:rows], w).float()
+                bound = 1e-2 * float(want.abs().max())
+                if not torch.allclose(got, want[:rows], rtol=1e-2, atol=bound):
+                    log.warning("the CUDA 4-bit GEMV disagrees with its reference on %s; "
+                                "Triton serves", device)
+                    return False
         return True
     except Exception as exc:  # no NVRTC, an older torch, a driver without the target
-        log.info("the CUDA 4-bit GEMV is not available (%s: %s); Triton serves",
-                 type(exc).__name__, exc)
+        log.info("the CUDA 4-bit GEMV is not available on %s (%s: %s); Triton serves",
+                 device, type(exc).__name__, exc)
         return False

@@ -179,7 +179,7 @@ def _quant_linear_triton(x: torch.Tensor, w: QuantizedWeight,
 
     path = cuda_route(x.numel() // x.shape[-1] if x.shape[-1] else 0, weight_kind(w))
     if path == "gemv":
-        if CUDA_Q4_GEMV and cuda_q4mma.supports(x, w) and cuda_q4mma.available():
+        if CUDA_Q4_GEMV and cuda_q4mma.supports(x, w) and cuda_q4mma.available(x.device):
             return cuda_q4mma.q4_mma_gemv(x, w, bias)
         return qgemv(x, w, bias)
     if path == "gemm":
