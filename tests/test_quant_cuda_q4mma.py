@@ -12,69 +12,17 @@ carry the same library); ptxas from the triton wheel.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
+from cuda_compile import NVRTC, PTXAS, assemble, to_ptx
 
 from sgl.backend.quant.cuda_q4mma import (SOURCE, CudaQ4Config, Q4MMA_DEFAULTS, _defines,
                                           config_for, fitted)
 
-
-def _nvrtc() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        for lib in sorted(Path(folder, "lib").glob("libnvrtc.so*")):
-            return ctypes.CDLL(str(lib))
-    return None
-
-
-def _ptxas() -> Path | None:
-    spec = importlib.util.find_spec("triton")
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    return path if path.exists() else None
-
-
-NVRTC, PTXAS = _nvrtc(), _ptxas()
 needs_tools = pytest.mark.skipif(NVRTC is None or PTXAS is None,
                                  reason="NVRTC (nvidia-cuda-nvrtc-cu12) or Triton's ptxas missing")
-
-
-def to_ptx(source: str) -> str:
-    """NVRTC: CUDA C -> PTX for compute_90, as torch.cuda._compile_kernel does on a GPU."""
-    assert NVRTC is not None
-    prog = ctypes.c_void_p()
-    assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"q4mma.cu", 0,
-                                    None, None) == 0
-    opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
-    status = NVRTC.nvrtcCompileProgram(prog, 1, opts)
-    size = ctypes.c_size_t()
-    NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    NVRTC.nvrtcGetProgramLog(prog, log)
-    assert status == 0, log.value.decode()
-    NVRTC.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    NVRTC.nvrtcGetPTX(prog, ptx)
-    NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
-    return ptx.value.decode()
-
-
-def assemble(ptx: str, tmp: Path) -> str:
-    """ptxas -arch=sm_90 -v: the resource report."""
-    src = tmp / "k.ptx"
-    src.write_text(ptx)
-    proc = subprocess.run([str(PTXAS), "-arch=sm_90", "-v", "-o", str(tmp / "k.cubin"),
-                           str(src)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stderr
 
 
 VARIANTS = [  # (config, rows, super_groups, groups): the defaults at the 8B Ks and at
@@ -95,7 +43,7 @@ def test_the_cuda_gemv_compiles_for_hopper_on_the_tensor_cores(
     ptx = to_ptx(_defines(cfg, rows, sup, groups) + SOURCE)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "lop3.b32" in ptx
-    report = assemble(ptx, tmp_path)
+    report = assemble(ptx, tmp_path)[0]
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and spills.groups() == ("0", "0"), report
     regs = re.search(r"Used (\d+) registers", report)

@@ -8,8 +8,9 @@ Why: the Triton lop3 GEMV (triton_q4gemv.py) does its multiply-adds on the CUDA 
 instructions per weight, and streams an 8B decode step's 4-bit weights at ~1.8 TB/s of the
 H200's ~4.2. Here they run on the tensor cores (`mma.sync` m16n8k16, bf16 in, float32
 accumulate): a `lop3` makes two codes bf16 at once, `128 + code` (the nibble in the low
-mantissa bits of 128.0, exact), and an mma takes eight per lane, ~2.5 SASS instructions
-per weight in all. bf16 x bf16 products are exact in float32, so every product is
+mantissa bits of 128.0, exact), and an mma takes eight per lane: ~2.2 SASS instructions
+per weight in all at one row (bench/cuda_kernel_stats.py; 2.3 at two rows, 5.1 at eight,
+i.e. 0.6 per weight and row). bf16 x bf16 products are exact in float32, so every product is
 `(128 + code) * x` exactly, as the lop3 kernel's `code * x` is; the 128 comes off per group
 with the group's activation sum:
 

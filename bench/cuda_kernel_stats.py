@@ -1,0 +1,86 @@
+"""The CUDA 4-bit GEMV's main loop read from its sm_90 machine code, without a GPU: registers,
+spills, the instruction mix of the K loop and instructions per weight.
+
+    python bench/cuda_kernel_stats.py [--tiles 1 --warps 8 --span 2 --rows 1 --super 8 --groups 448]
+
+Compiles quant/cuda_q4mma.py's source as the engine does at first use (NVRTC for compute_90,
+then ptxas for sm_90; tests/cuda_compile.py), finds the loop with the most mma instructions
+(its two steps, taken in turn) and divides its instructions by the weights a lane handles in
+them: 2 steps x tiles x 2 rows x span groups x 32 codes. That is how docs/benchmarks.md's
+"~2.2 instructions per weight" (session 19) was counted. K is a constant of the compiled
+kernel: at 128 groups and 8 warps each warp's two steps unroll into straight code (no loop to
+read), hence the default 448 (the 8B down projection's K). Needs the `nvidia-cuda-nvrtc-cu12`
+and triton wheels (the test extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ensure_sgl_importable  # noqa: E402
+
+ensure_sgl_importable()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from cuda_compile import assemble, sass, to_ptx  # noqa: E402
+
+from sgl.backend.quant.cuda_q4mma import SOURCE, CudaQ4Config, _defines  # noqa: E402
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def opcode(text: str) -> str:
+    """`@P0 LDG.E.128 R4, ...` -> "LDG"."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def main_loop(code: str) -> list[str]:
+    """The instructions of the backward branch's body that holds the most HMMAs."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in map(LINE.search, code.splitlines()) if m]
+    best: list[str] = []
+    for addr, text in ins:
+        target = re.search(r"BRA\s+(?:`?\(?\.L_x_\d+\)?`?\s*)?0x([0-9a-f]+)", text)
+        if not target or int(target.group(1), 16) >= addr:
+            continue
+        body = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
+        if sum(opcode(t) == "HMMA" for t in body) > sum(opcode(t) == "HMMA" for t in best):
+            best = body
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiles", type=int, default=1)
+    ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--span", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--super", type=int, default=8, help="0: float32 scales; 8: factored")
+    ap.add_argument("--groups", type=int, default=448, help="K / 32 (448: the 8B's 14336)")
+    args = ap.parse_args()
+    cfg = CudaQ4Config(args.tiles, args.warps, args.span)
+    with tempfile.TemporaryDirectory() as tmp:
+        report, cubin = assemble(to_ptx(_defines(cfg, args.rows, args.super, args.groups)
+                                        + SOURCE), Path(tmp))
+        code = sass(cubin)
+    print(f"{cfg}, rows {args.rows}, super {args.super}, groups {args.groups}")
+    print(" ".join(line.split(":", 1)[-1].strip() for line in report.splitlines()
+                   if "registers" in line or "spill" in line))
+    loop = main_loop(code)
+    if not loop:
+        print("no loop with mma found")
+        return 1
+    mix = collections.Counter(opcode(t) for t in loop)
+    weights = 2 * args.tiles * 2 * args.span * 32  # per lane: two steps in turn
+    print(f"main loop: {len(loop)} instructions for {weights} weights a lane: "
+          f"{len(loop) / weights:.2f} per weight")
+    print("mix: " + ", ".join(f"{op} {n}" for op, n in mix.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
