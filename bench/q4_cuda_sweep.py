@@ -7,8 +7,9 @@ blocks, plain and factored scales, a bias).
 
 Weights: Q4 in the GPU's factored form (Q4_K structure, 4.75 bits; bench/quant_sweep.py's
 `make_weight`), cycled through >= 256 MiB of copies; graph-timed (bench/gemv_bench.py's
-`graph_us`). Per shape and row count: bf16 cuBLAS, the Triton GEMV (quant_linear with
-linear.CUDA_Q4_GEMV off), every
+`graph_us`). Per shape and row count: bf16 cuBLAS, the Triton path those rows take
+(quant_linear with linear.CUDA_Q4_GEMV off: the lop3 GEMV at 1-2 rows, the tiled kernel at
+3-128, `--rows 1,2,4,8` to compare the CUDA kernel's pairs of rows with it), every
 config; then the best config per shape and the 8B step (32 x the four layer shapes + the head
 as Q4) for each. Output: stdout and $OUT/q4_cuda_sweep.md; every
 measurement as JSON lines in $OUT/q4_cuda_sweep.jsonl, written as taken.
@@ -118,7 +119,7 @@ def main() -> int:
                                                for w in bf16.get("bf16", shape)], reps=5))
         copies = ws.get("q4", shape)
         linear.CUDA_Q4_GEMV = False
-        put(shape, m, "triton gemv", graph_us([lambda w=w: quant_linear(x, w) for w in copies],
+        put(shape, m, "triton route", graph_us([lambda w=w: quant_linear(x, w) for w in copies],
                                               reps=5))
         linear.CUDA_Q4_GEMV = True
         for cfg in GRID:
@@ -133,17 +134,17 @@ def main() -> int:
         bf16.cache.clear()
         ws.cache.clear()
 
-    lines = ["| rows | shape | bf16 cuBLAS | Triton GEMV | best CUDA config | us | TB/s | vs Triton |",
+    lines = ["| rows | shape | bf16 cuBLAS | Triton route | best CUDA config | us | TB/s | vs Triton |",
              "|---|---|---|---|---|---|---|---|"]
     steps: dict[int, list[float]] = {}
     for m, shape in itertools.product(rows, SHAPES):
         cands = {lab: us for (s, mm, lab), us in res.items()
                  if s == shape and mm == m and lab.startswith("cuda")}
-        if not cands or (shape, m, "triton gemv") not in res:
+        if not cands or (shape, m, "triton route") not in res:
             continue
         lab, us = min(cands.items(), key=lambda kv: kv[1])
         n, k = SHAPES[shape]
-        ship, blas = res[shape, m, "triton gemv"], res[shape, m, "bf16 cublas"]
+        ship, blas = res[shape, m, "triton route"], res[shape, m, "bf16 cublas"]
         lines.append(f"| {m} | {shape} | {blas:.1f} | {ship:.1f} | {lab} | {us:.1f} | "
                      f"{nbytes_of('q4', n, k) / us / 1e6:.2f} | {us / ship:.2f} |")
         tot = steps.setdefault(m, [0.0, 0.0, 0.0])
