@@ -120,7 +120,7 @@ def main() -> int:
         copies = ws.get("q4", shape)
         linear.CUDA_Q4_GEMV = False
         put(shape, m, "triton route", graph_us([lambda w=w: quant_linear(x, w) for w in copies],
-                                              reps=5))
+                                               reps=5))
         linear.CUDA_Q4_GEMV = True
         for cfg in GRID:
             try:
