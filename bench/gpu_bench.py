@@ -635,13 +635,15 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  "fp8_wo": dict(quantization="fp8", activation_quantization="none"),
                  "q4_l2": dict(quantization="gguf"),  # scratch slices of 16 MiB (variant)
                  "q4_triton": dict(quantization="gguf"),  # the Triton GEMV at 1-2 rows (variant)
+                 "q4_early": dict(quantization="gguf"),  # the CUDA GEMV launched early (variant)
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
                  "q4_bytes": "single output_tok_s >= 500", "fp8_s9": "single output_tok_s >= 380",
                  "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380",
                  "fp8_wo": "single output_tok_s >= 380", "q4_l2": "single output_tok_s >= 500",
-                 "q4_triton": "single output_tok_s >= 500"}
+                 "q4_triton": "single output_tok_s >= 500",
+                 "q4_early": "single output_tok_s >= 500"}
 
 
 @contextmanager
@@ -654,7 +656,9 @@ def engine_variant(name: str) -> Iterator[None]:
     "fp8" without the GEMVs' early launches (kernels/triton_compat.py); "q4_l2" is "q4" with
     the dequantize + cuBLAS path in 16 MiB scratch slices (bench/scratch_slices.py);
     "q4_triton" is "q4" with its one- and two-row products on the Triton GEMV instead of the
-    CUDA one (quant/linear.py CUDA_Q4_GEMV, session 19). The others: the shipped code.
+    CUDA one (quant/linear.py CUDA_Q4_GEMV, session 19); "q4_early" is "q4" with the CUDA
+    GEMV launched early (cuda_q4mma.EARLY_LAUNCH, off by default until measured). The others:
+    the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH
     from sgl.backend.quant import install
@@ -674,6 +678,10 @@ def engine_variant(name: str) -> Iterator[None]:
     if name == "q4_l2":
         linear.SCRATCH_ELEMENTS = 8 << 20
     linear.CUDA_Q4_GEMV = cuda_q4 and name != "q4_triton"
+    from sgl.backend.quant import cuda_q4mma
+
+    cuda_early = cuda_q4mma.EARLY_LAUNCH
+    cuda_q4mma.EARLY_LAUNCH = cuda_early or name == "q4_early"
     early = PDL_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
     from sgl.backend.kernels import triton_matmul
@@ -689,6 +697,7 @@ def engine_variant(name: str) -> Iterator[None]:
         triton_matmul.TILE.update(det_tile)
         linear.SCRATCH_ELEMENTS = scratch
         linear.CUDA_Q4_GEMV = cuda_q4
+        cuda_q4mma.EARLY_LAUNCH = cuda_early
         GEMV_DEFAULTS.update(shipped)
         install.install_fp8 = install_fp8
         PDL_SWITCH[0] = early
@@ -742,7 +751,7 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4_triton", "q4", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8",
+    for name in ("q4_bytes", "q4_triton", "q4", "q4_early", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8",
                  "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:

@@ -224,6 +224,33 @@ def test_gpu_cuda_q4_gemv_matches_dequantize_then_matmul(n: int, k: int,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_cuda_q4_early_launch_reads_the_inputs_of_the_kernel_before(
+        m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda_q4mma.EARLY_LAUNCH: the GEMV may start while the RMSNorm that writes its input is
+    running (it lets the next kernel launch as it starts) and must wait before reading x: in a
+    CUDA graph of RMSNorm -> GEMV, each replay on new hidden states gives the products of the
+    normalized rows, bit for bit those of the normal launch."""
+    from sgl.backend.kernels.triton_rmsnorm import rmsnorm_triton
+
+    monkeypatch.setattr(cuda_q4mma, "EARLY_LAUNCH", True)
+    w = random_qweight(28672, 4096, 4, 32, factored=True)
+    norm = torch.rand(4096, device=CUDA, dtype=torch.bfloat16) + 0.5
+    hidden = torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16)
+    cuda_q4mma.q4_mma_gemv(rmsnorm_triton(hidden, norm), w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_q4mma.q4_mma_gemv(rmsnorm_triton(hidden, norm), w)
+    for _ in range(3):
+        hidden.copy_(torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16) * 3)
+        graph.replay()
+        monkeypatch.setattr(cuda_q4mma, "EARLY_LAUNCH", False)
+        expected = cuda_q4mma.q4_mma_gemv(rmsnorm_triton(hidden, norm), w)
+        monkeypatch.setattr(cuda_q4mma, "EARLY_LAUNCH", True)
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", LAYER_SHAPES + [ODD_SHAPE])
 @pytest.mark.parametrize("decode", ["bits", "sext", "cvt", "words"])
 def test_gpu_fp8_gemv_decodes_8b_shapes(n: int, k: int, decode: str) -> None:

@@ -51,6 +51,10 @@ and dropped: 4-byte word loads per group (the first version: 16 half-used sector
 and a cp.async pipeline of 2-8 steps in shared memory per warp (1.5-1.7x slower than the
 register double buffer at every shape).
 
+It can launch early (programmatic dependent launch: `EARLY_LAUNCH`, below), loading its first
+step's weights before waiting for the kernel that writes x; written without device time
+left, so off until measured.
+
 Compiled per (config, rows, scale form, K) on first use and cached, K a constant so that
 every row and group offset is an immediate of its load. Where NVRTC or the launch is
 missing, or the self-check disagrees, `available()` is False and the Triton GEMV serves
@@ -59,6 +63,7 @@ missing, or the self-check disagrees, `available()` is False and the Triton GEMV
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from typing import Any, NamedTuple
@@ -119,6 +124,15 @@ template <typename T>
 __device__ __forceinline__ const T* pinned(const T* p) {
     asm("" : "+l"(p));
     return p;
+}
+
+// Launched early (programmatic dependent launch, CudaQ4Launch.pdl): the kernel before may
+// still be writing x, and y may still be its memory; wait for it to finish before reading x
+// or writing anything. A no-op in a normal launch.
+__device__ __forceinline__ void wait_for_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ u16 to_bf16(float f) {
@@ -309,9 +323,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
             for (int k = 0; k < ROWS; k++)
                 out[t][h][k] = 0.f;
     const int full = G / (4 * SPAN);  // whole steps; one more (TAIL) holds the rest
-    if (warp < full) {  // two steps in turn, each loaded while the other is computed
-        Step one, two;
-        load_step<false>(one, ln, warp);
+    Step one, two;  // two steps in turn, each loaded while the other is computed
+    if (warp < full)
+        load_step<false>(one, ln, warp);  // (weights only: they never change)
+    wait_for_inputs();
+    if (warp < full) {
         for (int b = warp;;) {
             load_step<false>(two, ln, min(b + WARPS, full - 1));
             run_step<false>(one, ln, b, out);
@@ -413,10 +429,64 @@ def q4_mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None =
     sup_s = w.super_scale if w.super_groups else w.scale
     sup_z = w.super_zero if w.super_groups else w.zero
     b = bias if bias is not None else y
-    kernel(grid=(-(-n // (16 * cfg.tiles)), 1, 1), block=(32 * cfg.warps, 1, 1),
-           args=[codes, w.scale, w.zero, sup_s, sup_z, x2, b, y, n, x2.stride(0), y.stride(0),
-                 int(bias is not None)], stream=torch.cuda.current_stream(device))
+    args = [codes, w.scale, w.zero, sup_s, sup_z, x2, b, y, n, x2.stride(0), y.stride(0),
+            int(bias is not None)]
+    grid, block = (-(-n // (16 * cfg.tiles)), 1, 1), (32 * cfg.warps, 1, 1)
+    stream = torch.cuda.current_stream(device)
+    if _early(device):
+        _launch_early(kernel, grid, block, args, stream)
+    else:
+        kernel(grid=grid, block=block, args=args, stream=stream)
     return y.view(*lead, n)
+
+
+# Programmatic dependent launch (Hopper and later; kernels/triton_compat.py has the idea): the
+# kernel may start while the one before it on the stream is still running (RMSNorm, SiLU x mul,
+# decode attention let it as they start), loads its first step's weights, and waits
+# (`wait_for_inputs`) before it reads x. Written in session 19 without device time left: off
+# until measured (`gpu_bench --quant-engines q4,q4_early`) and checked (tests/test_quant_gpu.py
+# `cuda_q4_early`) on the device.
+EARLY_LAUNCH = False
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttrValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes
+    _fields_ = [("pad", ctypes.c_char * 64), ("align", ctypes.c_uint64),
+                ("programmatic", ctypes.c_int)]
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+def _early(device: int) -> bool:
+    from sgl.backend.kernels.triton_compat import PDL_SWITCH
+
+    return EARLY_LAUNCH and PDL_SWITCH[0] and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _launch_early(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
+                  args: list[Any], stream: torch.cuda.Stream) -> None:
+    """`kernel(grid, block, args, stream)` through cuLaunchKernelEx with the programmatic
+    stream serialization attribute (torch's launcher takes no attributes)."""
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
+              for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+                                               for v in values])
+    attr = _LaunchAttr(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.programmatic = 1
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0,
+                           stream.cuda_stream, ctypes.pointer(attr), 1)
+    _check_cuda(_get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(config), kernel.func,
+                                                            params, None))
 
 
 _available: dict[int, bool] = {}  # available()'s answers, per device, once known
