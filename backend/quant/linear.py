@@ -20,8 +20,8 @@ CUDA (Triton): `CUDA_ROUTES` maps the number of rows, which is static inside a C
 (the choice is fixed at capture, no host sync), and the weight's kind to a path:
     "gemv"      triton_gemv / triton_fp8: dequantize in registers, every code byte read once
                 (one program grid row per row of x); 4-bit codes with bf16 activations take
-                the CUDA tensor-core GEMV (cuda_q4mma, one pass over the weight for both
-                rows) where it compiles here (`CUDA_Q4_GEMV`)
+                the CUDA tensor-core GEMV instead (cuda_q4mma: one pass over the weight for
+                both rows) where it compiles and passes its self-check (`CUDA_Q4_GEMV`)
     "gemm"      triton_gemm / triton_fp8: tiled, dequantize a weight tile, tensor-core dots
     "scratch"   dequantize slices of the weight to x's dtype, then cuBLAS (prefill)
 """
@@ -40,8 +40,8 @@ from sgl.backend.quant.cpu_int8 import int8_linear
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight, mark_weights
 
-__all__ = ["CUDA_Q4_GEMV", "CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS", "TILE_BYTES",
-           "cuda_route", "dense_via_scratch", "keep_rows_invariant", "quant_linear",
+__all__ = ["CUDA_Q4_GEMV", "CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS",
+           "TILE_BYTES", "cuda_route", "dense_via_scratch", "keep_rows_invariant", "quant_linear",
            "quant_linear_reference", "use_triton", "weight_kind"]
 
 # CPU: products of up to this many rows run the C kernel on the codes, larger ones dequantize
