@@ -552,37 +552,47 @@ FP8_TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=2048, eos_token_id=0, tie_word_embeddings=False)
 
 
-@pytest.mark.gpu
-def test_gpu_fp8_engine_early_launches_change_no_token() -> None:
-    """The FP8 GEMVs' early launch (PDL, kernels/triton_compat.py) changes when they start,
-    never what they read: a dummy FP8 model (untied FP8 head; both GEMV kernels: N <= 4096
-    and above) decodes the same greedy tokens with early launches in its CUDA graphs,
-    without them, and eagerly."""
+def tiny_tokens(early: bool, quantization: str, new_tokens: list[int],
+                **options: object) -> list[list[int]]:
+    """Greedy tokens of a dummy FP8_TINY-shaped engine, one request per entry of
+    `new_tokens` (all at once), with every early launch on or off (the Triton kernels' PDL
+    switch and cuda_q4mma.EARLY_LAUNCH)."""
     import asyncio
 
     from sgl.backend.kernels.triton_compat import PDL_SWITCH
 
-    def tokens(pdl: bool, **options: object) -> list[list[int]]:
-        PDL_SWITCH[0] = pdl
+    shipped = PDL_SWITCH[0], cuda_q4mma.EARLY_LAUNCH
+    PDL_SWITCH[0] = cuda_q4mma.EARLY_LAUNCH = early
+    try:
+        e = sgl.Engine(model_config=FP8_TINY, load_format="dummy", device="cuda",
+                       quantization=quantization, max_total_tokens=8192, **options)
         try:
-            e = sgl.Engine(model_config=FP8_TINY, load_format="dummy", device="cuda",
-                           quantization="fp8", max_total_tokens=8192, **options)
-            try:
-                assert isinstance(e._rt.runner.model.lm_head.qweight, Fp8Weight)
+            head = e._rt.runner.model.lm_head.qweight  # (untied: the head is quantized too)
+            assert isinstance(head, Fp8Weight if quantization == "fp8" else QuantizedWeight)
 
-                async def run() -> list[list[int]]:
-                    outs = await asyncio.gather(*(
-                        e.generate(input_ids=[1 + i, 7, 300 + 5 * i], max_new_tokens=12,
-                                   temperature=0, ignore_eos=True) for i in range(3)))
-                    return [o.token_ids for o in outs]
+            async def run() -> list[list[int]]:
+                outs = await asyncio.gather(*(
+                    e.generate(input_ids=[1 + i, 7, 300 + 5 * i], max_new_tokens=n,
+                               temperature=0, ignore_eos=True)
+                    for i, n in enumerate(new_tokens)))
+                return [o.token_ids for o in outs]
 
-                return asyncio.run(run())
-            finally:
-                e.close()
+            return asyncio.run(run())
         finally:
-            PDL_SWITCH[0] = shipped
+            e.close()
+    finally:
+        PDL_SWITCH[0], cuda_q4mma.EARLY_LAUNCH = shipped
 
-    shipped = PDL_SWITCH[0]
-    early = tokens(True)
-    assert tokens(False) == early
-    assert tokens(True, disable_cuda_graph=True) == early
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization,new_tokens", [("fp8", [12, 12, 12]), ("gguf", [12, 5])])
+def test_gpu_engine_early_launches_change_no_token(quantization: str,
+                                                   new_tokens: list[int]) -> None:
+    """Early launches (PDL, kernels/triton_compat.py; cuda_q4mma.EARLY_LAUNCH) change when
+    the GEMVs start, never what they read: a dummy model decodes the same greedy tokens with
+    early launches in its CUDA graphs, without them, and eagerly. FP8 (untied FP8 head; both
+    GEMV kernels: N <= 4096 and above) and random 4-bit weights (two requests, then one: the
+    CUDA GEMV at two rows and at one)."""
+    early = tiny_tokens(True, quantization, new_tokens)
+    assert tiny_tokens(False, quantization, new_tokens) == early
+    assert tiny_tokens(True, quantization, new_tokens, disable_cuda_graph=True) == early
