@@ -751,8 +751,8 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4_triton", "q4", "q4_early", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8",
-                 "det", "kv_fp8"):
+    for name in ("q4_bytes", "q4_triton", "q4", "q4_early", "q4_l2", "fp8_s9", "fp8_nopdl",
+                 "fp8_wo", "fp8", "fp8_a8", "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]

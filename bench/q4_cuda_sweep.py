@@ -134,7 +134,8 @@ def main() -> int:
         bf16.cache.clear()
         ws.cache.clear()
 
-    lines = ["| rows | shape | bf16 cuBLAS | Triton route | best CUDA config | us | TB/s | vs Triton |",
+    lines = ["| rows | shape | bf16 cuBLAS | Triton route | best CUDA config | us | TB/s "
+             "| vs Triton |",
              "|---|---|---|---|---|---|---|---|"]
     steps: dict[int, list[float]] = {}
     for m, shape in itertools.product(rows, SHAPES):

@@ -162,8 +162,9 @@ def test_gpu_fp8_linear_8b_shapes(n: int, k: int, m: int) -> None:
 
 def assert_tight(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
-    """got == x @ w^T (+ bias) (w: the reference's weights in x's dtype) up to the output's rounding
-    and float32 summation: 2^-8 of |y| in bf16 (2^-22 in float32) plus 1e-4 of |x| @ |w|.
+    """got == x @ w^T (+ bias) (w: the reference's weights in x's dtype) up to the output's
+    rounding and float32 summation: 2^-8 of |y| in bf16 (2^-22 in float32) plus 1e-4 of
+    |x| @ |w|.
     At K = 4096 a swapped nibble pair or a wrong group's scale moves y by ~1.5% of |x| @ |w|
     (assert_bf16_close's 2% bound would pass it)."""
     expected = F.linear(x.float(), w.float(), None if bias is None else bias.float())

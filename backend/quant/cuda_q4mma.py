@@ -14,7 +14,8 @@ i.e. 0.6 per weight and row). bf16 x bf16 products are exact in float32, so ever
 `(128 + code) * x` exactly, as the lop3 kernel's `code * x` is; the 128 comes off per group
 with the group's activation sum:
 
-    y[n] += scale[n,g] * sum_i (128 + code[n,g,i]) * x[g,i]  +  (zero[n,g] - 128 scale[n,g]) * xsum[g]
+    y[n] += scale[n,g] * sum_i (128 + code[n,g,i]) * x[g,i]
+            + (zero[n,g] - 128 scale[n,g]) * xsum[g]
 
 The bytes are read where QuantizedWeight keeps them (no second copy, no repacking): a group
 of 32 codes is 16 bytes, byte i holding code i (low nibble) and code i+16 (high).
@@ -70,6 +71,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sgl.backend.quant.factored import factor
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["CudaQ4Config", "MAX_ROWS", "Q4MMA_DEFAULTS", "SOURCE", "available", "config_for",
@@ -97,7 +99,8 @@ SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-// bf16x2 (128 + a, 128 + b) from the nibbles a, b at bits 0 and 16 of w: (w & 0x000F000F) | 0x43004300
+// bf16x2 (128 + a, 128 + b) from the nibbles a, b at bits 0 and 16 of w:
+// (w & 0x000F000F) | 0x43004300
 __device__ __forceinline__ u32 bf16_pair(u32 w) {
     u32 r;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));
@@ -162,8 +165,10 @@ struct Lane {                 // a lane's operands at its first row, group SPAN 
     const uint4* codes;       // row row0 + gid (16 bytes a group)
     const scale_t* scale;     // row row0 + gid
     const scale_t* zero;
-    const float* sup_s;       // SUPER: row row0 + gid's super-blocks
+#if SUPER
+    const float* sup_s;       // row row0 + gid's super-block of group SPAN c
     const float* sup_z;
+#endif
     const uint4* x;           // x[0, 32 SPAN c] (16 bytes = 8 activations)
     int x_row;                // x's row stride in 16 bytes
     int odd;                  // gid % 2: the row of a pair its B column carries
@@ -194,7 +199,8 @@ __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
                 const int off = TAIL ? min(g0 + ln.first + i, G - 1) - g0 - ln.first : i;
                 st.w[t][h][i] = __ldg(cp + row * G + off);
 #if SUPER
-                const int so = TAIL ? (g0 + ln.first + off) / SUPER - g0 / SUPER - ln.first / SUPER : 0;
+                const int so = TAIL ? (g0 + ln.first + off) / SUPER - g0 / SUPER - ln.first / SUPER
+                                    : 0;
                 const float sup = __ldg(ssp + row * (G / SUPER) + so);
                 const float sz = __ldg(szp + row * (G / SUPER) + so);
                 const float s = (float)__ldg(sp + row * G + off) * sup;
@@ -307,8 +313,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
     ln.codes = (const uint4*)codes + r * G + SPAN * c;
     ln.scale = scale + r * G + SPAN * c;
     ln.zero = zero + r * G + SPAN * c;
-    ln.sup_s = SUPER ? sup_s + r * (G / (SUPER ? SUPER : 1)) + SPAN * c / (SUPER ? SUPER : 1) : sup_s;
-    ln.sup_z = SUPER ? sup_z + r * (G / (SUPER ? SUPER : 1)) + SPAN * c / (SUPER ? SUPER : 1) : sup_z;
+#if SUPER
+    ln.sup_s = sup_s + r * (G / SUPER) + SPAN * c / SUPER;
+    ln.sup_z = sup_z + r * (G / SUPER) + SPAN * c / SUPER;
+#endif
     ln.x = (const uint4*)x + 4 * SPAN * c;
     ln.x_row = stride_x / 8;
     ln.odd = gid & 1;
@@ -496,16 +504,21 @@ def available(device: torch.device | None = None) -> bool:
     """Whether the kernel compiles and gives the reference's answer on this GPU (`device`, by
     default the current one): checked once per device, outside CUDA graph capture (a capture
     before the answer is known gets False: the engine's eager warm-up comes first); False
-    without CUDA or NVRTC."""
+    without CUDA or NVRTC. (Asked for every eager one- or two-row product: a known answer is
+    one dict lookup.)"""
+    index = device.index if device is not None else None
+    if index in _available:
+        return _available[index]
     if not (torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")):
         return False
-    index = (device.index if device is not None and device.index is not None
-             else torch.cuda.current_device())
-    if index not in _available:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        with torch.cuda.device(index):
-            _available[index] = _self_check(torch.device("cuda", index))
+    if index is None:
+        index = torch.cuda.current_device()
+        if index in _available:
+            return _available[index]
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    with torch.cuda.device(index):
+        _available[index] = _self_check(torch.device("cuda", index))
     return _available[index]
 
 
@@ -513,8 +526,6 @@ def _self_check(device: torch.device) -> bool:
     """The shipped configs on two small weights, one and two rows, against float32
     dequantize-then-matmul: factored K-quant scales over whole steps, and plain scales with
     K ending inside a step."""
-    from sgl.backend.quant.factored import factor
-
     try:
         gen = torch.Generator(device=device).manual_seed(0)
 
