@@ -3,15 +3,16 @@ at the Llama-3.1-8B shapes: its (tiles, warps) grid, each config checked against
 dequantize-then-matmul first (odd shapes too: N off the 16-row tiles, K off the four-group
 blocks, plain and factored scales, a bias).
 
-    python bench/q4_cuda_sweep.py [--budget 300] [--rows 1,2]
+    python bench/q4_cuda_sweep.py [--budget 300] [--rows 1,2] [--grid small]
 
 Weights: Q4 in the GPU's factored form (Q4_K structure, 4.75 bits; bench/quant_sweep.py's
 `make_weight`), cycled through >= 256 MiB of copies; graph-timed (bench/gemv_bench.py's
 `graph_us`). Per shape and row count: bf16 cuBLAS, the Triton path those rows take
 (quant_linear with linear.CUDA_Q4_GEMV off: the lop3 GEMV at 1-2 rows, the tiled kernel at
 3-128, `--rows 1,2,4,8` to compare the CUDA kernel's pairs of rows with it), every
-config; then the best config per shape and the 8B step (32 x the four layer shapes + the head
-as Q4) for each. Output: stdout and $OUT/q4_cuda_sweep.md; every
+config of `--grid` (full or small), and the shipped config launched early; then the best
+config per shape and the 8B step (32 x the four layer shapes + the head as Q4) for each.
+Output: stdout and $OUT/q4_cuda_sweep.md; every
 measurement as JSON lines in $OUT/q4_cuda_sweep.jsonl, written as taken.
 """
 
@@ -41,7 +42,14 @@ from sgl.backend.quant.linear import quant_linear  # noqa: E402
 from sgl.backend.quant.weight import QuantizedWeight  # noqa: E402
 
 # (tiles, warps, span)
-GRID = [CudaQ4Config(t, w, span) for t, w, span in itertools.product((1, 2), (2, 4, 8), (1, 2, 4))]
+GRIDS = {
+    "full": [CudaQ4Config(t, w, span)
+             for t, w, span in itertools.product((1, 2), (2, 4, 8), (1, 2, 4))],
+    # the shipped config and its neighbours: a sweep over more row counts in one device call
+    "small": [CudaQ4Config(t, w, span) for t, w, span in ((1, 8, 2), (1, 4, 2), (1, 8, 1),
+                                                           (1, 8, 4), (2, 8, 2))],
+}
+GRID = GRIDS["full"]
 STEP = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 
 
@@ -86,7 +94,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--rows", default="1,2")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
     args = ap.parse_args()
+    global GRID
+    GRID = GRIDS[args.grid]
     t0 = time.monotonic()
     out = results_dir()
     log = open(out / "q4_cuda_sweep.jsonl", "a")
@@ -131,12 +142,22 @@ def main() -> int:
                 print(f"{shape} {tuple(cfg)}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
             put(shape, m, f"cuda {cfg.tiles}t {cfg.warps}w {cfg.span}s", us, err)
+        # the shipped config launched early (cuda_q4mma.EARLY_LAUNCH): in the graph each call
+        # may start while the one before it runs
+        cuda_q4mma.EARLY_LAUNCH = True
+        try:
+            put(shape, m, "early default", graph_us([lambda w=w: q4_mma_gemv(x, w)
+                                                     for w in copies], reps=5))
+        except Exception as exc:
+            print(f"{shape} early launch: {type(exc).__name__}: {str(exc)[:300]}")
+        finally:
+            cuda_q4mma.EARLY_LAUNCH = False
         bf16.cache.clear()
         ws.cache.clear()
 
     lines = ["| rows | shape | bf16 cuBLAS | Triton route | best CUDA config | us | TB/s "
-             "| vs Triton |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| vs Triton | default launched early |",
+             "|---|---|---|---|---|---|---|---|---|"]
     steps: dict[int, list[float]] = {}
     for m, shape in itertools.product(rows, SHAPES):
         cands = {lab: us for (s, mm, lab), us in res.items()
@@ -144,16 +165,17 @@ def main() -> int:
         if not cands or (shape, m, "triton route") not in res:
             continue
         lab, us = min(cands.items(), key=lambda kv: kv[1])
+        early = res.get((shape, m, "early default"), float("nan"))
         n, k = SHAPES[shape]
         ship, blas = res[shape, m, "triton route"], res[shape, m, "bf16 cublas"]
         lines.append(f"| {m} | {shape} | {blas:.1f} | {ship:.1f} | {lab} | {us:.1f} | "
-                     f"{nbytes_of('q4', n, k) / us / 1e6:.2f} | {us / ship:.2f} |")
-        tot = steps.setdefault(m, [0.0, 0.0, 0.0])
-        for i, v in enumerate((blas, ship, us)):
+                     f"{nbytes_of('q4', n, k) / us / 1e6:.2f} | {us / ship:.2f} | {early:.1f} |")
+        tot = steps.setdefault(m, [0.0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((blas, ship, us, early)):
             tot[i] += STEP[shape] * v
-    for m, (blas, ship, best) in steps.items():
+    for m, (blas, ship, best, early) in steps.items():
         lines.append(f"| {m} | 8B step | {blas:.0f} | {ship:.0f} | best per shape | {best:.0f} "
-                     f"| | {best / ship:.2f} |")
+                     f"| | {best / ship:.2f} | {early:.0f} |")
     text = "\n".join(lines)
     print(text, flush=True)
     (out / "q4_cuda_sweep.md").write_text(text + "\n")
