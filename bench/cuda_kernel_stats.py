@@ -1,12 +1,13 @@
-"""The CUDA 4-bit GEMV's main loop read from its sm_90 machine code, without a GPU: registers,
-spills, the instruction mix of the K loop and instructions per weight.
+"""The CUDA GEMV's main loop read from its sm_90 machine code, without a GPU: registers,
+spills, the instruction mix of the K loop and instructions per weight (and per byte of codes).
 
     python bench/cuda_kernel_stats.py [--tiles 1 --warps 8 --span 2 --rows 1 --super 8 --groups 448]
+    python bench/cuda_kernel_stats.py --bits 8 --super 16 --groups 896    # Q6_K's form
 
-Compiles quant/cuda_q4mma.py's source as the engine does at first use (NVRTC for compute_90,
+Compiles quant/cuda_gemv.py's source as the engine does at first use (NVRTC for compute_90,
 then ptxas for sm_90; tests/cuda_compile.py), finds the loop with the most mma instructions
 (its two steps, taken in turn) and divides its instructions by the weights a lane handles in
-them: 2 steps x tiles x 2 rows x span groups x 32 codes. That is how docs/benchmarks.md's
+them: 2 steps x tiles x 2 rows x span chunks x 32 codes (16 with 8-bit codes). That is how docs/benchmarks.md's
 "~2.2 instructions per weight" (session 19) was counted. K is a constant of the compiled
 kernel: at 128 groups and 8 warps each warp's two steps unroll into straight code (no loop to
 read), hence the default 448 (the 8B down projection's K). Needs the `nvidia-cuda-nvrtc-cu12`
@@ -29,7 +30,7 @@ ensure_sgl_importable()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from cuda_compile import assemble, sass, to_ptx  # noqa: E402
 
-from sgl.backend.quant.cuda_q4mma import SOURCE, CudaQ4Config, _defines  # noqa: E402
+from sgl.backend.quant.cuda_gemv import SOURCE, CudaGemvConfig, _defines  # noqa: E402
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
@@ -60,14 +61,19 @@ def main() -> int:
     ap.add_argument("--span", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--super", type=int, default=8, help="0: float32 scales; 8: factored")
-    ap.add_argument("--groups", type=int, default=448, help="K / 32 (448: the 8B's 14336)")
+    ap.add_argument("--groups", type=int, default=448,
+                    help="16-byte chunks per row: K / 32 for 4-bit codes (448: the 8B's 14336), "
+                         "K / 16 for 8-bit")
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    ap.add_argument("--per-group", type=int, default=1, help="chunks per scale (Q8_0: 2)")
     args = ap.parse_args()
-    cfg = CudaQ4Config(args.tiles, args.warps, args.span)
+    cfg = CudaGemvConfig(args.tiles, args.warps, args.span)
     with tempfile.TemporaryDirectory() as tmp:
-        report, cubin = assemble(to_ptx(_defines(cfg, args.rows, args.super, args.groups)
-                                        + SOURCE), Path(tmp))
+        report, cubin = assemble(to_ptx(_defines(cfg, args.rows, args.super, args.groups,
+                                                 args.bits, args.per_group) + SOURCE), Path(tmp))
         code = sass(cubin)
-    print(f"{cfg}, rows {args.rows}, super {args.super}, groups {args.groups}")
+    print(f"{cfg}, rows {args.rows}, super {args.super}, chunks {args.groups}, "
+          f"{args.bits}-bit codes")
     print(" ".join(line.split(":", 1)[-1].strip() for line in report.splitlines()
                    if "registers" in line or "spill" in line))
     loop = main_loop(code)
@@ -75,9 +81,11 @@ def main() -> int:
         print("no loop with mma found")
         return 1
     mix = collections.Counter(opcode(t) for t in loop)
-    weights = 2 * args.tiles * 2 * args.span * 32  # per lane: two steps in turn
+    chunks = 2 * args.tiles * 2 * args.span  # per lane: two steps in turn
+    weights = chunks * (32 if args.bits == 4 else 16)
     print(f"main loop: {len(loop)} instructions for {weights} weights a lane: "
-          f"{len(loop) / weights:.2f} per weight")
+          f"{len(loop) / weights:.2f} per weight, {len(loop) / (16 * chunks):.2f} per byte of "
+          f"codes")
     print("mix: " + ", ".join(f"{op} {n}" for op, n in mix.most_common()))
     return 0
 

@@ -634,8 +634,9 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # FP8 weight-only at every row count (the default before session 17)
                  "fp8_wo": dict(quantization="fp8", activation_quantization="none"),
                  "q4_l2": dict(quantization="gguf"),  # scratch slices of 16 MiB (variant)
-                 "q4_triton": dict(quantization="gguf"),  # the Triton GEMV at 1-2 rows (variant)
-                 "q4_early": dict(quantization="gguf"),  # the CUDA GEMV launched early (variant)
+                 "q4_triton": dict(quantization="gguf"),  # no CUDA GEMV: Triton (variant)
+                 "q4_s19": dict(quantization="gguf"),  # the CUDA GEMV as session 19 left it
+                 "q4_late": dict(quantization="gguf"),  # the CUDA GEMV never launched early
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
@@ -643,7 +644,7 @@ QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s
                  "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380",
                  "fp8_wo": "single output_tok_s >= 380", "q4_l2": "single output_tok_s >= 500",
                  "q4_triton": "single output_tok_s >= 500",
-                 "q4_early": "single output_tok_s >= 500"}
+                 "q4_s19": "single output_tok_s >= 500", "q4_late": "single output_tok_s >= 500"}
 
 
 @contextmanager
@@ -655,10 +656,10 @@ def engine_variant(name: str) -> Iterator[None]:
     head in bf16, no early launches (before the word kernel and the FP8 head); "fp8_nopdl" is
     "fp8" without the GEMVs' early launches (kernels/triton_compat.py); "q4_l2" is "q4" with
     the dequantize + cuBLAS path in 16 MiB scratch slices (bench/scratch_slices.py);
-    "q4_triton" is "q4" with its one- and two-row products on the Triton GEMV instead of the
-    CUDA one (quant/linear.py CUDA_Q4_GEMV, session 19); "q4_early" is "q4" with the CUDA
-    GEMV launched early (cuda_q4mma.EARLY_LAUNCH, off by default until measured). The others:
-    the shipped code.
+    "q4_triton" is "q4" with its products of 1-8 rows on the Triton kernels instead of the
+    CUDA GEMV (quant/linear.py CUDA_GEMV); "q4_s19" is the CUDA GEMV as session 19 left it:
+    4-bit codes only, one and two rows, never launched early; "q4_late" is "q4" without the
+    CUDA GEMV's early launches (cuda_gemv.EARLY_LAUNCH). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH
     from sgl.backend.quant import install
@@ -674,14 +675,17 @@ def engine_variant(name: str) -> Iterator[None]:
         install.install_fp8 = lambda model: install_fp8(model, head=False)
     from sgl.backend.quant import linear
 
-    scratch, cuda_q4 = linear.SCRATCH_ELEMENTS, linear.CUDA_Q4_GEMV
+    scratch, cuda_q4 = linear.SCRATCH_ELEMENTS, linear.CUDA_GEMV
     if name == "q4_l2":
         linear.SCRATCH_ELEMENTS = 8 << 20
-    linear.CUDA_Q4_GEMV = cuda_q4 and name != "q4_triton"
-    from sgl.backend.quant import cuda_q4mma
+    linear.CUDA_GEMV = cuda_q4 and name != "q4_triton"
+    from sgl.backend.quant import cuda_gemv
 
-    cuda_early = cuda_q4mma.EARLY_LAUNCH
-    cuda_q4mma.EARLY_LAUNCH = cuda_early or name == "q4_early"
+    cuda_early, cuda_rows, cuda_bits = (cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS,
+                                        cuda_gemv.BITS)
+    cuda_gemv.EARLY_LAUNCH = cuda_early and name not in ("q4_s19", "q4_late")
+    if name == "q4_s19":
+        cuda_gemv.MAX_ROWS, cuda_gemv.BITS = 2, (4,)
     early = PDL_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
     from sgl.backend.kernels import triton_matmul
@@ -696,8 +700,9 @@ def engine_variant(name: str) -> Iterator[None]:
     finally:
         triton_matmul.TILE.update(det_tile)
         linear.SCRATCH_ELEMENTS = scratch
-        linear.CUDA_Q4_GEMV = cuda_q4
-        cuda_q4mma.EARLY_LAUNCH = cuda_early
+        linear.CUDA_GEMV = cuda_q4
+        cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS, cuda_gemv.BITS = (cuda_early, cuda_rows,
+                                                                      cuda_bits)
         GEMV_DEFAULTS.update(shipped)
         install.install_fp8 = install_fp8
         PDL_SWITCH[0] = early
@@ -751,7 +756,7 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4_triton", "q4", "q4_early", "q4_l2", "fp8_s9", "fp8_nopdl",
+    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4", "q4_l2", "fp8_s9", "fp8_nopdl",
                  "fp8_wo", "fp8", "fp8_a8", "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:

@@ -1,7 +1,7 @@
 """CUDA C compiled without a GPU, as a GPU would at first use: NVRTC to PTX for compute_90
 (the `nvidia-cuda-nvrtc-cu12` wheel; torch's CUDA builds carry the same library), then
 Triton's ptxas to sm_90 machine code and its cuobjdump to read it. Used by
-tests/test_quant_cuda_q4mma.py and bench/cuda_kernel_stats.py.
+tests/test_quant_cuda_gemv.py and bench/cuda_kernel_stats.py.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 import sgl
 from sgl.backend.layers.linear import Embedding, Linear
 from sgl.backend.model_loader import load_model
-from sgl.backend.quant import QuantizedWeight, cuda_q4mma, linear, triton_gemv
-from sgl.backend.quant.cuda_q4mma import CudaQ4Config
+from sgl.backend.quant import QuantizedWeight, cuda_gemv, linear, triton_gemv
+from sgl.backend.quant.cuda_gemv import CudaGemvConfig
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.fp8 import Fp8Weight
 from sgl.backend.quant.install import weight_bytes
@@ -194,60 +194,85 @@ def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
         assert_tight(qgemv(x, w, config=cfg), x, ref)
 
 
-CUDA_Q4_CONFIGS = [CudaQ4Config(1, 1, 1), CudaQ4Config(1, 4, 4), CudaQ4Config(2, 8, 2),
-                   CudaQ4Config(4, 2, 1), CudaQ4Config(1, 2, 4), CudaQ4Config(1, 8, 2)]
+CUDA_GEMV_CONFIGS = [CudaGemvConfig(1, 1, 1), CudaGemvConfig(1, 4, 4), CudaGemvConfig(2, 8, 2),
+                     CudaGemvConfig(4, 2, 1), CudaGemvConfig(1, 2, 4), CudaGemvConfig(1, 8, 2),
+                     CudaGemvConfig(2, 8, 1)]
+# (bits, group, factored): Q4_K's form and Q4_1's; Q6_K's (factored groups of 16); Q8_0's
+# (plain groups of 32: two 16-byte chunks per scale). Codes of the full 4- and 8-bit ranges.
+CUDA_GEMV_FORMS = [(4, 32, False), (4, 32, True), (8, 16, True), (8, 32, False)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,factored", [(n, k, f) for n, k in LAYER_SHAPES + [(128256, 4096)]
-                                          for f in (False, True)]
-                         + [(1000, 768, True), (1000, 800, False), (48, 96, False),
-                            (16, 256, True)])
-def test_gpu_cuda_q4_gemv_matches_dequantize_then_matmul(n: int, k: int,
-                                                         factored: bool) -> None:
-    """The tensor-core 4-bit GEMV (cuda_q4mma) at every 8B shape, the head, and shapes off its
-    16-row tiles (N) and off its steps of groups (K: 800, 96, 768), one to eight rows with a
-    bias, against the tight bound; row 0 of every row count equals the one-row product bit for
-    bit (each MMA column sums on its own)."""
-    assert cuda_q4mma.available()
-    w = random_qweight(n, k, 4, 32, seed=n + k, factored=factored)
+@pytest.mark.parametrize("n,k,bits,group,factored", [
+    (n, k, *form) for n, k in LAYER_SHAPES + [(128256, 4096)] for form in CUDA_GEMV_FORMS]
+    + [(1000, 768, 4, 32, True), (1000, 800, 4, 32, False), (48, 96, 4, 32, False),
+       (16, 256, 4, 32, True), (1000, 768, 8, 16, True), (16, 256, 8, 16, True),
+       (1000, 800, 8, 16, False), (1000, 800, 8, 32, False), (48, 96, 8, 32, False),
+       (1000, 768, 8, 32, False)])
+def test_gpu_cuda_gemv_matches_dequantize_then_matmul(n: int, k: int, bits: int, group: int,
+                                                      factored: bool) -> None:
+    """The tensor-core GEMV (cuda_gemv) on 4-bit and 8-bit codes at every 8B shape, the head,
+    and shapes off its 16-row tiles (N) and off its steps (K: 800, 96, 768), one to eight
+    rows with a bias, against the tight bound; row 0 of every row count equals the one-row
+    product bit for bit (each MMA column sums on its own)."""
+    assert cuda_gemv.available()
+    w = random_qweight(n, k, bits, group, seed=n + k, factored=factored)
     ref = w.dequantize(dtype=torch.float32)
-    x = torch.randn(cuda_q4mma.MAX_ROWS, k, device=CUDA, dtype=torch.bfloat16)
+    x = torch.randn(cuda_gemv.MAX_ROWS, k, device=CUDA, dtype=torch.bfloat16)
     bias = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
-    for cfg in CUDA_Q4_CONFIGS:
+    for cfg in CUDA_GEMV_CONFIGS:
         if 16 * cfg.tiles > n:
             continue
-        one = cuda_q4mma.q4_mma_gemv(x[:1], w, bias, config=cfg)
-        for m in (2, 3, 8):
-            got = cuda_q4mma.q4_mma_gemv(x[:m], w, bias, config=cfg)
+        one = cuda_gemv.mma_gemv(x[:1], w, bias, config=cfg)
+        for m in (2, 3, 5, 8):
+            got = cuda_gemv.mma_gemv(x[:m], w, bias, config=cfg)
             assert_tight(got, x[:m], ref, bias)
             assert torch.equal(one[0], got[0]), (cfg, m)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 16)])
+def test_gpu_quant_linear_routes_one_to_eight_rows_to_the_cuda_gemv(
+        bits: int, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quant_linear sends 1..MAX_ROWS bf16 rows to the CUDA GEMV with its default configs (the
+    table by rows) and gives its answer; with linear.CUDA_GEMV off, the Triton route's, and
+    both within the tight bound."""
+    w = random_qweight(4096, 4096, bits, group, factored=True)
+    ref = w.dequantize(dtype=torch.float32)
+    for m in range(1, cuda_gemv.MAX_ROWS + 1):
+        x = torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16)
+        got = linear.quant_linear(x, w)
+        assert torch.equal(got, cuda_gemv.mma_gemv(x, w)), m
+        assert_tight(got, x, ref)
+        monkeypatch.setattr(linear, "CUDA_GEMV", False)
+        assert_tight(linear.quant_linear(x, w), x, ref)
+        monkeypatch.setattr(linear, "CUDA_GEMV", True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2])
-def test_gpu_cuda_q4_early_launch_reads_the_inputs_of_the_kernel_before(
+def test_gpu_cuda_gemv_early_launch_reads_the_inputs_of_the_kernel_before(
         m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """cuda_q4mma.EARLY_LAUNCH: the GEMV may start while the RMSNorm that writes its input is
+    """cuda_gemv.EARLY_LAUNCH: the GEMV may start while the RMSNorm that writes its input is
     running (it lets the next kernel launch as it starts) and must wait before reading x: in a
     CUDA graph of RMSNorm -> GEMV, each replay on new hidden states gives the products of the
     normalized rows, bit for bit those of the normal launch."""
     from sgl.backend.kernels.triton_rmsnorm import rmsnorm_triton
 
-    monkeypatch.setattr(cuda_q4mma, "EARLY_LAUNCH", True)
+    monkeypatch.setattr(cuda_gemv, "EARLY_LAUNCH", True)
     w = random_qweight(28672, 4096, 4, 32, factored=True)
     norm = torch.rand(4096, device=CUDA, dtype=torch.bfloat16) + 0.5
     hidden = torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16)
-    cuda_q4mma.q4_mma_gemv(rmsnorm_triton(hidden, norm), w)  # compile outside the capture
+    cuda_gemv.mma_gemv(rmsnorm_triton(hidden, norm), w)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cuda_q4mma.q4_mma_gemv(rmsnorm_triton(hidden, norm), w)
+        out = cuda_gemv.mma_gemv(rmsnorm_triton(hidden, norm), w)
     for _ in range(3):
         hidden.copy_(torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16) * 3)
         graph.replay()
-        monkeypatch.setattr(cuda_q4mma, "EARLY_LAUNCH", False)
-        expected = cuda_q4mma.q4_mma_gemv(rmsnorm_triton(hidden, norm), w)
-        monkeypatch.setattr(cuda_q4mma, "EARLY_LAUNCH", True)
+        monkeypatch.setattr(cuda_gemv, "EARLY_LAUNCH", False)
+        expected = cuda_gemv.mma_gemv(rmsnorm_triton(hidden, norm), w)
+        monkeypatch.setattr(cuda_gemv, "EARLY_LAUNCH", True)
         assert torch.equal(out, expected)
 
 
@@ -474,7 +499,7 @@ def test_gpu_split_k_gemvs_replay_in_cuda_graphs(m: int, split: str,
     graph's pool; with "last" the tile counters, zeroed again by every launch, serve the next
     replay (three replays, each equal to eager)."""
     monkeypatch.setattr(linear, "CUDA_ROUTES", {k: ((2, "gemv"),) for k in ("q4", "q8", "fp8")})
-    monkeypatch.setattr(linear, "CUDA_Q4_GEMV", False)  # the Triton GEMV's split-K
+    monkeypatch.setattr(linear, "CUDA_GEMV", False)  # the Triton GEMV's split-K
     for kind in ("q4", "q8", "fp8"):
         monkeypatch.setitem(triton_gemv.GEMV_DEFAULTS, kind, (
             (1 << 62, QGemvConfig(32, 512, 4, split_k=4, split_reduce=split)),))
@@ -557,13 +582,13 @@ def tiny_tokens(early: bool, quantization: str, new_tokens: list[int],
                 **options: object) -> list[list[int]]:
     """Greedy tokens of a dummy FP8_TINY-shaped engine, one request per entry of
     `new_tokens` (all at once), with every early launch on or off (the Triton kernels' PDL
-    switch and cuda_q4mma.EARLY_LAUNCH)."""
+    switch and cuda_gemv.EARLY_LAUNCH)."""
     import asyncio
 
     from sgl.backend.kernels.triton_compat import PDL_SWITCH
 
-    shipped = PDL_SWITCH[0], cuda_q4mma.EARLY_LAUNCH
-    PDL_SWITCH[0] = cuda_q4mma.EARLY_LAUNCH = early
+    shipped = PDL_SWITCH[0], cuda_gemv.EARLY_LAUNCH
+    PDL_SWITCH[0] = cuda_gemv.EARLY_LAUNCH = early
     try:
         e = sgl.Engine(model_config=FP8_TINY, load_format="dummy", device="cuda",
                        quantization=quantization, max_total_tokens=8192, **options)
@@ -582,14 +607,14 @@ def tiny_tokens(early: bool, quantization: str, new_tokens: list[int],
         finally:
             e.close()
     finally:
-        PDL_SWITCH[0], cuda_q4mma.EARLY_LAUNCH = shipped
+        PDL_SWITCH[0], cuda_gemv.EARLY_LAUNCH = shipped
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization,new_tokens", [("fp8", [12, 12, 12]), ("gguf", [12, 5])])
 def test_gpu_engine_early_launches_change_no_token(quantization: str,
                                                    new_tokens: list[int]) -> None:
-    """Early launches (PDL, kernels/triton_compat.py; cuda_q4mma.EARLY_LAUNCH) change when
+    """Early launches (PDL, kernels/triton_compat.py; cuda_gemv.EARLY_LAUNCH) change when
     the GEMVs start, never what they read: a dummy model decodes the same greedy tokens with
     early launches in its CUDA graphs, without them, and eagerly. FP8 (untied FP8 head; both
     GEMV kernels: N <= 4096 and above) and random 4-bit weights (two requests, then one: the

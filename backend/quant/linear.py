@@ -19,11 +19,12 @@ decode step would otherwise allocate and fill every step).
 CUDA (Triton): `CUDA_ROUTES` maps the number of rows, which is static inside a CUDA graph
 (the choice is fixed at capture, no host sync), and the weight's kind to a path:
     "gemv"      triton_gemv / triton_fp8: dequantize in registers, every code byte read once
-                (one program grid row per row of x); 4-bit codes with bf16 activations take
-                the CUDA tensor-core GEMV instead (cuda_q4mma: one pass over the weight for
-                both rows) where it compiles and passes its self-check (`CUDA_Q4_GEMV`)
+                (one program grid row per row of x)
     "gemm"      triton_gemm / triton_fp8: tiled, dequantize a weight tile, tensor-core dots
     "scratch"   dequantize slices of the weight to x's dtype, then cuBLAS (prefill)
+GGUF codes (4-bit, 8-bit in groups of 16 or 32) against 1-8 bf16 rows take the CUDA
+tensor-core GEMV before the table (cuda_gemv: one pass over the weight for all the rows)
+where it compiles and passes its self-check (`CUDA_GEMV`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ import torch.nn.functional as F
 
 from sgl.backend.kernels import onednn_linear
 from sgl.backend.kernels.dispatch import has_triton
-from sgl.backend.quant import cpu_kernel, cuda_q4mma
+from sgl.backend.quant import cpu_kernel, cuda_gemv
 from sgl.backend.quant.cpu_int8 import int8_linear
 from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight, mark_weights
 
-__all__ = ["CUDA_Q4_GEMV", "CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS",
+__all__ = ["CUDA_GEMV", "CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS",
            "TILE_BYTES", "cuda_route", "dense_via_scratch", "keep_rows_invariant", "quant_linear",
            "quant_linear_reference", "use_triton", "weight_kind"]
 
@@ -77,9 +78,11 @@ CUDA_ROUTES: dict[str, tuple[tuple[int, str], ...]] = {
     "q8": ((2, "gemv"), (16, "gemm")),
     "fp8": ((1, "gemv"), (64, "gemm")),
 }
-# CUDA: whether 4-bit products of one or two bf16 rows take cuda_q4mma's tensor-core GEMV
-# (compiled with NVRTC at first use; where that fails, the Triton GEMV serves).
-CUDA_Q4_GEMV = True
+# CUDA: whether GGUF-code products of 1..cuda_gemv.MAX_ROWS bf16 rows take cuda_gemv's
+# tensor-core GEMV (compiled with NVRTC at first use; where that fails, CUDA_ROUTES' Triton
+# kernels serve). On the H200 (bench/cuda_gemv_sweep.py, session 20) it took an 8B step's
+# 4-bit products at 1, 2, 4 and 8 rows to 0.83, 0.52, 0.51 and 0.74 of the Triton route's.
+CUDA_GEMV = True
 # Largest dequantized scratch, in weight elements (128 MB in bf16): bigger weights (the 8B
 # LM head is 525M) are dequantized and multiplied in row slices.
 SCRATCH_ELEMENTS = 64 << 20
@@ -177,10 +180,10 @@ def _quant_linear_triton(x: torch.Tensor, w: QuantizedWeight,
     from sgl.backend.quant.triton_gemm import qdequant, qgemm
     from sgl.backend.quant.triton_gemv import qgemv
 
+    if CUDA_GEMV and cuda_gemv.supports(x, w) and cuda_gemv.available(x.device):
+        return cuda_gemv.mma_gemv(x, w, bias)
     path = cuda_route(x.numel() // x.shape[-1] if x.shape[-1] else 0, weight_kind(w))
     if path == "gemv":
-        if CUDA_Q4_GEMV and cuda_q4mma.supports(x, w) and cuda_q4mma.available(x.device):
-            return cuda_q4mma.q4_mma_gemv(x, w, bias)
         return qgemv(x, w, bias)
     if path == "gemm":
         return qgemm(x, w, bias)

@@ -1,38 +1,48 @@
-"""The 4-bit decode GEMV on the tensor cores, in CUDA C compiled at run time (NVRTC, through
-torch): a few rows of bf16 activations against a 4-bit GGUF weight in its own layout.
+"""The decode GEMV on GGUF codes on the tensor cores, in CUDA C compiled at run time (NVRTC,
+through torch): a few rows of bf16 activations against a 4-bit or 8-bit GGUF weight in its
+own layout.
 
-    q4_mma_gemv(x [M, K] bf16, w: QuantizedWeight, bias [N] | None) -> [M, N] bf16, M <= 8
+    mma_gemv(x [M, K] bf16, w: QuantizedWeight, bias [N] | None) -> [M, N] bf16, M <= 8
     available() -> whether the kernel compiles and agrees with its reference here; cached
 
 Why: the Triton lop3 GEMV (triton_q4gemv.py) does its multiply-adds on the CUDA cores, ~5
 instructions per weight, and streams an 8B decode step's 4-bit weights at ~1.8 TB/s of the
-H200's ~4.2. Here they run on the tensor cores (`mma.sync` m16n8k16, bf16 in, float32
-accumulate): a `lop3` makes two codes bf16 at once, `128 + code` (the nibble in the low
-mantissa bits of 128.0, exact), and an mma takes eight per lane: ~2.2 SASS instructions
-per weight in all at one row (bench/cuda_kernel_stats.py; 2.3 at two rows, 5.1 at eight,
-i.e. 0.6 per weight and row). bf16 x bf16 products are exact in float32, so every product is
-`(128 + code) * x` exactly, as the lop3 kernel's `code * x` is; the 128 comes off per group
-with the group's activation sum:
+H200's ~4.2 (its 8-bit path, the first kernel's, is slower still). Here they run on the tensor
+cores (`mma.sync` m16n8k16, bf16 in, float32 accumulate): a `lop3` makes two codes bf16 at
+once, `128 + code` (the nibble in the low mantissa bits of 128.0, exact), and an mma takes
+eight per lane: ~2.2 SASS instructions per 4-bit weight at one row, 4.2 per 8-bit one (the
+same per byte: bench/cuda_kernel_stats.py). bf16 x bf16 products are exact in float32, so
+every product is `(128 + code) * x` exactly, as the lop3 kernel's `code * x` is; the offset
+comes off per group with the group's activation sum:
 
-    y[n] += scale[n,g] * sum_i (128 + code[n,g,i]) * x[g,i]
-            + (zero[n,g] - 128 scale[n,g]) * xsum[g]
+    y[n] += scale[n,g] * sum_i (OFFSET + code[n,g,i]) * x[g,i]
+            + (zero[n,g] - OFFSET scale[n,g]) * xsum[g]
 
-The bytes are read where QuantizedWeight keeps them (no second copy, no repacking): a group
-of 32 codes is 16 bytes, byte i holding code i (low nibble) and code i+16 (high).
+4-bit codes: OFFSET 128. 8-bit codes (int8, any value): a byte is two nibbles, the low one as
+is and the high one with its top bit inverted (one lop3 each, its table inverting the bits
+that FLIP names), so that low + 16 high = code + 128; the low nibbles meet x and the high ones
+16 x (exact: a power of two) in two mmas, and OFFSET is 128 + 17 * 128 = 2304.
 
-Lanes and operands. Lane (gid = lane / 4, c = lane % 4) loads whole groups with 16-byte
-loads: of weight rows gid and gid + 8 of its tile, the groups SPAN c .. SPAN c + SPAN - 1 of
-each step of 4 SPAN groups (a warp reads 64 SPAN contiguous bytes of each of its 16 rows).
+The bytes are read where QuantizedWeight keeps them (no second copy, no repacking), 16 at a
+time: a chunk. A 4-bit chunk is a group of 32 codes, byte i holding code i (low nibble) and
+code i+16 (high); an 8-bit chunk is 16 codes, a Q6_K group or half a Q8_0 one (CH chunks per
+scale).
+
+Lanes and operands. Lane (gid = lane / 4, c = lane % 4) loads whole chunks with 16-byte
+loads: of weight rows gid and gid + 8 of its tile, the chunks SPAN c .. SPAN c + SPAN - 1 of
+each step of 4 SPAN chunks (a warp reads 64 SPAN contiguous bytes of each of its 16 rows).
 An mma's operand A is 16 rows by 16 K slots, four slots per lane and row; lane c fills its
-slots from its own group: word j (bytes 4j..4j+3) gives, one lop3 per pair of nibbles at bits
-(s, 16 + s), the pairs s = 0: codes (4j, 4j+2), 4: (16+4j, 18+4j), 8: (4j+1, 4j+3),
+slots from its own chunk. 4-bit: word j (bytes 4j..4j+3) gives, one lop3 per pair of nibbles
+at bits (s, 16 + s), the pairs s = 0: codes (4j, 4j+2), 4: (16+4j, 18+4j), 8: (4j+1, 4j+3),
 12: (17+4j, 19+4j); the first mma of the word takes the first two, the second the others.
+8-bit: word j holds codes 4j..4j+3; the low nibbles of (4j, 4j+2) and (4j+1, 4j+3) feed one
+mma, their high nibbles the other.
 Operand B's column n (the x pairs of the lanes with gid = n, two slots each) is non-zero only
 in lane n / 2's slots: the lanes with gid / 2 == c "feed" their column with the x of their
-own group, in the same slot order (`prmt` from 16-byte loads), the others give zeros. So
-column n sums lane n / 2's group alone, and C's columns 2c, 2c+1 land in lane c: each lane
-ends a sub-step holding its own group's sums for its two rows (and two rows of x, one per
-column; with one row both hold row 0), applies that group's scale once, and the four lanes
+own chunk, in the same slot order (`prmt` from 16-byte loads), the others give zeros. So
+column n sums lane n / 2's chunk alone, and C's columns 2c, 2c+1 land in lane c: each lane
+ends a sub-step holding its own chunk's sums for its two rows (and two rows of x, one per
+column; with one row both hold row 0), applies that chunk's scale once, and the four lanes
 of a quad add their partials with two shuffles at the end. The x sums come from the same B
 through an mma with all-ones A. More rows of x ride in pairs: each pair its own B and mmas
 on the same A registers (the unpacking is shared), up to four pairs.
@@ -41,24 +51,19 @@ A program is WARPS warps on TILES tiles of 16 rows; the warps take the steps in 
 split) and add their sums in shared memory. Each warp loads a step's codes and scales while
 it computes the one before (two steps in registers, taken in turn).
 
-Measured on the H200 (bench/q4_cuda_sweep.py, docs/benchmarks.md, session 19): an 8B decode
-step's GEMVs (32 layers' four, the head as Q4) 1,933 us against the lop3 kernel's 2,409 at
-one row, and 2,081 against 4,162 at two rows (one pass over the weight serves both). The
-engine routes one and two rows here (linear.CUDA_ROUTES "gemv"); 3-8 rows (the pairs past
-the first) are compiled on CI but have not run on a GPU yet (session 19 ran out of device
-time): not routed until tests/test_quant_gpu.py passes on the device and the sweep
-(`--rows 1,2,4,8`) shows them faster than the tiled kernel. Slower
-and dropped: 4-byte word loads per group (the first version: 16 half-used sectors per load)
-and a cp.async pipeline of 2-8 steps in shared memory per warp (1.5-1.7x slower than the
-register double buffer at every shape).
+Measured on the H200 (bench/cuda_gemv_sweep.py, docs/benchmarks.md): an 8B decode step's
+4-bit products (32 layers' four, the head as Q4) 2,004 us against the lop3 kernel's 2,407 at
+one row; 2,162 against 4,183 at two rows, 2,878 against the tiled kernel's 5,648 at four
+(one pass over the weight serves all the rows). Slower and dropped: 4-byte word loads per
+group (the first version: 16 half-used sectors per load) and a cp.async pipeline of 2-8 steps
+in shared memory per warp (1.5-1.7x slower than the register double buffer at every shape).
 
-It can launch early (programmatic dependent launch: `EARLY_LAUNCH`, below), loading its first
-step's weights before waiting for the kernel that writes x; written without device time
-left, so off until measured.
+It launches early (programmatic dependent launch: `EARLY_LAUNCH`, below), loading its first
+step's weights before waiting for the kernel that writes x.
 
-Compiled per (config, rows, scale form, K) on first use and cached, K a constant so that
-every row and group offset is an immediate of its load. Where NVRTC or the launch is
-missing, or the self-check disagrees, `available()` is False and the Triton GEMV serves
+Compiled per (config, rows, code width, scale form, K) on first use and cached, K a constant
+so that every row and chunk offset is an immediate of its load. Where NVRTC or the launch is
+missing, or the self-check disagrees, `available()` is False and the Triton kernels serve
 (quant/linear.py).
 """
 
@@ -74,36 +79,52 @@ import torch
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["CudaQ4Config", "MAX_ROWS", "Q4MMA_DEFAULTS", "SOURCE", "available", "config_for",
-           "fitted", "q4_mma_gemv", "supports"]
+__all__ = ["CUDA_GEMV_DEFAULTS", "CudaGemvConfig", "MAX_ROWS", "SOURCE", "available",
+           "chunking", "config_for", "fitted", "mma_gemv", "supports"]
 
 log = logging.getLogger(__name__)
 
 
-class CudaQ4Config(NamedTuple):
+MAX_ROWS = 8  # rows of x in one pass over the weight (four pairs of B columns)
+
+
+class CudaGemvConfig(NamedTuple):
     tiles: int  # 16-row weight tiles per program
     warps: int  # warps per program, splitting K
     span: int = 1  # 16-byte groups a lane loads per row and step (a warp: 64 span bytes a row)
 
 
-# (largest N, config), the last entry covering the rest: set from bench/q4_cuda_sweep.py
-# (H200, session 19): one program per 16 rows on 8 warps, 32 bytes of a row per lane and step,
-# was the best config or within 2% of it at every 8B shape at one row (qkv 7.7, o_proj 6.4,
-# down 16.4 us; gate_up 27.1 against 26.6, the head 104.4 against 103.0) and the best at two
-# rows but for the head.
-Q4MMA_DEFAULTS: tuple[tuple[int, CudaQ4Config], ...] = (
-    (1 << 62, CudaQ4Config(1, 8, 2)),
+# (largest rows of x, config), the last entry covering MAX_ROWS: set from
+# bench/cuda_gemv_sweep.py on the H200. One program per 16 rows on 8 warps, 32 bytes of a row
+# per lane and step, was the best config or within 2% of it at every 8B shape at one and two
+# rows (session 19) and at four rows but for down (session 20); from five rows two tiles share
+# each lane's x (8 rows: an 8B step's products 4,181 us against 5,253 with one tile), and at
+# seven and eight rows a lane takes one chunk per step, where two would spill registers.
+CUDA_GEMV_DEFAULTS: tuple[tuple[int, CudaGemvConfig], ...] = (
+    (4, CudaGemvConfig(1, 8, 2)),
+    (6, CudaGemvConfig(2, 8, 2)),
+    (MAX_ROWS, CudaGemvConfig(2, 8, 1)),
 )
 
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-// bf16x2 (128 + a, 128 + b) from the nibbles a, b at bits 0 and 16 of w:
-// (w & 0x000F000F) | 0x43004300
+// bf16x2 (128 + a, 128 + b) from the nibbles a, b at bits 0 and 16 of w, with FLIP's bits
+// (3 and 19, or none) inverted: one lop3, per bit `mask ? (magic ? ~w : w) : magic` of
+// mask 0x000F000F and magic 0x43004300 | FLIP (0x4300: bf16 128.0, the nibble its mantissa)
+template <u32 FLIP>
 __device__ __forceinline__ u32 bf16_pair(u32 w) {
     u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;"
+        : "=r"(r) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u | FLIP));
+    return r;
+}
+
+// bf16x2 16 * v, exact (a power of two: the exponent moves; fma with -0 keeps +0 at +0)
+__device__ __forceinline__ u32 times16(u32 v) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x41804180u), "r"(0x80008000u));
     return r;
 }
 
@@ -150,43 +171,57 @@ typedef signed char scale_t;
 typedef float scale_t;
 #endif
 
-// Compiled per weight shape: G (groups of 32 along K) is a constant, so every row, tile and
-// group offset below is an immediate of one load from one pointer per array.
+// The unit of work is a chunk: 16 bytes of one weight row's codes, 32 4-bit codes (one
+// group) or 16 8-bit codes (one Q6_K group, half a Q8_0 one). CH chunks share a scale.
+#if BITS == 4
+#define XV 4              // x per chunk: 32 activations, four 16-byte vectors
+#define OFFSET 128.0f     // what the bf16 codes carry beyond the code (module docstring)
+#else
+#define XV 2              // 16 activations
+#define OFFSET 2304.0f
+#endif
+#define GS (G / CH)       // scale groups per row
+#if SPAN % CH || (SUPER && SUPER % (SPAN / CH))
+#error "a lane's chunks of a step must start a scale group and sit in one super-block"
+#endif
+
+// Compiled per weight shape: G (chunks along K) is a constant, so every row, tile and chunk
+// offset below is an immediate of one load from one pointer per array.
 //
-// A step covers 4 SPAN groups of K: lane c holds groups SPAN c .. SPAN c + SPAN - 1 of its
+// A step covers 4 SPAN chunks of K: lane c holds chunks SPAN c .. SPAN c + SPAN - 1 of its
 // rows (SPAN 16-byte loads, contiguous), and the step's SPAN sub-steps each take one of them
 // per lane. A warp thus reads 64 SPAN contiguous bytes of each of its rows per step.
 struct Step {
     uint4 w[TILES][2][SPAN];             // codes: tile, row (gid, gid+8), sub-step
-    float s[TILES][2][SPAN], z[TILES][2][SPAN];  // scale, and zero - 128 * scale
+    float s[TILES][2][SPAN], z[TILES][2][SPAN];  // scale, and zero - OFFSET * scale
 };
 
-struct Lane {                 // a lane's operands at its first row, group SPAN c
-    const uint4* codes;       // row row0 + gid (16 bytes a group)
-    const scale_t* scale;     // row row0 + gid
+struct Lane {                 // a lane's operands at its first row, chunk SPAN c
+    const uint4* codes;       // row row0 + gid
+    const scale_t* scale;     // row row0 + gid, the group of chunk SPAN c
     const scale_t* zero;
 #if SUPER
-    const float* sup_s;       // row row0 + gid's super-block of group SPAN c
+    const float* sup_s;       // row row0 + gid's super-block of chunk SPAN c
     const float* sup_z;
 #endif
-    const uint4* x;           // x[0, 32 SPAN c] (16 bytes = 8 activations)
+    const uint4* x;           // x[0, XV 8 SPAN c] (16 bytes = 8 activations)
     int x_row;                // x's row stride in 16 bytes
     int odd;                  // gid % 2: the row of a pair its B column carries
-    int first;                // SPAN c: its first group in a step
-    bool feeds;               // whether its B column (gid) is its own group's: gid / 2 == c
+    int first;                // SPAN c: its first chunk in a step
+    bool feeds;               // whether its B column (gid) is its own chunk's: gid / 2 == c
 };
 
-// Step `st`'s operands. TAIL (the last step when G % (4 SPAN)): groups past G are read as
-// group G - 1 (with zero x in run_step, they add nothing).
+// Step `st`'s operands. TAIL (the last step when G % (4 SPAN)): chunks past G are read as
+// chunk G - 1 (with zero x in run_step, they add nothing).
 template <bool TAIL>
 __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
-    const int g0 = step * 4 * SPAN;
+    const int g0 = step * 4 * SPAN, q0 = g0 + ln.first;  // the lane's first chunk
     const uint4* cp = pinned(ln.codes + g0);
-    const scale_t* sp = pinned(ln.scale + g0);
-    const scale_t* zp = pinned(ln.zero + g0);
+    const scale_t* sp = pinned(ln.scale + g0 / CH);
+    const scale_t* zp = pinned(ln.zero + g0 / CH);
 #if SUPER
-    const float* ssp = pinned(ln.sup_s + g0 / SUPER);  // (SPAN divides SUPER: one super-block)
-    const float* szp = pinned(ln.sup_z + g0 / SUPER);
+    const float* ssp = pinned(ln.sup_s + g0 / CH / SUPER);  // (one super-block: #error above)
+    const float* szp = pinned(ln.sup_z + g0 / CH / SUPER);
 #endif
     #pragma unroll
     for (int t = 0; t < TILES; t++)
@@ -195,21 +230,21 @@ __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
             const int row = 16 * t + 8 * h;
             #pragma unroll
             for (int i = 0; i < SPAN; i++) {
-                // its group g0 + first + off: off = i, or in TAIL clamped to the last group
-                const int off = TAIL ? min(g0 + ln.first + i, G - 1) - g0 - ln.first : i;
+                // chunk q0 + i, or in TAIL clamped to the last one
+                const int off = TAIL ? min(q0 + i, G - 1) - q0 : i;
+                const int so = TAIL ? (q0 + off) / CH - q0 / CH : i / CH;
                 st.w[t][h][i] = __ldg(cp + row * G + off);
 #if SUPER
-                const int so = TAIL ? (g0 + ln.first + off) / SUPER - g0 / SUPER - ln.first / SUPER
-                                    : 0;
-                const float sup = __ldg(ssp + row * (G / SUPER) + so);
-                const float sz = __ldg(szp + row * (G / SUPER) + so);
-                const float s = (float)__ldg(sp + row * G + off) * sup;
-                const float z = (float)__ldg(zp + row * G + off) * sz;
+                const int sso = TAIL ? (q0 + off) / CH / SUPER - q0 / CH / SUPER : 0;
+                const float sup = __ldg(ssp + row * (GS / SUPER) + sso);
+                const float sz = __ldg(szp + row * (GS / SUPER) + sso);
+                const float s = (float)__ldg(sp + row * GS + so) * sup;
+                const float z = (float)__ldg(zp + row * GS + so) * sz;
 #else
-                const float s = __ldg(sp + row * G + off), z = __ldg(zp + row * G + off);
+                const float s = __ldg(sp + row * GS + so), z = __ldg(zp + row * GS + so);
 #endif
                 st.s[t][h][i] = s;
-                st.z[t][h][i] = fmaf(-128.0f, s, z);
+                st.z[t][h][i] = fmaf(-OFFSET, s, z);
             }
         }
 }
@@ -228,6 +263,18 @@ __device__ __forceinline__ void x_pairs(u32 (&f)[4][4], const uint4 (&xv)[4]) {
     }
 }
 
+// the pairs of x that word j of 8-bit codes meets, from x[16 q .. 16 q + 15] (xv: 2 x 8):
+// (x[4j], x[4j+2]) and (x[4j+1], x[4j+3])
+__device__ __forceinline__ void x_pairs8(u32 (&f)[4][2], const uint4 (&xv)[2]) {
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const uint4 v = xv[j / 2];
+        const u32 l0 = j % 2 ? v.z : v.x, l1 = j % 2 ? v.w : v.y;
+        f[j][0] = prmt(l0, l1, 0x5410);
+        f[j][1] = prmt(l0, l1, 0x7632);
+    }
+}
+
 // Rows of x ride in pairs: pair p's B columns 2c, 2c+1 carry x rows 2p and 2p+1 (an odd
 // last row repeated), each pair its own mmas on the same A registers.
 #define PAIRS ((ROWS + 1) / 2)
@@ -239,18 +286,30 @@ __device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int ste
     const int g0 = step * 4 * SPAN;
     #pragma unroll
     for (int i = 0; i < SPAN; i++) {
-        u32 f[PAIRS][4][4];  // per pair, the x pairs each word meets (module docstring)
+        // per pair, the x pairs each word meets (module docstring); with 8-bit codes the
+        // last two are 16 times the first two, for the high nibbles
+        u32 f[PAIRS][4][4];
         #pragma unroll
         for (int p = 0; p < PAIRS; p++) {
-            uint4 xv[4] = {};  // the activations of the lane's group, in the lanes that feed it
+            uint4 xv[XV] = {};  // the activations of the lane's chunk, in the lanes that feed it
             if (ln.feeds && (!TAIL || g0 + ln.first + i < G)) {
                 const int row = ROWS == 1 ? 0 : min(2 * p + ln.odd, ROWS - 1);
-                const uint4* xp = ln.x + row * ln.x_row + 4 * (g0 + i);
+                const uint4* xp = ln.x + row * ln.x_row + XV * (g0 + i);
                 #pragma unroll
-                for (int v = 0; v < 4; v++)
+                for (int v = 0; v < XV; v++)
                     xv[v] = __ldg(xp + v);
             }
+#if BITS == 4
             x_pairs(f[p], xv);
+#else
+            u32 h[4][2];
+            x_pairs8(h, xv);
+            #pragma unroll
+            for (int j = 0; j < 4; j++) {
+                f[p][j][0] = h[j][0], f[p][j][1] = h[j][1];
+                f[p][j][2] = times16(h[j][0]), f[p][j][3] = times16(h[j][1]);
+            }
+#endif
         }
         float xs[PAIRS][4], acc[PAIRS][TILES][4];
         #pragma unroll
@@ -265,17 +324,30 @@ __device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int ste
             #pragma unroll
             for (int p = 0; p < PAIRS; p++) {
                 mma(xs[p], ones, ones, ones, ones, f[p][j][0], f[p][j][1]);
+#if BITS == 4
                 mma(xs[p], ones, ones, ones, ones, f[p][j][2], f[p][j][3]);
+#endif
             }
             #pragma unroll
             for (int t = 0; t < TILES; t++) {
                 const uint4 a = st.w[t][0][i], b = st.w[t][1][i];
                 const u32 w0 = j == 0 ? a.x : j == 1 ? a.y : j == 2 ? a.z : a.w;
                 const u32 w1 = j == 0 ? b.x : j == 1 ? b.y : j == 2 ? b.z : b.w;
-                const u32 lo0 = bf16_pair(w0), lo1 = bf16_pair(w1);
-                const u32 lo2 = bf16_pair(w0 >> 4), lo3 = bf16_pair(w1 >> 4);
-                const u32 hi0 = bf16_pair(w0 >> 8), hi1 = bf16_pair(w1 >> 8);
-                const u32 hi2 = bf16_pair(w0 >> 12), hi3 = bf16_pair(w1 >> 12);
+#if BITS == 4
+                // codes (4j, 4j+2) and (16+4j, 18+4j), then (4j+1, 4j+3) and (17+4j, 19+4j)
+                const u32 lo0 = bf16_pair<0>(w0), lo1 = bf16_pair<0>(w1);
+                const u32 lo2 = bf16_pair<0>(w0 >> 4), lo3 = bf16_pair<0>(w1 >> 4);
+                const u32 hi0 = bf16_pair<0>(w0 >> 8), hi1 = bf16_pair<0>(w1 >> 8);
+                const u32 hi2 = bf16_pair<0>(w0 >> 12), hi3 = bf16_pair<0>(w1 >> 12);
+#else
+                // the low nibbles of codes (4j, 4j+2) and (4j+1, 4j+3), then their high
+                // nibbles with the sign bit inverted: code + 128 = low + 16 high
+                const u32 lo0 = bf16_pair<0>(w0), lo1 = bf16_pair<0>(w1);
+                const u32 lo2 = bf16_pair<0>(w0 >> 8), lo3 = bf16_pair<0>(w1 >> 8);
+                const u32 hi0 = bf16_pair<0x80008u>(w0 >> 4), hi1 = bf16_pair<0x80008u>(w1 >> 4);
+                const u32 hi2 = bf16_pair<0x80008u>(w0 >> 12);
+                const u32 hi3 = bf16_pair<0x80008u>(w1 >> 12);
+#endif
                 #pragma unroll
                 for (int p = 0; p < PAIRS; p++) {
                     mma(acc[p][t], lo0, lo1, lo2, lo3, f[p][j][0], f[p][j][1]);
@@ -283,7 +355,7 @@ __device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int ste
                 }
             }
         }
-        // lane c holds its group's sums: acc[p][t] = {row gid x x-row 2p, gid x 2p+1,
+        // lane c holds its chunk's sums: acc[p][t] = {row gid x x-row 2p, gid x 2p+1,
         // gid+8 x 2p, gid+8 x 2p+1}
         #pragma unroll
         for (int t = 0; t < TILES; t++)
@@ -299,7 +371,7 @@ __device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int ste
 // A program computes rows row0 .. row0 + 16 TILES - 1; the last one starts at N - 16 TILES so
 // that it stays inside the weight (its rows shared with the program before it get the same
 // values twice). Its warps take the steps in turn and add their sums in shared memory.
-extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
         const u32* __restrict__ codes, const scale_t* __restrict__ scale,
         const scale_t* __restrict__ zero, const float* __restrict__ sup_s,
         const float* __restrict__ sup_z, const u16* __restrict__ x,
@@ -311,13 +383,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
     Lane ln;
     const long r = row0 + gid;
     ln.codes = (const uint4*)codes + r * G + SPAN * c;
-    ln.scale = scale + r * G + SPAN * c;
-    ln.zero = zero + r * G + SPAN * c;
+    ln.scale = scale + r * GS + SPAN * c / CH;
+    ln.zero = zero + r * GS + SPAN * c / CH;
 #if SUPER
-    ln.sup_s = sup_s + r * (G / SUPER) + SPAN * c / SUPER;
-    ln.sup_z = sup_z + r * (G / SUPER) + SPAN * c / SUPER;
+    ln.sup_s = sup_s + r * (GS / SUPER) + SPAN * c / CH / SUPER;
+    ln.sup_z = sup_z + r * (GS / SUPER) + SPAN * c / CH / SUPER;
 #endif
-    ln.x = (const uint4*)x + 4 * SPAN * c;
+    ln.x = (const uint4*)x + XV * SPAN * c;
     ln.x_row = stride_x / 8;
     ln.odd = gid & 1;
     ln.first = SPAN * c;
@@ -389,40 +461,55 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_mma_gemv(
 """
 
 
-MAX_ROWS = 8  # rows of x in one pass over the weight (four pairs of B columns)
+
+BITS = (4, 8)  # the code widths the engine sends here (bench/gpu_bench.py's variants narrow it)
 
 
 def supports(x: torch.Tensor, w: Any) -> bool:
     """Whether the kernel serves this product: CUDA bf16 activations of 1..MAX_ROWS rows
-    against 4-bit codes in groups of 32, plain float32 or factored scales."""
+    against 4-bit codes in groups of 32 or 8-bit codes in groups of 16 or 32, plain float32
+    or factored scales."""
     return (isinstance(w, QuantizedWeight) and x.is_cuda and x.dtype == torch.bfloat16
-            and w.bits == 4 and w.group_size == 32 and w.scale.dtype in (torch.float32, torch.int8)
+            and (w.bits, w.group_size) in ((4, 32), (8, 16), (8, 32)) and w.bits in BITS
+            and w.scale.dtype in (torch.float32, torch.int8)
             and w.out_features >= 16 and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS)
 
 
-def config_for(n: int) -> CudaQ4Config:
-    return next(cfg for limit, cfg in Q4MMA_DEFAULTS if n <= limit)
+def config_for(rows: int) -> CudaGemvConfig:
+    return next(cfg for limit, cfg in CUDA_GEMV_DEFAULTS if rows <= limit)
 
 
-def fitted(cfg: CudaQ4Config, n: int) -> CudaQ4Config:
-    """`cfg` with at most n / 16 tiles: the last program starts at N - 16 tiles."""
-    return cfg._replace(tiles=min(cfg.tiles, n // 16))
+def fitted(cfg: CudaGemvConfig, n: int, chunks_per_group: int = 1) -> CudaGemvConfig:
+    """`cfg` with at most n / 16 tiles (the last program starts at N - 16 tiles) and, where
+    two 16-byte chunks share a scale (8-bit codes in groups of 32), an even span (a lane's
+    chunks of a step start a scale group)."""
+    span = cfg.span + cfg.span % chunks_per_group
+    return cfg._replace(tiles=min(cfg.tiles, n // 16), span=span)
 
 
-def _defines(cfg: CudaQ4Config, rows: int, super_groups: int, groups: int) -> str:
+def chunking(w: QuantizedWeight) -> tuple[int, int]:
+    """(16-byte chunks of codes per row, chunks per scale group) of a weight."""
+    per_chunk = 32 if w.bits == 4 else 16  # codes in 16 bytes
+    return w.in_features // per_chunk, w.group_size // per_chunk
+
+
+def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bits: int = 4,
+             chunks_per_group: int = 1) -> str:
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
-            f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {groups}\n")
+            f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
+            f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(cfg: CudaQ4Config, rows: int, super_groups: int, groups: int, device: int) -> Any:
+def _kernel(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bits: int,
+            chunks_per_group: int, device: int) -> Any:
+    source = _defines(cfg, rows, super_groups, chunks, bits, chunks_per_group) + SOURCE
     with torch.cuda.device(device):  # (the module is loaded into that device's context)
-        return torch.cuda._compile_kernel(_defines(cfg, rows, super_groups, groups) + SOURCE,
-                                          "q4_mma_gemv")
+        return torch.cuda._compile_kernel(source, "mma_gemv")
 
 
-def q4_mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
-                config: CudaQ4Config | None = None) -> torch.Tensor:
+def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                config: CudaGemvConfig | None = None) -> torch.Tensor:
     """x [..., K] bf16 (1..MAX_ROWS rows) @ w^T (+ bias) -> [..., N] bf16."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
@@ -430,10 +517,11 @@ def q4_mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None =
         x2 = x2.contiguous()  # 16-byte loads of x
     m, n = x2.shape[0], w.out_features
     y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    cfg = fitted(config or config_for(n), n)
+    chunks, per_group = chunking(w)
+    cfg = fitted(config or config_for(m), n, per_group)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(cfg, m, w.super_groups, w.in_features // 32, device)
-    codes = w.codes.view(torch.int32)  # [N, K/8] words: 4 per group
+    kernel = _kernel(cfg, m, w.super_groups, chunks, w.bits, per_group, device)
+    codes = w.codes.view(torch.int32)  # 4 words per 16-byte chunk
     sup_s = w.super_scale if w.super_groups else w.scale
     sup_z = w.super_zero if w.super_groups else w.zero
     b = bias if bias is not None else y
@@ -451,10 +539,10 @@ def q4_mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None =
 # Programmatic dependent launch (Hopper and later; kernels/triton_compat.py has the idea): the
 # kernel may start while the one before it on the stream is still running (RMSNorm, SiLU x mul,
 # decode attention let it as they start), loads its first step's weights, and waits
-# (`wait_for_inputs`) before it reads x. Written in session 19 without device time left: off
-# until measured (`gpu_bench --quant-engines q4,q4_early`) and checked (tests/test_quant_gpu.py
-# `cuda_q4_early`) on the device.
-EARLY_LAUNCH = False
+# (`wait_for_inputs`) before it reads x. Session 20 on the H200: single stream 348.8 -> 359.4
+# tok/s (`gpu_bench --quant-engines q4,q4_early`), and tests/test_quant_gpu.py's `cuda_early`
+# and engine tests passed.
+EARLY_LAUNCH = True
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -523,34 +611,42 @@ def available(device: torch.device | None = None) -> bool:
 
 
 def _self_check(device: torch.device) -> bool:
-    """The shipped configs on two small weights, one and two rows, against float32
-    dequantize-then-matmul: factored K-quant scales over whole steps, and plain scales with
-    K ending inside a step."""
+    """Both defaults (1, 2 and 5 rows) on small weights against float32
+    dequantize-then-matmul: 4-bit codes with factored K-quant scales over whole steps, with
+    plain scales and K ending inside a step; 8-bit codes of the full int8 range in groups of
+    16 with factored scales (Q6_K's form) and in groups of 32 with plain ones and a tail."""
     try:
         gen = torch.Generator(device=device).manual_seed(0)
 
-        def weight(n: int, k: int, per: int) -> QuantizedWeight:
-            codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8,
-                                  generator=gen)
-            # Q4_K's structure: float16 d per `per` groups times a 6-bit integer per group
-            d = (torch.rand(n, k // 32 // per, device=device, generator=gen) * 1e-3).half()
+        def weight(n: int, k: int, per: int, bits: int = 4, group: int = 32) -> QuantizedWeight:
+            if bits == 4:
+                codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8,
+                                      generator=gen)
+            else:
+                codes = torch.randint(-128, 128, (n, k), device=device, generator=gen,
+                                      dtype=torch.int32).to(torch.int8)
+            # the K-quants' structure: float16 d per `per` groups times a 6-bit integer per
+            # group
+            groups = k // group
+            d = (torch.rand(n, groups // per, device=device, generator=gen) * 1e-3).half()
             d = d.float().repeat_interleave(per, dim=1)
-            sc = torch.randint(0, 64, (n, k // 32), device=device, generator=gen).float()
-            return QuantizedWeight(codes, d * sc, -d * (63 - sc), 4, 32, k, "Q4_K")
+            sc = torch.randint(0, 64, (n, groups), device=device, generator=gen).float()
+            return QuantizedWeight(codes, d * sc, -d * (63 - sc), bits, group, k, "selfcheck")
 
-        for w in (factor(weight(48, 1024, 8)), weight(40, 96, 1)):
-            x = torch.randn(2, w.in_features, device=device, dtype=torch.bfloat16,
+        for w in (factor(weight(48, 1024, 8)), weight(40, 96, 1),
+                  factor(weight(48, 512, 16, 8, 16)), weight(40, 224, 1, 8, 32)):
+            x = torch.randn(5, w.in_features, device=device, dtype=torch.bfloat16,
                             generator=gen)
             want = x.float() @ w.dequantize(dtype=torch.float32).t()
-            for rows in (1, 2):
-                got = q4_mma_gemv(x[:rows], w).float()
+            for rows in (1, 2, 5):
+                got = mma_gemv(x[:rows], w).float()
                 bound = 1e-2 * float(want.abs().max())
                 if not torch.allclose(got, want[:rows], rtol=1e-2, atol=bound):
-                    log.warning("the CUDA 4-bit GEMV disagrees with its reference on %s; "
-                                "Triton serves", device)
+                    log.warning("the CUDA GEMV disagrees with its reference on %s (%d-bit "
+                                "codes, %d rows); Triton serves", device, w.bits, rows)
                     return False
         return True
     except Exception as exc:  # no NVRTC, an older torch, a driver without the target
-        log.info("the CUDA 4-bit GEMV is not available on %s (%s: %s); Triton serves",
+        log.info("the CUDA GEMV is not available on %s (%s: %s); Triton serves",
                  device, type(exc).__name__, exc)
         return False

@@ -1,0 +1,128 @@
+"""The CUDA tensor-core GEMV on GGUF codes (quant/cuda_gemv.py) without a GPU: its source
+compiled as a GPU would at first use (NVRTC to PTX for compute_90, then Triton's ptxas to
+sm_90 machine code) for the variants the engine launches, with the resources checked; the
+bit tricks that turn codes into bf16 operands, evaluated on every code; and the config rules
+the launcher applies. Its answers against dequantize-then-matmul are checked on the device
+(tests/test_quant_gpu.py: every 8B shape, odd N and K, bias, row 0 of two == one row).
+
+    python -m pytest -q tests/test_quant_cuda_gemv.py
+
+NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel (the test extra; torch's CUDA builds
+carry the same library); ptxas from the triton wheel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import struct
+from pathlib import Path
+
+import pytest
+from cuda_compile import NVRTC, PTXAS, assemble, to_ptx
+
+from sgl.backend.quant.cuda_gemv import (CUDA_GEMV_DEFAULTS, MAX_ROWS, SOURCE, CudaGemvConfig,
+                                         _defines, config_for, fitted)
+
+needs_tools = pytest.mark.skipif(NVRTC is None or PTXAS is None,
+                                 reason="NVRTC (nvidia-cuda-nvrtc-cu12) or Triton's ptxas missing")
+
+
+VARIANTS = [  # (config, rows, super_groups, chunks, bits, chunks per group): each default at
+    # its row counts, at the 8B Ks and at SmolLM2's (576: a tail step): 4-bit codes with
+    # factored (Q4_K) and plain (Q4_1) scales; 8-bit in factored groups of 16 (Q6_K) and plain
+    # groups of 32 (Q8_0)
+    (config_for(rows), rows, *form)
+    for rows in (1, 2, 4, 5, 8)
+    for form in ((8, 128, 4, 1), (8, 448, 4, 1), (0, 18, 4, 1), (0, 25, 4, 1),
+                 (16, 256, 8, 1), (16, 896, 8, 1), (0, 36, 8, 1), (0, 50, 8, 2))
+]
+
+
+@needs_tools
+@pytest.mark.parametrize("cfg,rows,sup,chunks,bits,per_group", VARIANTS)
+def test_the_cuda_gemv_compiles_for_hopper_on_the_tensor_cores(
+        cfg: CudaGemvConfig, rows: int, sup: int, chunks: int, bits: int, per_group: int,
+        tmp_path: Path) -> None:
+    """Every launched variant compiles, multiplies with mma (bf16 in, float32 accumulate),
+    unpacks with lop3, waits for the kernel before when launched early (griddepcontrol), and
+    keeps its state in registers: no spills (a spill would put the two steps in flight
+    through local memory, the slow path the design avoids)."""
+    ptx = to_ptx(_defines(fitted(cfg, 4096, per_group), rows, sup, chunks, bits, per_group)
+                 + SOURCE)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "lop3.b32" in ptx
+    assert "griddepcontrol.wait" in ptx
+    report = assemble(ptx, tmp_path)[0]
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and spills.groups() == ("0", "0"), report
+    regs = re.search(r"Used (\d+) registers", report)
+    assert regs and int(regs.group(1)) <= 255, report
+
+
+def lop3(a: int, b: int, c: int, imm: int) -> int:
+    """PTX lop3.b32: bit i of the result is bit (a_i b_i c_i) of the 8-bit table `imm`."""
+    return sum(((imm >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i
+               for i in range(32))
+
+
+def bf16(bits16: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits16 << 16))[0]
+
+
+def source_lop3() -> tuple[int, int, int, int, float, float]:
+    """(table, mask, magic, flip, offset of 4-bit codes, of 8-bit codes) as SOURCE has them."""
+    call = re.search(r'lop3\.b32 %0, %1, %2, %3, (0x[0-9A-Fa-f]+);"\s*: "=r"\(r\) : "r"\(w\), '
+                     r'"r"\((0x[0-9A-Fa-f]+)u\), "r"\((0x[0-9A-Fa-f]+)u \| FLIP\)', SOURCE)
+    flip = re.search(r"bf16_pair<(0x[0-9A-Fa-f]+)u>", SOURCE)
+    offsets = re.findall(r"#define OFFSET ([0-9.]+)f", SOURCE)
+    assert call and flip and len(offsets) == 2
+    return (*(int(v, 16) for v in call.groups()), int(flip.group(1), 16),
+            float(offsets[0]), float(offsets[1]))
+
+
+def test_lop3_makes_every_4_bit_code_a_bf16_at_the_offset() -> None:
+    """One lop3 turns the nibbles at bits 0 and 16 of a word into bf16 (offset + code): every
+    code, in both halves, with the other bits of the word set (they must not leak in)."""
+    table, mask, magic, _, offset4, _ = source_lop3()
+    for lo, hi in itertools.product(range(16), repeat=2):
+        word = 0xFFF0FFF0 & 0xFFFFFFFF | lo | hi << 16
+        pair = lop3(word, mask, magic, table)
+        assert (bf16(pair & 0xFFFF), bf16(pair >> 16)) == (offset4 + lo, offset4 + hi)
+
+
+def test_two_nibble_operands_rebuild_every_8_bit_code_at_the_offset() -> None:
+    """8-bit codes: the low nibble as is and the high nibble with the sign bit inverted, each
+    bf16 (128 + nibble), meet x and 16 x in two MMAs: (128 + low) + 16 (128 + high) must be
+    code + the offset the kernel takes off, for every int8 code (signed bytes, as stored)."""
+    table, mask, magic, flip, _, offset8 = source_lop3()
+    for code in range(-128, 128):
+        byte = code & 0xFF
+        word = byte | (byte ^ 0x5A) << 8 | byte << 16 | 0xA5 << 24  # (neighbours must not leak)
+        low = lop3(word, mask, magic, table)
+        high = lop3(word >> 4, mask, magic | flip, table)
+        for half in (0, 16):
+            value = bf16(low >> half & 0xFFFF) + 16 * bf16(high >> half & 0xFFFF)
+            assert value == code + offset8, (code, half)
+
+
+def test_fitted_keeps_the_last_program_inside_the_weight() -> None:
+    """The last program starts at N - 16 tiles: a config never has more tiles than N / 16."""
+    assert fitted(CudaGemvConfig(4, 2, 1), 40).tiles == 2
+    assert fitted(CudaGemvConfig(4, 2, 1), 16).tiles == 1
+    assert fitted(CudaGemvConfig(2, 8, 2), 4096) == CudaGemvConfig(2, 8, 2)
+
+
+def test_fitted_gives_q8_0_an_even_span() -> None:
+    """Two 16-byte chunks share a Q8_0 scale: a lane's chunks of a step must start a group."""
+    assert fitted(CudaGemvConfig(1, 8, 1), 4096, 2).span == 2
+    assert fitted(CudaGemvConfig(1, 8, 2), 4096, 2).span == 2
+    assert fitted(CudaGemvConfig(1, 8, 1), 4096, 1).span == 1
+
+
+def test_the_defaults_table_covers_every_row_count() -> None:
+    limits = [limit for limit, _ in CUDA_GEMV_DEFAULTS]
+    assert limits == sorted(limits) and limits[-1] == MAX_ROWS
+    for rows in range(1, MAX_ROWS + 1):
+        cfg = config_for(rows)
+        assert cfg.tiles >= 1 and cfg.warps >= 1 and cfg.span in (1, 2, 4)
