@@ -32,7 +32,7 @@ VARIANTS = [  # (config, rows, super_groups, chunks, bits, chunks per group): ea
     # its row counts, at the 8B Ks and at SmolLM2's (576: a tail step): 4-bit codes with
     # factored (Q4_K) and plain (Q4_1) scales; 8-bit in factored groups of 16 (Q6_K) and plain
     # groups of 32 (Q8_0)
-    (config_for(rows), rows, *form)
+    (config_for(rows, form[2]), rows, *form)
     for rows in (1, 2, 4, 5, 8)
     for form in ((8, 128, 4, 1), (8, 448, 4, 1), (0, 18, 4, 1), (0, 25, 4, 1),
                  (16, 256, 8, 1), (16, 896, 8, 1), (0, 36, 8, 1), (0, 50, 8, 2))
@@ -120,9 +120,10 @@ def test_fitted_gives_q8_0_an_even_span() -> None:
     assert fitted(CudaGemvConfig(1, 8, 1), 4096, 1).span == 1
 
 
-def test_the_defaults_table_covers_every_row_count() -> None:
-    limits = [limit for limit, _ in CUDA_GEMV_DEFAULTS]
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_defaults_table_covers_every_row_count(bits: int) -> None:
+    limits = [limit for limit, _ in CUDA_GEMV_DEFAULTS[bits]]
     assert limits == sorted(limits) and limits[-1] == MAX_ROWS
     for rows in range(1, MAX_ROWS + 1):
-        cfg = config_for(rows)
+        cfg = config_for(rows, bits)
         assert cfg.tiles >= 1 and cfg.warps >= 1 and cfg.span in (1, 2, 4)

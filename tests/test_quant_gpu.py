@@ -235,8 +235,9 @@ def test_gpu_cuda_gemv_matches_dequantize_then_matmul(n: int, k: int, bits: int,
 def test_gpu_quant_linear_routes_one_to_eight_rows_to_the_cuda_gemv(
         bits: int, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """quant_linear sends 1..MAX_ROWS bf16 rows to the CUDA GEMV with its default configs (the
-    table by rows) and gives its answer; with linear.CUDA_GEMV off, the Triton route's, and
-    both within the tight bound."""
+    table by rows) and gives its answer, within the tight bound; with linear.CUDA_GEMV off,
+    the Triton route's (from three rows the tiled kernel: bf16 weight tiles, the loose
+    bound)."""
     w = random_qweight(4096, 4096, bits, group, factored=True)
     ref = w.dequantize(dtype=torch.float32)
     for m in range(1, cuda_gemv.MAX_ROWS + 1):
@@ -245,7 +246,7 @@ def test_gpu_quant_linear_routes_one_to_eight_rows_to_the_cuda_gemv(
         assert torch.equal(got, cuda_gemv.mma_gemv(x, w)), m
         assert_tight(got, x, ref)
         monkeypatch.setattr(linear, "CUDA_GEMV", False)
-        assert_tight(linear.quant_linear(x, w), x, ref)
+        assert_bf16_close(linear.quant_linear(x, w), x, ref)
         monkeypatch.setattr(linear, "CUDA_GEMV", True)
 
 

@@ -94,17 +94,19 @@ class CudaGemvConfig(NamedTuple):
     span: int = 1  # 16-byte groups a lane loads per row and step (a warp: 64 span bytes a row)
 
 
-# (largest rows of x, config), the last entry covering MAX_ROWS: set from
-# bench/cuda_gemv_sweep.py on the H200. One program per 16 rows on 8 warps, 32 bytes of a row
-# per lane and step, was the best config or within 2% of it at every 8B shape at one and two
-# rows (session 19) and at four rows but for down (session 20); from five rows two tiles share
-# each lane's x (8 rows: an 8B step's products 4,181 us against 5,253 with one tile), and at
-# seven and eight rows a lane takes one chunk per step, where two would spill registers.
-CUDA_GEMV_DEFAULTS: tuple[tuple[int, CudaGemvConfig], ...] = (
-    (4, CudaGemvConfig(1, 8, 2)),
-    (6, CudaGemvConfig(2, 8, 2)),
-    (MAX_ROWS, CudaGemvConfig(2, 8, 1)),
-)
+# Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
+# bench/cuda_gemv_sweep.py on the H200 (sessions 19-20, `--rows 1,2,4,8 --kinds q4,q8g16`).
+# 4-bit: one program per 16 rows on 8 warps, 32 bytes of a row per lane and step, was the best
+# config or within 2% of it at every 8B shape at one and two rows and at four but for down;
+# from five rows two tiles share each lane's x (8 rows: an 8B step's products 4,190 us against
+# 5,256 with one tile), and from seven a lane takes one chunk per step (two spill registers).
+# 8-bit: one chunk per step up to four rows (an 8B step's Q6_K-like products at one row 3,564
+# us against 3,805 with two, the head 205 against 230), two tiles from five.
+CUDA_GEMV_DEFAULTS: dict[int, tuple[tuple[int, CudaGemvConfig], ...]] = {
+    4: ((4, CudaGemvConfig(1, 8, 2)), (6, CudaGemvConfig(2, 8, 2)),
+        (MAX_ROWS, CudaGemvConfig(2, 8, 1))),
+    8: ((4, CudaGemvConfig(1, 8, 1)), (MAX_ROWS, CudaGemvConfig(2, 8, 1))),
+}
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -475,8 +477,8 @@ def supports(x: torch.Tensor, w: Any) -> bool:
             and w.out_features >= 16 and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS)
 
 
-def config_for(rows: int) -> CudaGemvConfig:
-    return next(cfg for limit, cfg in CUDA_GEMV_DEFAULTS if rows <= limit)
+def config_for(rows: int, bits: int = 4) -> CudaGemvConfig:
+    return next(cfg for limit, cfg in CUDA_GEMV_DEFAULTS[bits] if rows <= limit)
 
 
 def fitted(cfg: CudaGemvConfig, n: int, chunks_per_group: int = 1) -> CudaGemvConfig:
@@ -518,7 +520,7 @@ def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = No
     m, n = x2.shape[0], w.out_features
     y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
     chunks, per_group = chunking(w)
-    cfg = fitted(config or config_for(m), n, per_group)
+    cfg = fitted(config or config_for(m, w.bits), n, per_group)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kernel = _kernel(cfg, m, w.super_groups, chunks, w.bits, per_group, device)
     codes = w.codes.view(torch.int32)  # 4 words per 16-byte chunk
