@@ -637,6 +637,8 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  "q4_triton": dict(quantization="gguf"),  # no CUDA GEMV: Triton (variant)
                  "q4_s19": dict(quantization="gguf"),  # the CUDA GEMV as session 19 left it
                  "q4_late": dict(quantization="gguf"),  # the CUDA GEMV never launched early
+                 # Q4_K_M's mix: Q6_K v and down in about half the layers (install.RANDOM_LAYOUT)
+                 "q4km": dict(quantization="gguf"), "q4km_s19": dict(quantization="gguf"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s >= 380",
@@ -644,7 +646,8 @@ QUANT_TARGETS = {"q4": "single output_tok_s >= 500", "fp8": "single output_tok_s
                  "fp8_nopdl": "single output_tok_s >= 380", "fp8_a8": "single output_tok_s >= 380",
                  "fp8_wo": "single output_tok_s >= 380", "q4_l2": "single output_tok_s >= 500",
                  "q4_triton": "single output_tok_s >= 500",
-                 "q4_s19": "single output_tok_s >= 500", "q4_late": "single output_tok_s >= 500"}
+                 "q4_s19": "single output_tok_s >= 500", "q4_late": "single output_tok_s >= 500",
+                 "q4km": "single output_tok_s >= 500", "q4km_s19": "single output_tok_s >= 500"}
 
 
 @contextmanager
@@ -659,7 +662,9 @@ def engine_variant(name: str) -> Iterator[None]:
     "q4_triton" is "q4" with its products of 1-8 rows on the Triton kernels instead of the
     CUDA GEMV (quant/linear.py CUDA_GEMV); "q4_s19" is the CUDA GEMV as session 19 left it:
     4-bit codes only, one and two rows, never launched early; "q4_late" is "q4" without the
-    CUDA GEMV's early launches (cuda_gemv.EARLY_LAUNCH). The others: the shipped code.
+    CUDA GEMV's early launches (cuda_gemv.EARLY_LAUNCH); "q4km" and "q4km_s19" are "q4" and
+    "q4_s19" on Q4_K_M's mix of formats (quant/install.py RANDOM_LAYOUT). The others: the
+    shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH
     from sgl.backend.quant import install
@@ -683,9 +688,12 @@ def engine_variant(name: str) -> Iterator[None]:
 
     cuda_early, cuda_rows, cuda_bits = (cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS,
                                         cuda_gemv.BITS)
-    cuda_gemv.EARLY_LAUNCH = cuda_early and name not in ("q4_s19", "q4_late")
-    if name == "q4_s19":
+    cuda_gemv.EARLY_LAUNCH = cuda_early and name not in ("q4_s19", "q4_late", "q4km_s19")
+    if name in ("q4_s19", "q4km_s19"):
         cuda_gemv.MAX_ROWS, cuda_gemv.BITS = 2, (4,)
+    layout = install.RANDOM_LAYOUT
+    if name.startswith("q4km"):
+        install.RANDOM_LAYOUT = "q4_k_m"
     early = PDL_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
     from sgl.backend.kernels import triton_matmul
@@ -703,6 +711,7 @@ def engine_variant(name: str) -> Iterator[None]:
         linear.CUDA_GEMV = cuda_q4
         cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS, cuda_gemv.BITS = (cuda_early, cuda_rows,
                                                                       cuda_bits)
+        install.RANDOM_LAYOUT = layout
         GEMV_DEFAULTS.update(shipped)
         install.install_fp8 = install_fp8
         PDL_SWITCH[0] = early
@@ -756,8 +765,8 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4", "q4_l2", "fp8_s9", "fp8_nopdl",
-                 "fp8_wo", "fp8", "fp8_a8", "det", "kv_fp8"):
+    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4", "q4km_s19", "q4km", "q4_l2",
+                 "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8", "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]

@@ -185,3 +185,34 @@ def test_bad_quantization_value_names_the_choices() -> None:
 
 def test_every_kernel_format_is_written_by_this_file() -> None:
     assert set(LAYER_FORMATS.values()) | {"Q8_0", "Q6_K"} >= set(FORMATS)
+
+
+def test_random_q4_k_m_layout_widens_v_and_down_of_about_half_the_layers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dummy models (the GPU bench's 8B): RANDOM_LAYOUT "q4_k_m" gives the fused q|k|v and the
+    down projection 8-bit codes in groups of 16 (Q6_K) in the layers a Q4_K_M file widens
+    (first and last eighth, every third between), 4-bit groups of 32 elsewhere and in every
+    other Linear; "q4_k" keeps every Linear 4-bit."""
+    from transformers import LlamaConfig
+
+    from sgl.backend.models.registry import get_model_class, resolve_architecture
+    from sgl.backend.quant import install
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=16, num_attention_heads=2, num_key_value_heads=1)
+    for layout in ("q4_k", "q4_k_m"):
+        model = get_model_class(resolve_architecture(cfg))(cfg, device=torch.device("cpu"),
+                                                           dtype=torch.float32)
+        monkeypatch.setattr(install, "RANDOM_LAYOUT", layout)
+        install.install_random_quantized(model, 0)
+        wide = []
+        for i, layer in enumerate(model.model.layers):
+            assert layer.self_attn.o_proj.qweight.bits == 4
+            assert layer.mlp.gate_up_proj.qweight.bits == 4
+            qkv, down = layer.self_attn.qkv_proj.qweight, layer.mlp.down_proj.qweight
+            assert (qkv.bits, qkv.group_size) == (down.bits, down.group_size)
+            if qkv.bits == 8:
+                assert qkv.group_size == 16
+                wide.append(i)
+        # 16 layers: 0-1 and 14-15, and 2 + 3j + 2 between
+        assert wide == ([] if layout == "q4_k" else [0, 1, 4, 7, 10, 13, 14, 15])

@@ -16,6 +16,8 @@ memory holds one layer's codes at a time.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -110,18 +112,38 @@ def install_fp8(model: nn.Module, *, head: bool = True) -> None:
         lm_head.weight = None
 
 
+# The layout install_random_quantized gives a dummy model: "q4_k" (every Linear Q4_K) or
+# "q4_k_m" (also the mix of a Q4_K_M file: Q6_K for the v and down projections of about half
+# the layers, so that their fused q|k|v is promoted to 8-bit codes as a real file's is).
+RANDOM_LAYOUT = "q4_k"
+
+
+def q4_k_m_more_bits(layer: int, layers: int) -> bool:
+    """Whether a Q4_K_M file keeps layer `layer`'s v and down projections in Q6_K: the first
+    and last eighth of the layers, and every third layer between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
 @torch.no_grad()
 def install_random_quantized(model: nn.Module, seed: int) -> None:
-    """Random quantized weights in the layout of a Q4_K_M file (dummy models: benchmarks of
-    the quantized kernels at a real shape, no file needed): 4-bit groups of 32 for every
-    Linear (Q4_K's mapping), 8-bit groups of 16 for the embedding and the head (Q6_K's).
-    Scales give weights of std ~0.02, like the float dummy init."""
-    modules = [m for m in model.modules() if isinstance(m, (Linear, Embedding))
-               and m.weight is not None]
-    for i, module in enumerate(modules):
+    """Random quantized weights in the layout of a K-quant file (dummy models: benchmarks of
+    the quantized kernels at a real shape, no file needed): 4-bit groups of 32 for the Linears
+    (Q4_K's mapping; with RANDOM_LAYOUT "q4_k_m", 8-bit groups of 16 for the q|k|v and down
+    projections of the layers a Q4_K_M file keeps in Q6_K), 8-bit groups of 16 for the
+    embedding and the head (Q6_K's). Scales give weights of std ~0.02, like the float dummy
+    init."""
+    named = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, (Linear, Embedding)) and m.weight is not None]
+    layer_of = {name: int(found.group(1)) for name, _ in named
+                if (found := re.search(r"layers\.(\d+)\.", name))}
+    layers = max(layer_of.values(), default=-1) + 1
+    for i, (name, module) in enumerate(named):
         assert module.weight is not None
         n, k = module.weight.shape
-        bits, group = (4, 32) if isinstance(module, Linear) else (8, 16)
+        wide = not isinstance(module, Linear) or (
+            RANDOM_LAYOUT == "q4_k_m" and name.endswith(("qkv_proj", "down_proj"))
+            and q4_k_m_more_bits(layer_of.get(name, 0), layers))
+        bits, group = (8, 16) if wide else (4, 32)
         module.qweight = _random_qweight(n, k, bits, group, module.weight.device, seed + i)
         module.weight = None
 
