@@ -91,7 +91,7 @@ MAX_ROWS = 8  # rows of x in one pass over the weight (four pairs of B columns)
 class CudaGemvConfig(NamedTuple):
     tiles: int  # 16-row weight tiles per program
     warps: int  # warps per program, splitting K
-    span: int = 1  # 16-byte groups a lane loads per row and step (a warp: 64 span bytes a row)
+    span: int = 1  # 16-byte chunks a lane loads per row and step (a warp: 64 span bytes a row)
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
@@ -99,7 +99,8 @@ class CudaGemvConfig(NamedTuple):
 # 4-bit: one program per 16 rows on 8 warps, 32 bytes of a row per lane and step, was the best
 # config or within 2% of it at every 8B shape at one and two rows and at four but for down;
 # from five rows two tiles share each lane's x (8 rows: an 8B step's products 4,190 us against
-# 5,256 with one tile), and from seven a lane takes one chunk per step (two spill registers).
+# 5,256 with one tile), and from seven a lane takes one chunk per step (with two, registers
+# spill).
 # 8-bit: one chunk per step up to four rows (an 8B step's Q6_K-like products at one row 3,564
 # us against 3,805 with two, the head 205 against 230), two tiles from five.
 CUDA_GEMV_DEFAULTS: dict[int, tuple[tuple[int, CudaGemvConfig], ...]] = {
