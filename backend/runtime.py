@@ -278,6 +278,10 @@ class Runtime:
         self.runner.verify_table = config.debug_integrity
         self.runner.decode_rows_past_prompts = config.enable_deterministic_inference
         self.cuda_graph_sizes: list[int] = []
+        if self.device.type == "cuda":
+            from sgl.backend.quant.linear import prepare_cuda_kernels
+
+            prepare_cuda_kernels(model, self.device, self.dtype)
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             self._capture_cuda_graphs(config, attn, max_running)
         self.scheduler = Scheduler(

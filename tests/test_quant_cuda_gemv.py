@@ -19,8 +19,10 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 from cuda_compile import NVRTC, PTXAS, assemble, to_ptx
 
+from sgl.backend.quant import cuda_gemv
 from sgl.backend.quant.cuda_gemv import (CUDA_GEMV_DEFAULTS, MAX_ROWS, SOURCE, CudaGemvConfig,
                                          _defines, config_for, fitted)
 
@@ -127,3 +129,90 @@ def test_the_defaults_table_covers_every_row_count(bits: int) -> None:
     for rows in range(1, MAX_ROWS + 1):
         cfg = config_for(rows, bits)
         assert cfg.tiles >= 1 and cfg.warps >= 1 and cfg.span in (1, 2, 4)
+
+
+class Compiled(Exception):
+    """Raised by a stand-in kernel loader: mma_gemv got as far as choosing its variant."""
+
+
+def fake_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """cuda_gemv's NVRTC call replaced by a recorder (no GPU, no NVRTC here), its caches
+    emptied and pointed at tmp_path; returns the list of sources compiled."""
+    compiled: list[str] = []
+
+    def compile_(source: str, arch: str) -> bytes:
+        compiled.append(source)
+        return f"cubin sm_{arch} {hash(source)}".encode()
+
+    monkeypatch.setattr(cuda_gemv, "_compile", compile_)
+    monkeypatch.setattr(cuda_gemv, "_cache_folder", lambda: tmp_path / "kernels")
+    monkeypatch.setattr(cuda_gemv, "_cubins", {})
+    monkeypatch.setattr(cuda_gemv, "_arch", lambda device: "90")
+    return compiled
+
+
+def test_compiled_kernels_are_kept_on_disk_for_the_next_start(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A variant compiles once: the machine code lands in the cache folder, and a new process
+    (an empty in-memory cache) reads it from there; another source or GPU compiles anew."""
+    compiled = fake_compiler(monkeypatch, tmp_path)
+    source = _defines(CudaGemvConfig(1, 8, 2), 1, 8, 128) + SOURCE
+    first = cuda_gemv._cubin(source, "90")
+    assert compiled == [source] and len(list((tmp_path / "kernels").iterdir())) == 1
+    monkeypatch.setattr(cuda_gemv, "_cubins", {})  # a new process
+    assert cuda_gemv._cubin(source, "90") == first and compiled == [source]
+    cuda_gemv._cubin(source, "100")
+    cuda_gemv._cubin(source.replace("#define ROWS 1", "#define ROWS 2"), "90")
+    assert len(compiled) == 3 and len(list((tmp_path / "kernels").iterdir())) == 3
+
+
+def test_a_read_only_cache_folder_only_costs_the_compile(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    compiled = fake_compiler(monkeypatch, tmp_path)
+    (tmp_path / "kernels").write_text("a file where the folder should be")
+    source = _defines(CudaGemvConfig(1, 8, 2), 1, 8, 128) + SOURCE
+    assert cuda_gemv._cubin(source, "90").startswith(b"cubin sm_90")
+    assert compiled == [source]
+
+
+def test_prepare_compiles_every_variant_the_products_launch(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """prepare (called before graph capture) compiles, once each, exactly the variants that
+    mma_gemv then asks for at 1..MAX_ROWS rows with the default configs, for weights of every
+    form (4-bit factored and plain, 8-bit Q6_K and Q8_0 layouts, an odd N), plus the
+    self-check's; weights the kernel does not read are left out."""
+    from sgl.backend.quant.factored import factor
+    from sgl.backend.quant.install import _random_qweight
+
+    compiled = fake_compiler(monkeypatch, tmp_path)
+    cpu = torch.device("cpu")
+    weights = [factor(_random_qweight(4096, 4096, 4, 32, cpu, 0)),
+               factor(_random_qweight(4096, 4096, 4, 32, cpu, 1)),  # (the same variants)
+               _random_qweight(1000, 800, 4, 32, cpu, 2),
+               factor(_random_qweight(512, 768, 8, 16, cpu, 3)),
+               _random_qweight(40, 224, 8, 32, cpu, 4),
+               _random_qweight(8, 256, 4, 32, cpu, 5)]  # (fewer than 16 rows: not served)
+    count = cuda_gemv.prepare(weights, torch.device("cuda", 0), threads=4)
+    assert count == len(compiled) == len(set(compiled))
+
+    launched: set[str] = set()
+
+    def kernel(variant: tuple, device: int) -> None:
+        launched.add(_defines(*variant) + SOURCE)
+        raise Compiled
+
+    def launches(cases: list) -> set[str]:
+        launched.clear()
+        for w, rows in cases:
+            with pytest.raises(Compiled):
+                cuda_gemv.mma_gemv(torch.zeros(rows, w.in_features, dtype=torch.bfloat16), w)
+        return set(launched)
+
+    monkeypatch.setattr(cuda_gemv, "_kernel", kernel)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    served = [w for w in weights if cuda_gemv.serves(w)]
+    assert len(served) == len(weights) - 1
+    model = launches([(w, rows) for w in served for rows in range(1, MAX_ROWS + 1)])
+    check = launches([(w, rows) for w in cuda_gemv._self_check_weights("cpu")
+                      for rows in cuda_gemv.SELF_CHECK_ROWS])
+    assert set(compiled) == model | check

@@ -61,17 +61,27 @@ in shared memory per warp (1.5-1.7x slower than the register double buffer at ev
 It launches early (programmatic dependent launch: `EARLY_LAUNCH`, below), loading its first
 step's weights before waiting for the kernel that writes x.
 
-Compiled per (config, rows, code width, scale form, K) on first use and cached, K a constant
-so that every row and chunk offset is an immediate of its load. Where NVRTC or the launch is
-missing, or the self-check disagrees, `available()` is False and the Triton kernels serve
-(quant/linear.py).
+Compiled per (config, rows, code width, scale form, K), K a constant so that every row and
+chunk offset is an immediate of its load: at first use, or ahead and in parallel when the
+engine starts (`prepare`, before graph capture), and the machine code is kept on disk for the
+next start (`_cubin`). Where NVRTC or the launch is missing, or the self-check disagrees,
+`available()` is False and the Triton kernels serve (quant/linear.py). (Session 20 wrote the
+ahead-of-time compile and the disk cache after its device time was spent: they ran on CI
+with NVRTC replaced, not on a GPU; a cubin that does not load falls back to torch's own
+compile-and-load, the path the device ran.)
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
+import os
+import tempfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -80,7 +90,7 @@ from sgl.backend.quant.factored import factor
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["CUDA_GEMV_DEFAULTS", "CudaGemvConfig", "MAX_ROWS", "SOURCE", "available",
-           "chunking", "config_for", "fitted", "mma_gemv", "supports"]
+           "chunking", "config_for", "fitted", "mma_gemv", "prepare", "serves", "supports"]
 
 log = logging.getLogger(__name__)
 
@@ -466,16 +476,22 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
 
 
 BITS = (4, 8)  # the code widths the engine sends here (bench/gpu_bench.py's variants narrow it)
+FORMS = ((4, 32), (8, 16), (8, 32))  # (bits, group size) the kernel reads
+
+
+def serves(w: Any) -> bool:
+    """Whether the kernel reads this weight: 4-bit codes in groups of 32 or 8-bit codes in
+    groups of 16 or 32, plain float32 or factored scales, at least 16 rows."""
+    return (isinstance(w, QuantizedWeight) and (w.bits, w.group_size) in FORMS
+            and w.bits in BITS and w.scale.dtype in (torch.float32, torch.int8)
+            and w.out_features >= 16)
 
 
 def supports(x: torch.Tensor, w: Any) -> bool:
-    """Whether the kernel serves this product: CUDA bf16 activations of 1..MAX_ROWS rows
-    against 4-bit codes in groups of 32 or 8-bit codes in groups of 16 or 32, plain float32
-    or factored scales."""
-    return (isinstance(w, QuantizedWeight) and x.is_cuda and x.dtype == torch.bfloat16
-            and (w.bits, w.group_size) in ((4, 32), (8, 16), (8, 32)) and w.bits in BITS
-            and w.scale.dtype in (torch.float32, torch.int8)
-            and w.out_features >= 16 and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS)
+    """Whether the kernel serves this product: a weight it reads (`serves`) and CUDA bf16
+    activations of 1..MAX_ROWS rows."""
+    return (x.is_cuda and x.dtype == torch.bfloat16
+            and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and serves(w))
 
 
 def config_for(rows: int, bits: int = 4) -> CudaGemvConfig:
@@ -503,12 +519,95 @@ def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bit
             f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 
 
+Variant = tuple[CudaGemvConfig, int, int, int, int, int]  # _defines' arguments
+
+
+def _variant(cfg: CudaGemvConfig, rows: int, w: QuantizedWeight) -> Variant:
+    """What names the compiled kernel that serves `rows` rows of x against `w` with `cfg`
+    (fitted to it)."""
+    chunks, per_group = chunking(w)
+    return cfg, rows, w.super_groups, chunks, w.bits, per_group
+
+
+# Compiled machine code, by (source, compute capability): this process's, and on disk in
+# <cache>/kernels/cuda_gemv-<key>.cubin (model_loader.cache_dir) for the next start. A model
+# needs a variant per weight shape and form and per row count 1..MAX_ROWS (an 8B Q4_K_M file:
+# ~40 with the self-check's), each an NVRTC compile of ~0.1-0.5 s; `prepare` makes a first
+# start's in parallel, the disk cache spares the later starts.
+_cubins: dict[tuple[str, str], bytes] = {}
+
+
+def _cubin(source: str, arch: str) -> bytes:
+    """`source` compiled for sm_`arch` ("90"): from memory, from the disk cache, else with
+    NVRTC (then written to the cache: atomically, and not at all where it is read-only).
+    Thread-safe (NVRTC runs outside the GIL: `prepare` compiles in threads)."""
+    if (source, arch) in _cubins:
+        return _cubins[source, arch]
+    key = hashlib.sha256(f"{arch}\0{torch.version.cuda}\0{source}".encode()).hexdigest()[:24]
+    path = _cache_folder() / f"cuda_gemv-{key}.cubin"
+    try:
+        cubin = path.read_bytes()
+    except OSError:
+        cubin = _compile(source, arch)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+                tmp.write(cubin)
+            os.replace(tmp.name, path)
+        except OSError:
+            pass
+    _cubins[source, arch] = cubin
+    return cubin
+
+
+def _cache_folder() -> Path:
+    from sgl.backend.model_loader import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def _compile(source: str, arch: str) -> bytes:
+    from torch.cuda._utils import _nvrtc_compile
+
+    return _nvrtc_compile(source, "mma_gemv", arch)[0]  # (extern "C": the name as written)
+
+
+def _arch(device: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bits: int,
-            chunks_per_group: int, device: int) -> Any:
-    source = _defines(cfg, rows, super_groups, chunks, bits, chunks_per_group) + SOURCE
+def _kernel(variant: Variant, device: int) -> Any:
+    source = _defines(*variant) + SOURCE
     with torch.cuda.device(device):  # (the module is loaded into that device's context)
-        return torch.cuda._compile_kernel(source, "mma_gemv")
+        try:
+            from torch.cuda._utils import _cuda_load_module
+
+            return _cuda_load_module(_cubin(source, _arch(device)), ["mma_gemv"])["mma_gemv"]
+        except Exception as exc:  # a damaged cache file; a torch without these helpers
+            log.info("the cached CUDA GEMV did not load (%s: %s); compiling it",
+                     type(exc).__name__, exc)
+            return torch.cuda._compile_kernel(source, "mma_gemv")
+
+
+SELF_CHECK_ROWS = (1, 2, 5)  # (both 4-bit defaults' families, and rows in pairs and alone)
+
+
+def prepare(weights: Iterable[QuantizedWeight], device: torch.device,
+            threads: int | None = None) -> int:
+    """Compile, in parallel, the variants that products of 1..MAX_ROWS bf16 rows against
+    `weights` will launch on `device`, and the self-check's. Returns how many variants were
+    wanted; nothing is launched (the compiled code waits in memory and on disk)."""
+    arch = _arch(device.index if device.index is not None else torch.cuda.current_device())
+    wanted = [(w, rows) for w in _self_check_weights("cpu") for rows in SELF_CHECK_ROWS]
+    wanted += [(w, rows) for w in weights if serves(w) for rows in range(1, MAX_ROWS + 1)]
+    sources = {_defines(*_variant(fitted(config_for(rows, w.bits), w.out_features,
+                                         chunking(w)[1]), rows, w)) + SOURCE
+               for w, rows in wanted}
+    with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda source: _cubin(source, arch), sources))
+    return len(sources)
 
 
 def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -520,10 +619,9 @@ def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = No
         x2 = x2.contiguous()  # 16-byte loads of x
     m, n = x2.shape[0], w.out_features
     y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    chunks, per_group = chunking(w)
-    cfg = fitted(config or config_for(m, w.bits), n, per_group)
+    cfg = fitted(config or config_for(m, w.bits), n, chunking(w)[1])
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(cfg, m, w.super_groups, chunks, w.bits, per_group, device)
+    kernel = _kernel(_variant(cfg, m, w), device)
     codes = w.codes.view(torch.int32)  # 4 words per 16-byte chunk
     sup_s = w.super_scale if w.super_groups else w.scale
     sup_z = w.super_zero if w.super_groups else w.zero
@@ -613,35 +711,41 @@ def available(device: torch.device | None = None) -> bool:
     return _available[index]
 
 
+def _self_check_weights(device: torch.device | str) -> list[QuantizedWeight]:
+    """Small weights of every form: 4-bit codes with factored K-quant scales over whole steps,
+    and with plain scales and K ending inside a step; 8-bit codes of the full int8 range in
+    groups of 16 with factored scales (Q6_K's form), and in groups of 32 with plain ones and a
+    tail (Q8_0's)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def weight(n: int, k: int, per: int, bits: int = 4, group: int = 32) -> QuantizedWeight:
+        if bits == 4:
+            codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8,
+                                  generator=gen)
+        else:
+            codes = torch.randint(-128, 128, (n, k), device=device, generator=gen,
+                                  dtype=torch.int32).to(torch.int8)
+        # the K-quants' structure: float16 d per `per` groups times a 6-bit integer per group
+        groups = k // group
+        d = (torch.rand(n, groups // per, device=device, generator=gen) * 1e-3).half()
+        d = d.float().repeat_interleave(per, dim=1)
+        sc = torch.randint(0, 64, (n, groups), device=device, generator=gen).float()
+        return QuantizedWeight(codes, d * sc, -d * (63 - sc), bits, group, k, "selfcheck")
+
+    return [factor(weight(48, 1024, 8)), weight(40, 96, 1), factor(weight(48, 512, 16, 8, 16)),
+            weight(40, 224, 1, 8, 32)]
+
+
 def _self_check(device: torch.device) -> bool:
-    """Both defaults (1, 2 and 5 rows) on small weights against float32
-    dequantize-then-matmul: 4-bit codes with factored K-quant scales over whole steps, with
-    plain scales and K ending inside a step; 8-bit codes of the full int8 range in groups of
-    16 with factored scales (Q6_K's form) and in groups of 32 with plain ones and a tail."""
+    """Both defaults (1, 2 and 5 rows) on `_self_check_weights` against float32
+    dequantize-then-matmul."""
     try:
-        gen = torch.Generator(device=device).manual_seed(0)
-
-        def weight(n: int, k: int, per: int, bits: int = 4, group: int = 32) -> QuantizedWeight:
-            if bits == 4:
-                codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8,
-                                      generator=gen)
-            else:
-                codes = torch.randint(-128, 128, (n, k), device=device, generator=gen,
-                                      dtype=torch.int32).to(torch.int8)
-            # the K-quants' structure: float16 d per `per` groups times a 6-bit integer per
-            # group
-            groups = k // group
-            d = (torch.rand(n, groups // per, device=device, generator=gen) * 1e-3).half()
-            d = d.float().repeat_interleave(per, dim=1)
-            sc = torch.randint(0, 64, (n, groups), device=device, generator=gen).float()
-            return QuantizedWeight(codes, d * sc, -d * (63 - sc), bits, group, k, "selfcheck")
-
-        for w in (factor(weight(48, 1024, 8)), weight(40, 96, 1),
-                  factor(weight(48, 512, 16, 8, 16)), weight(40, 224, 1, 8, 32)):
+        gen = torch.Generator(device=device).manual_seed(1)
+        for w in _self_check_weights(device):
             x = torch.randn(5, w.in_features, device=device, dtype=torch.bfloat16,
                             generator=gen)
             want = x.float() @ w.dequantize(dtype=torch.float32).t()
-            for rows in (1, 2, 5):
+            for rows in SELF_CHECK_ROWS:
                 got = mma_gemv(x[:rows], w).float()
                 bound = 1e-2 * float(want.abs().max())
                 if not torch.allclose(got, want[:rows], rtol=1e-2, atol=bound):

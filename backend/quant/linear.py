@@ -29,6 +29,7 @@ where it compiles and passes its self-check (`CUDA_GEMV`).
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -42,8 +43,11 @@ from sgl.backend.quant.fp8 import Fp8Weight, fp8_linear
 from sgl.backend.quant.weight import QuantizedWeight, mark_weights
 
 __all__ = ["CUDA_GEMV", "CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS",
-           "TILE_BYTES", "cuda_route", "dense_via_scratch", "keep_rows_invariant", "quant_linear",
-           "quant_linear_reference", "use_triton", "weight_kind"]
+           "TILE_BYTES", "cuda_route", "dense_via_scratch", "keep_rows_invariant",
+           "prepare_cuda_kernels", "quant_linear", "quant_linear_reference", "use_triton",
+           "weight_kind"]
+
+log = logging.getLogger(__name__)
 
 # CPU: products of up to this many rows run the C kernel on the codes, larger ones dequantize
 # and multiply through oneDNN (`_dense`). One prompt's prefill on the 2-core AVX-512 VM
@@ -86,6 +90,27 @@ CUDA_GEMV = True
 # Largest dequantized scratch, in weight elements (128 MB in bf16): bigger weights (the 8B
 # LM head is 525M) are dequantized and multiplied in row slices.
 SCRATCH_ELEMENTS = 64 << 20
+
+
+def prepare_cuda_kernels(model: torch.nn.Module, device: torch.device,
+                         dtype: torch.dtype) -> int:
+    """Compile, in parallel, the CUDA GEMV variants that `model`'s quantized weights will
+    launch (the engine calls this before capturing its CUDA graphs, whose warm-up would
+    compile them one at a time). Returns how many; 0 where the CUDA GEMV does not serve
+    (another device or dtype, `CUDA_GEMV` off, no NVRTC: then available() says so and the
+    Triton kernels serve)."""
+    if not (CUDA_GEMV and device.type == "cuda" and dtype == torch.bfloat16
+            and hasattr(torch.cuda, "_compile_kernel")):
+        return 0
+    weights = {id(w): w for m in model.modules()
+               if isinstance(w := getattr(m, "qweight", None), QuantizedWeight)}
+    if not weights:
+        return 0
+    try:
+        return cuda_gemv.prepare(weights.values(), device)
+    except Exception as exc:  # (NVRTC missing or failing: the self-check will tell)
+        log.info("compiling the CUDA GEMV ahead failed (%s: %s)", type(exc).__name__, exc)
+        return 0
 
 
 def use_triton(x: torch.Tensor) -> bool:
