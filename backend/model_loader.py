@@ -30,6 +30,7 @@ Cache folder: the `cache_dir` option, ``$SGL_CACHE_DIR`` or ``~/.cache/sgl``::
     <cache>/gguf/<stem>-<key>/config.json                     (every GGUF load)
     <cache>/gguf/<stem>-<key>/model.safetensors               (float path: dequantized weights)
     <cache>/kernels/sgl_qlinear-<key>.so                      (quant/cpu_kernel.py)
+    <cache>/kernels/cuda_gemv-<key>.cubin                     (quant/cuda_gemv.py, per variant)
     <cache>/gguf/<stem>-<key>/tokenizer/                      (written by tokenizer.py)
 """
 

@@ -23,10 +23,15 @@ from sgl.errors import InvalidConfigError
 
 CPU = torch.device("cpu")
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, VOCAB = 256, 2, 4, 2, 512, 64
-# Each projection in its own format, so fused layers mix formats (q|k|v: Q4_K, Q6_K, Q5_K)
-# as a Q4_K_M file does; Q5_0 has no kernel and must load as float.
-LAYER_FORMATS = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_output": "Q4_0",
-                 "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0"}
+# Each projection in its own format, so fused layers mix formats (layer 0's q|k|v: Q4_K, Q6_K,
+# Q5_K, as a Q4_K_M file does; layer 1's the 2-3 bit K-quants and Q5_1); IQ4_NL has no kernel
+# and must load as float.
+LAYER_FORMATS = [
+    {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_output": "Q4_0",
+     "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "IQ4_NL"},
+    {"attn_q": "Q3_K", "attn_k": "Q2_K", "attn_v": "Q5_1", "attn_output": "Q5_0",
+     "ffn_gate": "Q2_K", "ffn_up": "Q3_K", "ffn_down": "Q8_0"},
+]
 
 
 @pytest.fixture
@@ -53,12 +58,12 @@ def _write_tiny_gguf(path: Path, tied: bool) -> Path:
     def add(name: str, fmt: str, rows: int, cols: int = 0) -> None:
         if fmt == "F32":
             writer.add_tensor(name, (rng.standard_normal(rows) * 0.1).astype(np.float32))
-        elif fmt == "Q5_0":
-            from gguf.quants import quantize
-
-            data = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
-            writer.add_tensor(name, quantize(data, GGMLQuantizationType.Q5_0),
-                              raw_dtype=GGMLQuantizationType.Q5_0)
+        elif fmt == "IQ4_NL":  # (32 weights in 18 bytes: an fp16 scale, then 16 bytes)
+            raw = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
+            d = rng.normal(0, 0.05, (rows, cols // 32)).astype(np.float16)
+            raw[..., 0:2] = d.view(np.uint8).reshape(rows, cols // 32, 2)
+            writer.add_tensor(name, raw.reshape(rows, -1),
+                              raw_dtype=GGMLQuantizationType.IQ4_NL)
         else:
             writer.add_tensor(name, random_blocks(fmt, rows, cols, next(seed)),
                               raw_dtype=GGMLQuantizationType[fmt])
@@ -74,7 +79,7 @@ def _write_tiny_gguf(path: Path, tied: bool) -> Path:
     for i in range(LAYERS):
         add(f"blk.{i}.attn_norm.weight", "F32", HIDDEN)
         add(f"blk.{i}.ffn_norm.weight", "F32", HIDDEN)
-        for proj, fmt in LAYER_FORMATS.items():
+        for proj, fmt in LAYER_FORMATS[i].items():
             add(f"blk.{i}.{proj}.weight", fmt, *shapes[proj])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -110,14 +115,15 @@ def test_quantized_load_equals_the_float_path(tiny_gguf: Path, cache: Path) -> N
     layer = quant.model.layers[0]
     assert layer.self_attn.qkv_proj.qweight.source_format == "mixed"
     assert layer.mlp.gate_up_proj.qweight.source_format == "Q4_1"
-    assert layer.mlp.down_proj.qweight is None  # Q5_0: no kernel, loaded as float
+    assert layer.mlp.down_proj.qweight is None  # IQ4_NL: no kernel, loaded as float
+    assert quant.model.layers[1].mlp.gate_up_proj.qweight.source_format == "mixed"
     checked = 0
     for name, module in quant.named_modules():
         qweight = getattr(module, "qweight", None)
         if qweight is not None:
             assert torch.equal(qweight.dequantize(), reference[f"{name}.weight"]), name
             checked += 1
-    assert checked == 1 + LAYERS * 3 + (0 if config.tie_word_embeddings else 1)
+    assert checked == 1 + 3 + 4 + (0 if config.tie_word_embeddings else 1)
     for name, param in quant.named_parameters():
         assert torch.equal(param, reference[name]), name
     if config.tie_word_embeddings:
@@ -184,7 +190,8 @@ def test_bad_quantization_value_names_the_choices() -> None:
 
 
 def test_every_kernel_format_is_written_by_this_file() -> None:
-    assert set(LAYER_FORMATS.values()) | {"Q8_0", "Q6_K"} >= set(FORMATS)
+    written = {fmt for layer in LAYER_FORMATS for fmt in layer.values()} | {"Q8_0", "Q6_K"}
+    assert written >= set(FORMATS)
 
 
 def test_random_q4_k_m_layout_widens_v_and_down_of_about_half_the_layers(

@@ -10,10 +10,17 @@ and `dmin * m` fit float32's 24-bit mantissa without rounding.
     format  block  bytes  codes        group  scale        zero
     Q4_0    32     18     q in 0..15   32     d            -8 d
     Q4_1    32     20     q in 0..15   32     d            m
+    Q5_0    32     22     q in 0..31   32     d            -16 d
+    Q5_1    32     24     q in 0..31   32     d            m
     Q8_0    32     34     q in -128..  32     d            0
+    Q2_K    256    84     q in 0..3    16     d * sc_j     -dmin * m_j
+    Q3_K    256    110    q-4 in -4..3 16     d * (sc_j - 32)  0
     Q4_K    256    144    q in 0..15   32     d * sc_j     -dmin * m_j
     Q5_K    256    176    q in 0..31   32     d * sc_j     -dmin * m_j
     Q6_K    256    210    q-32 in -32..31  16 d * sc_j     0
+
+Codes wider than 4 bits or in groups of 16 are kept as 8-bit codes (Q2_K's and Q3_K's too:
+2-3 bits a weight in the file, 8 held, still well under a float copy's 16-32).
 
 The decoders take a tensor's raw bytes `[N, blocks_per_row * block_bytes]` (uint8, the layout
 `gguf.GGUFReader` maps) and return `Decoded(codes [N, K] int16, scale [N, G], zero [N, G])`.
@@ -56,6 +63,60 @@ def _q4_1(blocks: torch.Tensor) -> Decoded:  # [N, nb, 20]
     d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     codes = _nibbles_by_half(blocks[..., 4:20])
     return Decoded(codes.flatten(1).short(), d, m, 4, 32)
+
+
+def _q5_low_high(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1 codes [N, nb, 32]: code i's low nibble from byte i % 16 (low, then high
+    nibbles), its fifth bit bit i of the little-endian 32-bit qh."""
+    bits = qh.long()  # [N, nb, 4] bytes
+    word = bits[..., 0] | bits[..., 1] << 8 | bits[..., 2] << 16 | bits[..., 3] << 24
+    high = (word[..., None] >> torch.arange(32)) & 1  # [N, nb, 32]
+    return (_nibbles_by_half(qs).long() | high << 4).short()
+
+
+def _q5_0(blocks: torch.Tensor) -> Decoded:  # [N, nb, 22]
+    d = _f16(blocks[..., 0:2])
+    codes = _q5_low_high(blocks[..., 2:6], blocks[..., 6:22])
+    return Decoded(codes.flatten(1), d, -16.0 * d, 8, 32)
+
+
+def _q5_1(blocks: torch.Tensor) -> Decoded:  # [N, nb, 24]
+    d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    codes = _q5_low_high(blocks[..., 4:8], blocks[..., 8:24])
+    return Decoded(codes.flatten(1), d, m, 8, 32)
+
+
+def _two_bit_quarters(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K's 2-bit fields: qs [N, nb, 64] -> [N, nb, half, quarter, 32], weight
+    128 half + 32 quarter + l taking bits 2 quarter, 2 quarter + 1 of byte 32 half + l."""
+    q = qs.unflatten(-1, (2, 1, 32)).short()  # [N, nb, half, 1, 32]
+    return (q >> torch.arange(0, 8, 2, dtype=torch.int16).view(4, 1)) & 3
+
+
+def _q2_k(blocks: torch.Tensor) -> Decoded:  # [N, nb, 84]
+    sc = blocks[..., 0:16].long()  # [N, nb, 16]: scale (low nibble) and min (high), per 16
+    d, dmin = _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
+    codes = _two_bit_quarters(blocks[..., 16:80])
+    scale = (d[..., None] * (sc & 0xF).float()).flatten(1)  # [N, nb * 16]
+    zero = (-dmin[..., None] * (sc >> 4).float()).flatten(1)
+    return Decoded(codes.flatten(1), scale, zero, 8, 16)
+
+
+def _q3_k(blocks: torch.Tensor) -> Decoded:  # [N, nb, 110]
+    hmask = blocks[..., 0:32].short()  # [N, nb, 32]: bit 4 half + quarter of weight l's third
+    low = _two_bit_quarters(blocks[..., 32:96])  # [N, nb, half, quarter, 32]
+    high = (hmask[..., None, None, :] >> torch.arange(8, dtype=torch.int16).view(2, 4, 1)) & 1
+    codes = low + 4 * high - 4  # [N, nb, half, quarter, 32] in -4..3
+    # 16 six-bit scales: the low four bits are the nibbles of bytes 0-7 (low nibbles first),
+    # the high two come from bytes 8-11, two bits per scale j at bit 2 (j // 4) of byte
+    # 8 + j % 4
+    b = blocks[..., 96:108].long()  # [N, nb, 12]
+    j = torch.arange(16)
+    low4 = torch.where(j < 8, b[..., j % 8] & 0xF, b[..., j % 8] >> 4)
+    high2 = (b[..., 8 + j % 4] >> (2 * (j // 4))) & 3
+    d = _f16(blocks[..., 108:110])  # [N, nb]
+    scale = (d[..., None] * ((low4 | high2 << 4) - 32).float()).flatten(1)
+    return Decoded(codes.flatten(1), scale, torch.zeros_like(scale), 8, 16)
 
 
 def _q8_0(blocks: torch.Tensor) -> Decoded:  # [N, nb, 34]
@@ -118,7 +179,11 @@ def _q6_k(blocks: torch.Tensor) -> Decoded:  # [N, nb, 210]
 FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], Decoded]]] = {
     "Q4_0": (32, 18, _q4_0),
     "Q4_1": (32, 20, _q4_1),
+    "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1),
     "Q8_0": (32, 34, _q8_0),
+    "Q2_K": (256, 84, _q2_k),
+    "Q3_K": (256, 110, _q3_k),
     "Q4_K": (256, 144, _q4_k),
     "Q5_K": (256, 176, _q5_k),
     "Q6_K": (256, 210, _q6_k),
