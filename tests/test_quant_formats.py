@@ -15,7 +15,8 @@ from sgl.backend.quant.formats import NIBBLE_NATIVE, nibble_native, q8_0_native
 # Byte offsets of each format's fp16 fields inside a block (random bytes there could be
 # NaN/inf, which no real file holds; everything else is random bytes).
 _F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+               "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

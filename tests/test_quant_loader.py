@@ -24,13 +24,13 @@ from sgl.errors import InvalidConfigError
 CPU = torch.device("cpu")
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, VOCAB = 256, 2, 4, 2, 512, 64
 # Each projection in its own format, so fused layers mix formats (layer 0's q|k|v: Q4_K, Q6_K,
-# Q5_K, as a Q4_K_M file does; layer 1's the 2-3 bit K-quants and Q5_1); IQ4_NL has no kernel
-# and must load as float.
+# Q5_K, as a Q4_K_M file does; layer 1's the 2-3 bit K-quants, Q5_1 and IQ4_XS); IQ2_XXS has
+# no kernel and must load as float.
 LAYER_FORMATS = [
     {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_output": "Q4_0",
-     "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "IQ4_NL"},
+     "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "IQ2_XXS"},
     {"attn_q": "Q3_K", "attn_k": "Q2_K", "attn_v": "Q5_1", "attn_output": "Q5_0",
-     "ffn_gate": "Q2_K", "ffn_up": "Q3_K", "ffn_down": "Q8_0"},
+     "ffn_gate": "IQ4_XS", "ffn_up": "Q3_K", "ffn_down": "IQ4_NL"},
 ]
 
 
@@ -58,12 +58,12 @@ def _write_tiny_gguf(path: Path, tied: bool) -> Path:
     def add(name: str, fmt: str, rows: int, cols: int = 0) -> None:
         if fmt == "F32":
             writer.add_tensor(name, (rng.standard_normal(rows) * 0.1).astype(np.float32))
-        elif fmt == "IQ4_NL":  # (32 weights in 18 bytes: an fp16 scale, then 16 bytes)
-            raw = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
-            d = rng.normal(0, 0.05, (rows, cols // 32)).astype(np.float16)
-            raw[..., 0:2] = d.view(np.uint8).reshape(rows, cols // 32, 2)
+        elif fmt == "IQ2_XXS":  # (256 weights in 66 bytes: an fp16 scale, then 64 bytes)
+            raw = rng.integers(0, 256, (rows, cols // 256, 66), dtype=np.uint8)
+            d = rng.normal(0, 0.05, (rows, cols // 256)).astype(np.float16)
+            raw[..., 0:2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
             writer.add_tensor(name, raw.reshape(rows, -1),
-                              raw_dtype=GGMLQuantizationType.IQ4_NL)
+                              raw_dtype=GGMLQuantizationType.IQ2_XXS)
         else:
             writer.add_tensor(name, random_blocks(fmt, rows, cols, next(seed)),
                               raw_dtype=GGMLQuantizationType[fmt])
@@ -115,7 +115,7 @@ def test_quantized_load_equals_the_float_path(tiny_gguf: Path, cache: Path) -> N
     layer = quant.model.layers[0]
     assert layer.self_attn.qkv_proj.qweight.source_format == "mixed"
     assert layer.mlp.gate_up_proj.qweight.source_format == "Q4_1"
-    assert layer.mlp.down_proj.qweight is None  # IQ4_NL: no kernel, loaded as float
+    assert layer.mlp.down_proj.qweight is None  # IQ2_XXS: no kernel, loaded as float
     assert quant.model.layers[1].mlp.gate_up_proj.qweight.source_format == "mixed"
     checked = 0
     for name, module in quant.named_modules():

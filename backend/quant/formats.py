@@ -18,6 +18,11 @@ and `dmin * m` fit float32's 24-bit mantissa without rounding.
     Q4_K    256    144    q in 0..15   32     d * sc_j     -dmin * m_j
     Q5_K    256    176    q in 0..31   32     d * sc_j     -dmin * m_j
     Q6_K    256    210    q-32 in -32..31  16 d * sc_j     0
+    IQ4_NL  32     18     T[q] in -127..113  32  d          0
+    IQ4_XS  256    136    T[q] in -127..113  32  d * (ls_j - 32)  0
+
+(T: the IQ4 formats' table of 16 non-linear levels; each 4-bit index q becomes its level, an
+8-bit code.)
 
 Codes wider than 4 bits or in groups of 16 are kept as 8-bit codes (Q2_K's and Q3_K's too:
 2-3 bits a weight in the file, 8 held, still well under a float copy's 16-32).
@@ -119,6 +124,33 @@ def _q3_k(blocks: torch.Tensor) -> Decoded:  # [N, nb, 110]
     return Decoded(codes.flatten(1), scale, torch.zeros_like(scale), 8, 16)
 
 
+# The 16 levels a 4-bit IQ4_NL/IQ4_XS index selects (the formats' definition).
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_codes(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] index bytes (Q4_0's nibble order) -> [..., 32] int16 levels."""
+    return torch.tensor(IQ4_LEVELS, dtype=torch.int16)[_nibbles_by_half(qs).long()]
+
+
+def _iq4_nl(blocks: torch.Tensor) -> Decoded:  # [N, nb, 18]
+    d = _f16(blocks[..., 0:2])
+    codes = _iq4_codes(blocks[..., 2:18])
+    return Decoded(codes.flatten(1), d, torch.zeros_like(d), 8, 32)
+
+
+def _iq4_xs(blocks: torch.Tensor) -> Decoded:  # [N, nb, 136]
+    d = _f16(blocks[..., 0:2])  # [N, nb]
+    high = blocks[..., 2].long() | blocks[..., 3].long() << 8  # [N, nb] scales' high bits
+    low = _nibbles_by_half(blocks[..., 4:8]).long()  # [N, nb, 8]: scale j's low nibble ...
+    low = low.view(*low.shape[:-1], 2, 4).transpose(-1, -2).flatten(-2)  # ... from byte j / 2
+    j = torch.arange(8)
+    ls = low | ((high[..., None] >> (2 * j)) & 3) << 4  # [N, nb, 8] six-bit
+    codes = _iq4_codes(blocks[..., 8:136].unflatten(-1, (8, 16)))  # [N, nb, 8, 32]
+    scale = (d[..., None] * (ls - 32).float()).flatten(1)
+    return Decoded(codes.flatten(1), scale, torch.zeros_like(scale), 8, 32)
+
+
 def _q8_0(blocks: torch.Tensor) -> Decoded:  # [N, nb, 34]
     d = _f16(blocks[..., 0:2])
     codes = blocks[..., 2:34].contiguous().view(torch.int8)
@@ -187,6 +219,8 @@ FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], Decoded]]] = {
     "Q4_K": (256, 144, _q4_k),
     "Q5_K": (256, 176, _q5_k),
     "Q6_K": (256, 210, _q6_k),
+    "IQ4_NL": (32, 18, _iq4_nl),
+    "IQ4_XS": (256, 136, _iq4_xs),
 }
 
 

@@ -4,7 +4,7 @@
 
 The file is memory-mapped (gguf_file.py); each tensor is either quantized (its raw blocks,
 decoded into a `QuantizedWeight` by `to_quantized`) or float (F32/F16/BF16 norms and the like).
-A quantized format sgl has no kernel for (the IQ and TQ formats...) is dequantized to
+A quantized format sgl has no kernel for (IQ1-IQ3, TQ...) is dequantized to
 float32 by the `gguf` package itself, so such a file still loads, at float cost for those
 tensors.
 
