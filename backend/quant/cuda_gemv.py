@@ -49,7 +49,12 @@ on the same A registers (the unpacking is shared), up to four pairs.
 
 A program is WARPS warps on TILES tiles of 16 rows; the warps take the steps in turn (K
 split) and add their sums in shared memory. Each warp loads a step's codes and scales while
-it computes the one before (two steps in registers, taken in turn).
+it computes the one before (two steps in registers, taken in turn). With `persist` (written
+in session 20 without device time: compiled and checked on CI, not yet run or measured; no
+default uses it) a grid of a few programs per SM takes the tiles in turn, each loading its
+next tile's first step while it adds up the one before: at K = 4096 and 8 warps a warp has
+only two steps per tile, so a program's start and its shared-memory sums are a large part of
+its life (gate_up moves ~2.5 TB/s, o_proj ~1.5).
 
 Measured on the H200 (bench/cuda_gemv_sweep.py, docs/benchmarks.md): an 8B decode step's
 4-bit products (32 layers' four, the head as Q4) 2,004 us against the lop3 kernel's 2,407 at
@@ -102,6 +107,7 @@ class CudaGemvConfig(NamedTuple):
     tiles: int  # 16-row weight tiles per program
     warps: int  # warps per program, splitting K
     span: int = 1  # 16-byte chunks a lane loads per row and step (a warp: 64 span bytes a row)
+    persist: int = 0  # programs per SM, each taking tiles in turn (0: a program per tile)
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
@@ -381,9 +387,25 @@ __device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int ste
     }
 }
 
-// A program computes rows row0 .. row0 + 16 TILES - 1; the last one starts at N - 16 TILES so
-// that it stays inside the weight (its rows shared with the program before it get the same
-// values twice). Its warps take the steps in turn and add their sums in shared memory.
+// Lane `ln`'s operand pointers at row r (its tile's row0 + gid)
+__device__ __forceinline__ void aim(Lane& ln, const u32* codes, const scale_t* scale,
+                                    const scale_t* zero, const float* sup_s, const float* sup_z,
+                                    long r, int c) {
+    ln.codes = (const uint4*)codes + r * G + SPAN * c;
+    ln.scale = scale + r * GS + SPAN * c / CH;
+    ln.zero = zero + r * GS + SPAN * c / CH;
+#if SUPER
+    ln.sup_s = sup_s + r * (GS / SUPER) + SPAN * c / CH / SUPER;
+    ln.sup_z = sup_z + r * (GS / SUPER) + SPAN * c / CH / SUPER;
+#endif
+}
+
+// A tile is 16 TILES rows, row0 .. row0 + 16 TILES - 1; the last one starts at N - 16 TILES so
+// that it stays inside the weight (its rows shared with the tile before it get the same
+// values twice). A program's warps take a tile's steps in turn and add their sums in shared
+// memory. PERSIST: a program takes tiles blockIdx.x, + gridDim.x, ... (a grid of a few
+// programs per SM), and loads its next tile's first step while it adds up the one before;
+// otherwise a program takes one tile.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
         const u32* __restrict__ codes, const scale_t* __restrict__ scale,
         const scale_t* __restrict__ zero, const float* __restrict__ sup_s,
@@ -392,21 +414,25 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
         int N, int stride_x, int stride_y, int has_bias) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, c = lane & 3;
-    const int row0 = min((int)blockIdx.x * (16 * TILES), N - 16 * TILES);
+    int tile = blockIdx.x;
+    int row0 = min(tile * (16 * TILES), N - 16 * TILES);
     Lane ln;
-    const long r = row0 + gid;
-    ln.codes = (const uint4*)codes + r * G + SPAN * c;
-    ln.scale = scale + r * GS + SPAN * c / CH;
-    ln.zero = zero + r * GS + SPAN * c / CH;
-#if SUPER
-    ln.sup_s = sup_s + r * (GS / SUPER) + SPAN * c / CH / SUPER;
-    ln.sup_z = sup_z + r * (GS / SUPER) + SPAN * c / CH / SUPER;
-#endif
+    aim(ln, codes, scale, zero, sup_s, sup_z, row0 + gid, c);
     ln.x = (const uint4*)x + XV * SPAN * c;
     ln.x_row = stride_x / 8;
     ln.odd = gid & 1;
     ln.first = SPAN * c;
     ln.feeds = (gid >> 1) == c;
+    const int full = G / (4 * SPAN);  // whole steps; one more (TAIL) holds the rest
+    Step one, two;  // two steps in turn, each loaded while the other is computed
+    if (warp < full)
+        load_step<false>(one, ln, warp);  // (weights only: they never change)
+    wait_for_inputs();
+    __shared__ float part[WARPS][TILES * 16 * ROWS];
+#if PERSIST
+    const int tiles = (N + 16 * TILES - 1) / (16 * TILES);
+    for (;;) {
+#endif
     float out[TILES][2][ROWS];
     #pragma unroll
     for (int t = 0; t < TILES; t++)
@@ -415,11 +441,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
             #pragma unroll
             for (int k = 0; k < ROWS; k++)
                 out[t][h][k] = 0.f;
-    const int full = G / (4 * SPAN);  // whole steps; one more (TAIL) holds the rest
-    Step one, two;  // two steps in turn, each loaded while the other is computed
-    if (warp < full)
-        load_step<false>(one, ln, warp);  // (weights only: they never change)
-    wait_for_inputs();
     if (warp < full) {
         for (int b = warp;;) {
             load_step<false>(two, ln, min(b + WARPS, full - 1));
@@ -437,7 +458,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
         load_step<true>(st, ln, full);
         run_step<true>(st, ln, full, out);
     }
-    // the four lanes of a quad held different groups: add them
+#if PERSIST
+    const int next = tile + gridDim.x;
+    const int next_row0 = min(next * (16 * TILES), N - 16 * TILES);
+    if (next < tiles) {  // its first step in flight while this tile's sums are added
+        aim(ln, codes, scale, zero, sup_s, sup_z, next_row0 + gid, c);
+        if (warp < full)
+            load_step<false>(one, ln, warp);
+    }
+#endif
+    // the four lanes of a quad held different chunks: add them
     #pragma unroll
     for (int t = 0; t < TILES; t++)
         #pragma unroll
@@ -449,7 +479,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
                 v += __shfl_xor_sync(0xffffffffu, v, 2);
                 out[t][h][k] = v;
             }
-    __shared__ float part[WARPS][TILES * 16 * ROWS];
     if (c == 0) {
         #pragma unroll
         for (int t = 0; t < TILES; t++)
@@ -470,6 +499,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
             v += __uint_as_float((u32)bias[n] << 16);
         y[(long)k * stride_y + n] = to_bf16(v);
     }
+#if PERSIST
+    if (next >= tiles)
+        break;
+    __syncthreads();  // (part is written again for the next tile)
+    tile = next;
+    row0 = next_row0;
+    }
+#endif
 }
 """
 
@@ -516,7 +553,8 @@ def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bit
              chunks_per_group: int = 1) -> str:
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
             f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
-            f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
+            f"#define BITS {bits}\n#define CH {chunks_per_group}\n"
+            f"#define PERSIST {int(cfg.persist > 0)}\n")
 
 
 Variant = tuple[CudaGemvConfig, int, int, int, int, int]  # _defines' arguments
@@ -570,6 +608,11 @@ def _compile(source: str, arch: str) -> bytes:
     from torch.cuda._utils import _nvrtc_compile
 
     return _nvrtc_compile(source, "mma_gemv", arch)[0]  # (extern "C": the name as written)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _arch(device: int) -> str:
@@ -628,7 +671,10 @@ def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = No
     b = bias if bias is not None else y
     args = [codes, w.scale, w.zero, sup_s, sup_z, x2, b, y, n, x2.stride(0), y.stride(0),
             int(bias is not None)]
-    grid, block = (-(-n // (16 * cfg.tiles)), 1, 1), (32 * cfg.warps, 1, 1)
+    programs = -(-n // (16 * cfg.tiles))
+    if cfg.persist:
+        programs = min(programs, cfg.persist * _sm_count(device))
+    grid, block = (programs, 1, 1), (32 * cfg.warps, 1, 1)
     stream = torch.cuda.current_stream(device)
     if _early(device):
         _launch_early(kernel, grid, block, args, stream)
