@@ -85,3 +85,21 @@ def test_cat_promotes_mixed_formats_exactly() -> None:
 def test_decode_rejects_a_row_that_is_not_whole_blocks() -> None:
     with pytest.raises(ValueError, match="Q4_K"):
         decode("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), 200)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "IQ4_XS", "Q5_0"])
+def test_large_tensors_decode_in_row_slices_to_the_same_weight(
+        fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """to_quantized decodes DECODE_WEIGHTS at a time (bounded temporaries on an 8B
+    embedding): slices of 3 rows, the last one short, give the whole decode's weight."""
+    from sgl.backend.quant import gguf_weights
+
+    raw = torch.from_numpy(random_blocks(fmt, 11, 512, seed=5))
+    whole = QuantizedWeight.from_decoded(decode(fmt, raw, 512), fmt)
+    monkeypatch.setattr(gguf_weights, "DECODE_WEIGHTS", 3 * 512)
+    sliced = gguf_weights.to_quantized(gguf_weights.GGUFTensor("w", fmt, (11, 512), raw))
+    for a, b in ((whole.codes, sliced.codes), (whole.scale, sliced.scale),
+                 (whole.zero, sliced.zero)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert (sliced.bits, sliced.group_size, sliced.source_format) == (whole.bits,
+                                                                        whole.group_size, fmt)

@@ -100,6 +100,11 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
+# Weights decoded at a time: the decoders' temporaries (up to 8 bytes a weight) stay ~32 MB
+# however large the tensor (an 8B model's embedding is 525M weights: whole, ~4 GB of them).
+DECODE_WEIGHTS = 1 << 22
+
+
 def to_quantized(t: GGUFTensor) -> QuantizedWeight:
     # Formats already in our code layout are copied, not decoded: fewer temporaries, so a
     # load leaves less freed-but-resident heap behind.
@@ -109,4 +114,18 @@ def to_quantized(t: GGUFTensor) -> QuantizedWeight:
     if t.format == "Q8_0":
         codes, scale, zero = formats.q8_0_native(t.raw, t.shape[-1])
         return QuantizedWeight(codes, scale, zero, 8, 32, t.shape[-1], t.format)
-    return QuantizedWeight.from_decoded(formats.decode(t.format, t.raw, t.shape[-1]), t.format)
+    k = t.shape[-1]
+    step = max(1, DECODE_WEIGHTS // k)  # rows a decode takes at once
+    first = QuantizedWeight.from_decoded(formats.decode(t.format, t.raw[:step], k), t.format)
+    n = t.raw.shape[0]
+    if n <= step:
+        return first
+    parts = [torch.empty((n, *p.shape[1:]), dtype=p.dtype)
+             for p in (first.codes, first.scale, first.zero)]
+    for start in range(0, n, step):
+        rows = slice(start, min(start + step, n))
+        w = first if start == 0 else QuantizedWeight.from_decoded(
+            formats.decode(t.format, t.raw[rows], k), t.format)
+        for part, piece in zip(parts, (w.codes, w.scale, w.zero)):
+            part[rows] = piece
+    return QuantizedWeight(*parts, first.bits, first.group_size, k, t.format)
