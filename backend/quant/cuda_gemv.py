@@ -607,7 +607,9 @@ def _cache_folder() -> Path:
 def _compile(source: str, arch: str) -> bytes:
     from torch.cuda._utils import _nvrtc_compile
 
-    return _nvrtc_compile(source, "mma_gemv", arch)[0]  # (extern "C": the name as written)
+    out = _nvrtc_compile(source, "mma_gemv", arch)  # (extern "C": the name as written)
+    code = out[0] if isinstance(out, tuple) else out  # (torch versions: (code, name) or code)
+    return code.encode() if isinstance(code, str) else bytes(code)
 
 
 @functools.lru_cache(maxsize=None)
