@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import sgl
 from sgl.backend.layers.linear import Embedding, Linear
 from sgl.backend.model_loader import load_model
-from sgl.backend.quant import QuantizedWeight, cuda_gemv, linear, triton_gemv
+from sgl.backend.quant import FORMATS, QuantizedWeight, cuda_gemv, linear, triton_gemv
 from sgl.backend.quant.cuda_gemv import CudaGemvConfig
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.fp8 import Fp8Weight
@@ -361,13 +361,32 @@ def test_gpu_move_factors_k_quant_scales_exactly() -> None:
 
     from sgl.backend.quant import decode
 
-    for fmt, factored in (("Q4_K", True), ("Q6_K", True), ("Q4_1", False)):
+    for fmt, factored in (("Q4_K", True), ("Q6_K", True), ("Q4_1", False), ("Q3_K", True),
+                          ("IQ4_XS", True), ("Q5_0", False)):
         raw = torch.from_numpy(random_blocks(fmt, 40, 512, seed=1))
         host = QuantizedWeight.from_decoded(decode(fmt, raw, 512), fmt)
         dev = host.to(CUDA)
         assert bool(dev.super_groups) == factored and dev.codes.is_cuda
         assert torch.equal(dev.dequantize().cpu(), host.dequantize())
         assert torch.equal(dev.to("cpu").scale, host.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_gpu_every_format_multiplies_as_its_reference(fmt: str) -> None:
+    """Each GGUF format, moved to the GPU as the loader moves it, through quant_linear at the
+    row counts of each route (1-8 rows: the CUDA GEMV; 17 and 300: Triton), with bf16
+    activations, against float32 dequantize-then-matmul."""
+    from test_quant_formats import random_blocks
+
+    from sgl.backend.quant import decode
+
+    raw = torch.from_numpy(random_blocks(fmt, 48, 1024, seed=3))
+    w = QuantizedWeight.from_decoded(decode(fmt, raw, 1024), fmt).to(CUDA)
+    ref = w.dequantize(dtype=torch.float32)
+    for m in (1, 2, 5, 8, 17, 300):
+        x = torch.randn(m, 1024, device=CUDA, dtype=torch.bfloat16)
+        assert_bf16_close(linear.quant_linear(x, w), x, ref)
 
 
 # Split-K (QGemvConfig.split_k, quant/triton_split.py): slices x reductions on wide tiles.

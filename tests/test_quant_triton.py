@@ -38,7 +38,8 @@ needs_triton = pytest.mark.skipif(not TRITON_HERE, reason=NO_TRITON)
 FMTS = sorted(FORMATS)
 
 
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# Formats of 256-weight super-blocks (the K-quants, IQ4_XS): their scales factor (factored.py)
+K_QUANTS = tuple(sorted(f for f, (block, _, _) in FORMATS.items() if block == 256))
 
 
 def qweight(fmt: str, n: int, k: int, seed: int = 0, factored: bool = False) -> QuantizedWeight:
@@ -304,8 +305,10 @@ def test_factored_scales_are_exact_and_smaller(fmt: str) -> None:
     assert torch.equal(w.dequantize(), plain.dequantize())  # bit for bit
     back = unfactor(w)
     assert torch.equal(back.scale, plain.scale) and torch.equal(back.zero, plain.zero)
-    # bits per weight, codes + sub-scales + super-scales against codes + float32 pairs
-    smaller = {"Q4_K": 4.75 / 6, "Q5_K": 8.75 / 10, "Q6_K": 9.25 / 12}[fmt]
+    # bits per weight, codes + int8 sub-scale pairs + float32 super pairs per 256 weights
+    # against codes + float32 pairs (Q4_K 4.75 / 6, Q5_K 8.75 / 10, Q6_K 9.25 / 12)
+    g = w.group_size
+    smaller = (w.bits + 16 / g + 64 / 256) / (w.bits + 64 / g)
     assert w.nbytes / plain.nbytes == pytest.approx(smaller)
     # Moving off the GPU form gives the C kernel's plain float32 layout; merging unfactors.
     assert w.to("cpu").super_groups == 0

@@ -60,7 +60,8 @@ def test_qgemm_matches_dequantize_then_matmul(fmt: str, m: int, bias: bool,
 # The real model's inner dims (SmolLM2: hidden 576 = 18 groups of 32, MLP 1536) and the 8B
 # model's (4096, 14336); K-quants need whole 256-blocks (768: 3 of them).
 TAIL_K = {"Q4_0": (576,), "Q4_1": (1536,), "Q8_0": (576,), "Q4_K": (4096,), "Q5_K": (768,),
-          "Q6_K": (768,)}
+          "Q6_K": (768,), "Q5_0": (576,), "Q5_1": (576,), "IQ4_NL": (576,), "Q2_K": (768,),
+          "Q3_K": (768,), "IQ4_XS": (768,)}
 
 
 @needs_triton
