@@ -37,7 +37,7 @@ def to_ptx(source: str) -> str:
     """NVRTC: CUDA C -> PTX for compute_90, as torch.cuda._compile_kernel does on a GPU."""
     assert NVRTC is not None
     prog = ctypes.c_void_p()
-    assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"q4mma.cu", 0,
+    assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"cuda_gemv.cu", 0,
                                     None, None) == 0
     opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
     status = NVRTC.nvrtcCompileProgram(prog, 1, opts)

@@ -169,7 +169,7 @@ __device__ __forceinline__ const T* pinned(const T* p) {
     return p;
 }
 
-// Launched early (programmatic dependent launch, CudaQ4Launch.pdl): the kernel before may
+// Launched early (programmatic dependent launch, EARLY_LAUNCH): the kernel before may
 // still be writing x, and y may still be its memory; wait for it to finish before reading x
 // or writing anything. A no-op in a normal launch.
 __device__ __forceinline__ void wait_for_inputs() {
