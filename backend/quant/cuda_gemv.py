@@ -567,6 +567,10 @@ def _variant(cfg: CudaGemvConfig, rows: int, w: QuantizedWeight) -> Variant:
     return cfg, rows, w.super_groups, chunks, w.bits, per_group
 
 
+def _source(variant: Variant) -> str:
+    return _defines(*variant) + SOURCE
+
+
 # Compiled machine code, by (source, compute capability): this process's, and on disk in
 # <cache>/kernels/cuda_gemv-<key>.cubin (model_loader.cache_dir) for the next start. A model
 # needs a variant per weight shape and form and per row count 1..MAX_ROWS (an 8B Q4_K_M file:
@@ -624,7 +628,7 @@ def _arch(device: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(variant: Variant, device: int) -> Any:
-    source = _defines(*variant) + SOURCE
+    source = _source(variant)
     with torch.cuda.device(device):  # (the module is loaded into that device's context)
         try:
             from torch.cuda._utils import _cuda_load_module
@@ -647,16 +651,15 @@ def prepare(weights: Iterable[QuantizedWeight], device: torch.device,
     arch = _arch(device.index if device.index is not None else torch.cuda.current_device())
     wanted = [(w, rows) for w in _self_check_weights("cpu") for rows in SELF_CHECK_ROWS]
     wanted += [(w, rows) for w in weights if serves(w) for rows in range(1, MAX_ROWS + 1)]
-    sources = {_defines(*_variant(fitted(config_for(rows, w.bits), w.out_features,
-                                         chunking(w)[1]), rows, w)) + SOURCE
-               for w, rows in wanted}
+    sources = {_source(_variant(fitted(config_for(rows, w.bits), w.out_features,
+                                       chunking(w)[1]), rows, w)) for w, rows in wanted}
     with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda source: _cubin(source, arch), sources))
     return len(sources)
 
 
 def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
-                config: CudaGemvConfig | None = None) -> torch.Tensor:
+             config: CudaGemvConfig | None = None) -> torch.Tensor:
     """x [..., K] bf16 (1..MAX_ROWS rows) @ w^T (+ bias) -> [..., N] bf16."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
@@ -689,8 +692,8 @@ def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = No
 # kernel may start while the one before it on the stream is still running (RMSNorm, SiLU x mul,
 # decode attention let it as they start), loads its first step's weights, and waits
 # (`wait_for_inputs`) before it reads x. Session 20 on the H200: single stream 348.8 -> 359.4
-# tok/s (`gpu_bench --quant-engines q4,q4_early`), and tests/test_quant_gpu.py's `cuda_early`
-# and engine tests passed.
+# tok/s (`gpu_bench --quant-engines q4_late,q4` names the two), and tests/test_quant_gpu.py's
+# `early_launch` and engine tests passed.
 EARLY_LAUNCH = True
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
