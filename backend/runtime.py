@@ -282,8 +282,8 @@ class Runtime:
             from sgl.backend.quant.linear import prepare_cuda_kernels
 
             prepare_cuda_kernels(model, self.device, self.dtype)
-        if self.device.type == "cuda" and not config.disable_cuda_graph:
-            self._capture_cuda_graphs(config, attn, max_running)
+            if not config.disable_cuda_graph:
+                self._capture_cuda_graphs(config, attn, max_running)
         self.scheduler = Scheduler(
             SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=config.chunked_prefill_size,
                             max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,

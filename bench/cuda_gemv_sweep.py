@@ -116,6 +116,7 @@ def main() -> int:
     log = open(out / "cuda_gemv_sweep.jsonl", "a")
     rows = [int(r) for r in args.rows.split(",")]
     kinds = args.kinds.split(",")
+    shipped_early = cuda_gemv.EARLY_LAUNCH
     print(f"available: {cuda_gemv.available()}", flush=True)
     bad = odd_checks(rows, kinds)
     print(f"odd-shape checks: {'all within 1e-2' if not bad else bad}", flush=True)
@@ -147,9 +148,10 @@ def main() -> int:
                                                          reps=5))
         copies = ws.get(kind, shape)
         linear.CUDA_GEMV = False
-        put(kind, shape, m, "triton route", graph_us([lambda w=w: quant_linear(x, w) for w in copies],
-                                               reps=5))
+        put(kind, shape, m, "triton route", graph_us([lambda w=w: quant_linear(x, w)
+                                                      for w in copies], reps=5))
         linear.CUDA_GEMV = True
+        cuda_gemv.EARLY_LAUNCH = False  # every config launched normally, then the default early
         for cfg in GRID:
             try:
                 err = rel_err(x, copies[0], None, cfg)
@@ -164,11 +166,11 @@ def main() -> int:
         cuda_gemv.EARLY_LAUNCH = True
         try:
             put(kind, shape, m, "early default", graph_us([lambda w=w: mma_gemv(x, w)
-                                                     for w in copies], reps=5))
+                                                           for w in copies], reps=5))
         except Exception as exc:
             print(f"{shape} early launch: {type(exc).__name__}: {str(exc)[:300]}")
         finally:
-            cuda_gemv.EARLY_LAUNCH = False
+            cuda_gemv.EARLY_LAUNCH = shipped_early
         ws.cache.clear()
 
     lines = ["| weight | rows | shape | bf16 cuBLAS | Triton route | best CUDA config | us | TB/s "

@@ -219,3 +219,29 @@ def test_prepare_compiles_every_variant_the_products_launch(
     check = launches([(w, rows) for w in cuda_gemv._self_check_weights("cpu")
                       for rows in cuda_gemv.SELF_CHECK_ROWS])
     assert set(compiled) == model | check
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_engine_prepares_the_projections_and_the_head_not_the_table(
+        tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear.prepare_cuda_kernels hands cuda_gemv.prepare every quantized projection and the
+    LM head, once each; an untied embedding table, only ever looked up, costs no compile."""
+    from transformers import LlamaConfig
+
+    from sgl.backend.models.registry import get_model_class, resolve_architecture
+    from sgl.backend.quant import linear
+    from sgl.backend.quant.install import install_random_quantized
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    model = get_model_class(resolve_architecture(cfg))(cfg, device=torch.device("cpu"),
+                                                       dtype=torch.bfloat16)
+    install_random_quantized(model, 0)
+    given: list = []
+    monkeypatch.setattr(linear.cuda_gemv, "prepare",
+                        lambda weights, device: given.extend(weights) or len(given))
+    assert linear.prepare_cuda_kernels(model, torch.device("cuda", 0), torch.bfloat16) == 9
+    head, table = model.lm_head.qweight, model.model.embed_tokens.qweight
+    assert sum(w is head for w in given) == 1
+    assert tied or not any(w is table for w in given)
+    assert linear.prepare_cuda_kernels(model, torch.device("cuda", 0), torch.float16) == 0

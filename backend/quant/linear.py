@@ -102,7 +102,12 @@ def prepare_cuda_kernels(model: torch.nn.Module, device: torch.device,
     if not (CUDA_GEMV and device.type == "cuda" and dtype == torch.bfloat16
             and hasattr(torch.cuda, "_compile_kernel")):
         return 0
-    weights = {id(w): w for m in model.modules()
+    from sgl.backend.layers.linear import Linear  # (which imports this module)
+
+    # the projections and the head; an untied embedding table is only looked up
+    multiplied = [m for m in model.modules() if isinstance(m, Linear)]
+    multiplied.append(getattr(model, "lm_head", None))
+    weights = {id(w): w for m in multiplied
                if isinstance(w := getattr(m, "qweight", None), QuantizedWeight)}
     if not weights:
         return 0
