@@ -48,9 +48,6 @@ GRIDS = {
     # the shipped config and its neighbours: a sweep over more row counts in one device call
     "small": [CudaGemvConfig(t, w, span) for t, w, span in ((1, 8, 2), (1, 4, 2), (1, 8, 1),
                                                            (1, 8, 4), (2, 8, 2), (2, 8, 1))],
-    # persistent programs (1-4 per SM, each taking tiles in turn) against the shipped shapes
-    "persist": [CudaGemvConfig(t, w, span, p) for t, w, span in ((1, 8, 2), (1, 8, 1), (2, 8, 1))
-                for p in (0, 1, 2, 4)],
 }
 GRID = GRIDS["full"]
 STEP = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}

@@ -38,9 +38,6 @@ VARIANTS = [  # (config, rows, super_groups, chunks, bits, chunks per group): ea
     for rows in (1, 2, 4, 5, 8)
     for form in ((8, 128, 4, 1), (8, 448, 4, 1), (0, 18, 4, 1), (0, 25, 4, 1),
                  (16, 256, 8, 1), (16, 896, 8, 1), (0, 36, 8, 1), (0, 50, 8, 2))
-] + [  # persistent programs (bench/cuda_gemv_sweep.py --grid persist), not yet a default
-    (config_for(rows, form[2])._replace(persist=2), rows, *form)
-    for rows in (1, 8) for form in ((8, 448, 4, 1), (0, 25, 4, 1), (16, 256, 8, 1))
 ]
 
 

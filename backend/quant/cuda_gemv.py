@@ -49,12 +49,10 @@ on the same A registers (the unpacking is shared), up to four pairs.
 
 A program is WARPS warps on TILES tiles of 16 rows; the warps take the steps in turn (K
 split) and add their sums in shared memory. Each warp loads a step's codes and scales while
-it computes the one before (two steps in registers, taken in turn). With `persist` (written
-in session 20 without device time: compiled and checked on CI, not yet run or measured; no
-default uses it) a grid of a few programs per SM takes the tiles in turn, each loading its
-next tile's first step while it adds up the one before: at K = 4096 and 8 warps a warp has
-only two steps per tile, so a program's start and its shared-memory sums are a large part of
-its life (gate_up moves ~2.5 TB/s, o_proj ~1.5).
+it computes the one before (two steps in registers, taken in turn). Persistent programs (a
+few per SM taking tiles in turn, each loading its next tile's first step while it adds up the
+one before) were measured in session 21 and dropped: 10-20% slower for an 8B step at one and
+two rows, both code widths (docs/benchmarks.md).
 
 Measured on the H200 (bench/cuda_gemv_sweep.py, docs/benchmarks.md): an 8B decode step's
 4-bit products (32 layers' four, the head as Q4) 2,004 us against the lop3 kernel's 2,407 at
@@ -107,7 +105,6 @@ class CudaGemvConfig(NamedTuple):
     tiles: int  # 16-row weight tiles per program
     warps: int  # warps per program, splitting K
     span: int = 1  # 16-byte chunks a lane loads per row and step (a warp: 64 span bytes a row)
-    persist: int = 0  # programs per SM, each taking tiles in turn (0: a program per tile)
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
@@ -403,9 +400,7 @@ __device__ __forceinline__ void aim(Lane& ln, const u32* codes, const scale_t* s
 // A tile is 16 TILES rows, row0 .. row0 + 16 TILES - 1; the last one starts at N - 16 TILES so
 // that it stays inside the weight (its rows shared with the tile before it get the same
 // values twice). A program's warps take a tile's steps in turn and add their sums in shared
-// memory. PERSIST: a program takes tiles blockIdx.x, + gridDim.x, ... (a grid of a few
-// programs per SM), and loads its next tile's first step while it adds up the one before;
-// otherwise a program takes one tile.
+// memory; a program takes one tile.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
         const u32* __restrict__ codes, const scale_t* __restrict__ scale,
         const scale_t* __restrict__ zero, const float* __restrict__ sup_s,
@@ -414,8 +409,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
         int N, int stride_x, int stride_y, int has_bias) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, c = lane & 3;
-    int tile = blockIdx.x;
-    int row0 = min(tile * (16 * TILES), N - 16 * TILES);
+    const int row0 = min((int)blockIdx.x * (16 * TILES), N - 16 * TILES);
     Lane ln;
     aim(ln, codes, scale, zero, sup_s, sup_z, row0 + gid, c);
     ln.x = (const uint4*)x + XV * SPAN * c;
@@ -429,10 +423,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
         load_step<false>(one, ln, warp);  // (weights only: they never change)
     wait_for_inputs();
     __shared__ float part[WARPS][TILES * 16 * ROWS];
-#if PERSIST
-    const int tiles = (N + 16 * TILES - 1) / (16 * TILES);
-    for (;;) {
-#endif
     float out[TILES][2][ROWS];
     #pragma unroll
     for (int t = 0; t < TILES; t++)
@@ -458,15 +448,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
         load_step<true>(st, ln, full);
         run_step<true>(st, ln, full, out);
     }
-#if PERSIST
-    const int next = tile + gridDim.x;
-    const int next_row0 = min(next * (16 * TILES), N - 16 * TILES);
-    if (next < tiles) {  // its first step in flight while this tile's sums are added
-        aim(ln, codes, scale, zero, sup_s, sup_z, next_row0 + gid, c);
-        if (warp < full)
-            load_step<false>(one, ln, warp);
-    }
-#endif
     // the four lanes of a quad held different chunks: add them
     #pragma unroll
     for (int t = 0; t < TILES; t++)
@@ -499,14 +480,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
             v += __uint_as_float((u32)bias[n] << 16);
         y[(long)k * stride_y + n] = to_bf16(v);
     }
-#if PERSIST
-    if (next >= tiles)
-        break;
-    __syncthreads();  // (part is written again for the next tile)
-    tile = next;
-    row0 = next_row0;
-    }
-#endif
 }
 """
 
@@ -553,8 +526,7 @@ def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bit
              chunks_per_group: int = 1) -> str:
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
             f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
-            f"#define BITS {bits}\n#define CH {chunks_per_group}\n"
-            f"#define PERSIST {int(cfg.persist > 0)}\n")
+            f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 
 
 Variant = tuple[CudaGemvConfig, int, int, int, int, int]  # _defines' arguments
@@ -616,11 +588,6 @@ def _compile(source: str, arch: str) -> bytes:
     return code.encode() if isinstance(code, str) else bytes(code)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _arch(device: int) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"{major}{minor}"
@@ -676,10 +643,7 @@ def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = No
     b = bias if bias is not None else y
     args = [codes, w.scale, w.zero, sup_s, sup_z, x2, b, y, n, x2.stride(0), y.stride(0),
             int(bias is not None)]
-    programs = -(-n // (16 * cfg.tiles))
-    if cfg.persist:
-        programs = min(programs, cfg.persist * _sm_count(device))
-    grid, block = (programs, 1, 1), (32 * cfg.warps, 1, 1)
+    grid, block = (-(-n // (16 * cfg.tiles)), 1, 1), (32 * cfg.warps, 1, 1)
     stream = torch.cuda.current_stream(device)
     if _early(device):
         _launch_early(kernel, grid, block, args, stream)
