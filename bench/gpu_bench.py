@@ -639,9 +639,6 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  "q4_late": dict(quantization="gguf"),  # the CUDA GEMV never launched early
                  # Q4_K_M's mix: Q6_K v and down in about half the layers (install.RANDOM_LAYOUT)
                  "q4km": dict(quantization="gguf"), "q4km_s19": dict(quantization="gguf"),
-                 # the small kernels launched in turn, as session 20 left them (SMALL_EARLY_SWITCH)
-                 "bf16_s20": {}, "q4_s20": dict(quantization="gguf"),
-                 "fp8_s20": dict(quantization="fp8"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -662,12 +659,10 @@ def engine_variant(name: str) -> Iterator[None]:
     CUDA GEMV (quant/linear.py CUDA_GEMV); "q4_s19" is the CUDA GEMV as session 19 left it:
     4-bit codes only, one and two rows, never launched early; "q4_late" is "q4" without the
     CUDA GEMV's early launches (cuda_gemv.EARLY_LAUNCH); "q4km" and "q4km_s19" are "q4" and
-    "q4_s19" on Q4_K_M's mix of formats (quant/install.py RANDOM_LAYOUT); "bf16_s20",
-    "q4_s20" and "fp8_s20" launch the small kernels (RMSNorm, rotary, attention, SiLU x mul)
-    in turn, without early launches (triton_compat.SMALL_EARLY_SWITCH). The others: the
+    "q4_s19" on Q4_K_M's mix of formats (quant/install.py RANDOM_LAYOUT). The others: the
     shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
-    from sgl.backend.kernels.triton_compat import PDL_SWITCH, SMALL_EARLY_SWITCH
+    from sgl.backend.kernels.triton_compat import PDL_SWITCH
     from sgl.backend.quant import install
     from sgl.backend.quant.triton_gemv import GEMV_DEFAULTS, QGemvConfig
 
@@ -695,9 +690,8 @@ def engine_variant(name: str) -> Iterator[None]:
     layout = install.RANDOM_LAYOUT
     if name.startswith("q4km"):
         install.RANDOM_LAYOUT = "q4_k_m"
-    early, small_early = PDL_SWITCH[0], SMALL_EARLY_SWITCH[0]
+    early = PDL_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
-    SMALL_EARLY_SWITCH[0] = small_early and not name.endswith(("_s20", "_s19", "_s9", "_nopdl"))
     from sgl.backend.kernels import triton_matmul
 
     det_tile = dict(triton_matmul.TILE)
@@ -716,7 +710,7 @@ def engine_variant(name: str) -> Iterator[None]:
         install.RANDOM_LAYOUT = layout
         GEMV_DEFAULTS.update(shipped)
         install.install_fp8 = install_fp8
-        PDL_SWITCH[0], SMALL_EARLY_SWITCH[0] = early, small_early
+        PDL_SWITCH[0] = early
 
 
 def quant_engine(name: str, opts: dict[str, Any], rates: Rates, shape: Shape,
@@ -767,9 +761,8 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4_s20", "q4", "q4km_s19", "q4km",
-                 "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_s20", "fp8_wo", "fp8", "fp8_a8", "bf16_s20",
-                 "det", "kv_fp8"):
+    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4", "q4km_s19", "q4km", "q4_l2",
+                 "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8", "fp8_a8", "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]

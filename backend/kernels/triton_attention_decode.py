@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import (is_interpreted, launch_options, let_next_launch,
-                                               mma, next_power_of_2, tl, triton,
-                                               wait_for_inputs)
+from sgl.backend.kernels.triton_compat import (is_interpreted, let_next_launch, mma,
+                                               next_power_of_2, pdl_launch, tl, triton)
 
 _LOG2E = 1.4426950408889634
 
@@ -42,12 +41,12 @@ def _decode_stage1(
     group, head_dim, head_dim_v, num_splits,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr, WAIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # DIRECT (one split): each program holds whole rows and writes the output itself, with the
     # bits stage 2 would give (its merge of a single split multiplies by 1 and divides by 1).
-    let_next_launch(PDL)  # the GEMV (direct) or stage 2 after may start (triton_compat: PDL)
-    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
+    if DIRECT:
+        let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,10 +114,9 @@ def _decode_stage2(
     MidO, MidLse, Out,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     head_dim_v, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
-    wait_for_inputs(WAIT)  # (launched early itself: stage 1 may still be running)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -173,6 +171,7 @@ def decode_attention_triton(
         mid_lse = torch.empty(batch, num_heads, num_kv_splits,
                               dtype=torch.float32, device=q.device)  # [B, heads, splits]
         mid_strides = (*mid_o.stride()[:3], *mid_lse.stride()[:2])
+    pdl = pdl_launch(q.device, _decode_stage2)
     block_n = 64 if head_dim <= 128 else 32
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
@@ -186,7 +185,7 @@ def decode_attention_triton(
         BLOCK_DV=max(16, next_power_of_2(head_dim_v)),
         UPCAST=is_interpreted(_decode_stage1),
         IEEE=q.dtype == torch.float32,
-        DIRECT=direct, **launch_options(q.device, _decode_stage1),
+        DIRECT=direct, PDL=pdl and direct,
         num_warps=4, num_stages=2,
     )
     if direct:
@@ -198,6 +197,6 @@ def decode_attention_triton(
         head_dim_v, num_kv_splits,
         BLOCK_S=next_power_of_2(num_kv_splits),
         BLOCK_DV=next_power_of_2(head_dim_v),
-        **launch_options(q.device, _decode_stage2), num_warps=4,
+        PDL=pdl, num_warps=4,
     )
     return out

@@ -103,14 +103,6 @@ try:  # (triton.language.extra.cuda's grid dependency control: Triton 3.3 and la
 except ImportError:  # pragma: no cover - older Triton, or none
     HAS_PDL = False
 PDL_SWITCH = [True]  # [0] True: launch the kernels above so, on devices that can
-# The small kernels themselves (RMSNorm, rotary and KV store, decode attention, SiLU x mul)
-# launch early too when [0] is True (and PDL_SWITCH's): each waits (`wait_for_inputs`) as it
-# starts, before it reads or writes anything, so only its launch and start-up overlap the
-# kernel before it (a GEMV's last programs, a norm's tail). They also let the next kernel
-# start as they begin, so a decode step's kernels are one chain of early launches.
-# Transitively safe: a kernel ends only after its wait returned, so when a kernel's wait
-# returns every kernel before it on the stream has finished and its writes are visible.
-SMALL_EARLY_SWITCH = [True]
 _PDL_DEVICES: dict[int, bool] = {}
 
 
@@ -125,14 +117,6 @@ def pdl_launch(device: Any, kernel: Any) -> bool:
 
         _PDL_DEVICES[index] = torch.cuda.get_device_capability(device)[0] >= 9
     return _PDL_DEVICES[index]
-
-
-def launch_options(device: Any, kernel: Any) -> dict[str, Any]:
-    """The launch keywords of a small kernel taking the constexprs PDL (lets the next kernel
-    start) and WAIT (launched early itself: waits first), with Triton's `launch_pdl`."""
-    pdl = pdl_launch(device, kernel)
-    wait = pdl and SMALL_EARLY_SWITCH[0]
-    return {"PDL": pdl, "WAIT": wait, **({"launch_pdl": True} if wait else {})}
 
 
 @triton.jit
@@ -150,6 +134,5 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["HAS_PDL", "HAS_TRITON", "PDL_SWITCH", "SMALL_EARLY_SWITCH", "triton", "tl", "mma",
-           "next_power_of_2", "cdiv", "is_interpreted", "launch_options", "let_next_launch",
-           "pdl_launch", "wait_for_inputs"]
+__all__ = ["HAS_PDL", "HAS_TRITON", "PDL_SWITCH", "triton", "tl", "mma", "next_power_of_2",
+           "cdiv", "is_interpreted", "let_next_launch", "pdl_launch", "wait_for_inputs"]
