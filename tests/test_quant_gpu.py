@@ -220,9 +220,10 @@ def test_gpu_cuda_gemv_matches_dequantize_then_matmul(n: int, k: int, bits: int,
     ref = w.dequantize(dtype=torch.float32)
     x = torch.randn(cuda_gemv.MAX_ROWS, k, device=CUDA, dtype=torch.bfloat16)
     bias = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
-    for cfg in CUDA_GEMV_CONFIGS:
-        if 16 * cfg.tiles > n:
-            continue
+    configs = [cfg for cfg in CUDA_GEMV_CONFIGS if 16 * cfg.tiles <= n]
+    cuda_gemv.compile_ahead([(cfg, m, w) for cfg in configs for m in (1, 2, 3, 5, 8)],
+                            x.device)  # (35 compiles in parallel, not one after the other)
+    for cfg in configs:
         one = cuda_gemv.mma_gemv(x[:1], w, bias, config=cfg)
         for m in (2, 3, 5, 8):
             got = cuda_gemv.mma_gemv(x[:m], w, bias, config=cfg)

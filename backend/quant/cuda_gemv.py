@@ -615,11 +615,19 @@ def prepare(weights: Iterable[QuantizedWeight], device: torch.device,
     """Compile, in parallel, the variants that products of 1..MAX_ROWS bf16 rows against
     `weights` will launch on `device`, and the self-check's. Returns how many variants were
     wanted; nothing is launched (the compiled code waits in memory and on disk)."""
-    arch = _arch(device.index if device.index is not None else torch.cuda.current_device())
     wanted = [(w, rows) for w in _self_check_weights("cpu") for rows in SELF_CHECK_ROWS]
     wanted += [(w, rows) for w in weights if serves(w) for rows in range(1, MAX_ROWS + 1)]
-    sources = {_source(_variant(fitted(config_for(rows, w.bits), w.out_features,
-                                       chunking(w)[1]), rows, w)) for w, rows in wanted}
+    return compile_ahead([(config_for(rows, w.bits), rows, w) for w, rows in wanted], device,
+                         threads)
+
+
+def compile_ahead(jobs: Iterable[tuple[CudaGemvConfig, int, QuantizedWeight]],
+                  device: torch.device, threads: int | None = None) -> int:
+    """Compile, in parallel, what `mma_gemv` will launch for each (config, rows of x, weight)
+    on `device` (a weight stands for its shape and form). Returns how many variants."""
+    arch = _arch(device.index if device.index is not None else torch.cuda.current_device())
+    sources = {_source(_variant(fitted(cfg, w.out_features, chunking(w)[1]), rows, w))
+               for cfg, rows, w in jobs}
     with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda source: _cubin(source, arch), sources))
     return len(sources)
