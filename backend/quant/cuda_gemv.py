@@ -51,8 +51,8 @@ A program is WARPS warps on TILES tiles of 16 rows; the warps take the steps in 
 split) and add their sums in shared memory. Each warp loads a step's codes and scales while
 it computes the one before (two steps in registers, taken in turn). Persistent programs (a
 few per SM taking tiles in turn, each loading its next tile's first step while it adds up the
-one before) were measured in session 21 and dropped: 10-20% slower for an 8B step at one and
-two rows, both code widths (docs/benchmarks.md).
+one before) were measured in session 21 and dropped: an 8B step's products 1-13% slower at
+one and two rows, both code widths, at their best (docs/benchmarks.md).
 
 Measured on the H200 (bench/cuda_gemv_sweep.py, docs/benchmarks.md): an 8B decode step's
 4-bit products (32 layers' four, the head as Q4) 2,004 us against the lop3 kernel's 2,407 at
