@@ -22,6 +22,13 @@ the same GGUF file, in its own fresh process too, with torch's thread count; its
 runs one sequence per model, so the batch workload runs its requests one after another
 ("sequential": the figure is still requested output tokens / wall time).
 
+Peer row at real concurrency, with `--llama-server PATH` (llama.cpp's `llama-server` binary,
+built from its sources; llama-cpp-python's sdist carries them): the server on the same file
+with torch's thread count and one slot per batch request (continuous batching, 1,024 tokens
+of context per slot), the same greedy requests over its `/completion` endpoint (token ids,
+EOS ignored, no prompt cache), all at once for the batch; ready is the time until its
+`/health` answers, peak RSS the server process's own.
+
 Workloads (fixed seeds, the same requests for every engine):
 - single: one 128-token prompt, 128 new tokens (EOS ignored), prefill included, best of
   `--repeats` runs for each engine (the shared machine is noisy).
@@ -178,6 +185,70 @@ def run_llama_cpp(args: argparse.Namespace) -> dict[str, float]:
     return {"single": single, "batch": batch, "ready s": ready, "peak RSS MB": peak / 2**20}
 
 
+LLAMA_SERVER = "llama.cpp server (a slot per request)"
+
+
+def run_llama_server(args: argparse.Namespace) -> dict[str, float]:
+    """The llama.cpp server row: the server in a child process, driven from here."""
+    import socket
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    rng = random.Random(1)
+    single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
+    prompts, outs = workload(args.batch)
+    t = time.perf_counter()
+    server = subprocess.Popen(
+        [args.llama_server, "-m", args.model, "-np", str(args.batch), "-c",
+         str(1024 * args.batch), "-t", str(torch.get_num_threads()), "--host", "127.0.0.1",
+         "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {server.returncode}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.05)
+        ready = time.perf_counter() - t
+
+        def complete(prompt: list[int], new: int) -> None:
+            body = json.dumps({"prompt": prompt, "n_predict": new, "temperature": 0,
+                               "ignore_eos": True, "cache_prompt": False}).encode()
+            request = urllib.request.Request(f"{url}/completion", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=1800) as reply:
+                got = json.load(reply)
+            if got["timings"]["predicted_n"] != new:
+                raise RuntimeError(f"llama-server gave {got['timings']['predicted_n']} tokens, "
+                                   f"not {new}")
+
+        complete(single_prompt[:16], 4)  # warm-up
+        single = 0.0
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            complete(single_prompt, args.single_tokens)
+            single = max(single, args.single_tokens / (time.perf_counter() - t))
+        t = time.perf_counter()
+        with ThreadPoolExecutor(args.batch) as pool:
+            list(pool.map(complete, prompts, outs))
+        batch = sum(outs) / (time.perf_counter() - t)
+        status = Path(f"/proc/{server.pid}/status").read_text().split("\n")
+        peak_kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return {"single": single, "batch": batch, "ready s": ready, "peak RSS MB": peak_kb / 1024}
+
+
 def spawn(name: str, args: argparse.Namespace, cache: str) -> dict[str, float]:
     """Run `name` in a child process with SGL_CACHE_DIR=cache; its figures."""
     cmd = [sys.executable, __file__, "--one", name, "--single-tokens", str(args.single_tokens),
@@ -198,11 +269,15 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one engine row, print JSON
     ap.add_argument("--model", help="the GGUF file (default: the embedded default model, found "
                                     "or downloaded once before any timing)")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: adds its row")
     args = ap.parse_args()
     if args.model is None:  # (outside the rows' fresh cache folders: a download is not a start)
         from sgl.backend.model_loader import resolve_model_path
 
         args.model = str(resolve_model_path(None))
+    if args.one == LLAMA_SERVER:
+        print(json.dumps(run_llama_server(args)))
+        return
     if args.one:
         got = run_llama_cpp(args) if args.one == LLAMA_CPP else run_one(args.one, args)
         print(json.dumps(got))
@@ -215,18 +290,20 @@ def main() -> None:
             for options in ({}, {"quantization": "none"}):
                 os.environ["SGL_CACHE_DIR"] = shared
                 sgl.Engine(args.model, **options).close()
-        names = [*ENGINES, *([LLAMA_CPP] if llama_cpp_available() else [])]
+        names = [*ENGINES, *([LLAMA_CPP] if llama_cpp_available() else []),
+                 *([LLAMA_SERVER] if args.llama_server else [])]
         for name in names:
             cache = shared if args.warm_cache else tempfile.mkdtemp(prefix="sgl-bench-")
-            got = spawn(name, args, cache)
+            got = run_llama_server(args) if name == LLAMA_SERVER else spawn(name, args, cache)
             rows.append({"engine": name, "single tok/s": got["single"], batch_col: got["batch"],
                          "ready s": got["ready s"], "peak RSS MB": got["peak RSS MB"]})
             figures.update({f"{name} {key}": value for key, value in got.items()})
-    if LLAMA_CPP in names:  # sgl's best rows against llama.cpp on the same file
-        figures["single ratio vs llama.cpp"] = (max(figures[f"{n} single"] for n in ENGINES)
-                                                / figures[f"{LLAMA_CPP} single"])
-        figures["batch ratio vs llama.cpp"] = (max(figures[f"{n} batch"] for n in ENGINES)
-                                               / figures[f"{LLAMA_CPP} batch"])
+    for peer in (LLAMA_CPP, LLAMA_SERVER):  # sgl's best rows against llama.cpp on the same file
+        if peer in names:
+            tag = "llama.cpp" if peer == LLAMA_CPP else "llama-server"
+            for key in ("single", "batch"):
+                figures[f"{key} ratio vs {tag}"] = (max(figures[f"{n} {key}"] for n in ENGINES)
+                                                    / figures[f"{peer} {key}"])
 
     if not args.skip_hf:
         rng = random.Random(1)
