@@ -78,6 +78,20 @@ def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     return prompts, outs
 
 
+def peer_single(generate, args: argparse.Namespace) -> float:
+    """A peer's single-stream figure: `generate(prompt, new)` once to warm up, then the best
+    of `args.repeats` runs on the single-stream prompt, in tok/s."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(100, 40000) for _ in range(128)]
+    generate(prompt[:16], 4)
+    best = 0.0
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        generate(prompt, args.single_tokens)
+        best = max(best, args.single_tokens / (time.perf_counter() - t))
+    return best
+
+
 def hf_single(model, prompt: list[int], new: int, repeats: int) -> float:
     best = 0.0
     with torch.inference_mode():
@@ -156,8 +170,6 @@ def run_llama_cpp(args: argparse.Namespace) -> dict[str, float]:
 
     from llama_cpp import Llama
 
-    rng = random.Random(1)
-    single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
     prompts, outs = workload(args.batch)
     t = time.perf_counter()
     llm = Llama(model_path=args.model, n_ctx=1024, n_batch=512,
@@ -171,12 +183,7 @@ def run_llama_cpp(args: argparse.Namespace) -> dict[str, float]:
             if count >= new:
                 break
 
-    generate(single_prompt[:16], 4)  # warm-up
-    single = 0.0
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        generate(single_prompt, args.single_tokens)
-        single = max(single, args.single_tokens / (time.perf_counter() - t))
+    single = peer_single(generate, args)
     t = time.perf_counter()
     for prompt, new in zip(prompts, outs):
         generate(prompt, new)
@@ -199,8 +206,6 @@ def run_llama_server(args: argparse.Namespace) -> dict[str, float]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    rng = random.Random(1)
-    single_prompt = [rng.randrange(100, 40000) for _ in range(128)]
     prompts, outs = workload(args.batch)
     t = time.perf_counter()
     server = subprocess.Popen(
@@ -231,12 +236,7 @@ def run_llama_server(args: argparse.Namespace) -> dict[str, float]:
                 raise RuntimeError(f"llama-server gave {got['timings']['predicted_n']} tokens, "
                                    f"not {new}")
 
-        complete(single_prompt[:16], 4)  # warm-up
-        single = 0.0
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            complete(single_prompt, args.single_tokens)
-            single = max(single, args.single_tokens / (time.perf_counter() - t))
+        single = peer_single(complete, args)
         t = time.perf_counter()
         with ThreadPoolExecutor(args.batch) as pool:
             list(pool.map(complete, prompts, outs))
