@@ -48,6 +48,10 @@ GRIDS = {
     # the shipped config and its neighbours: a sweep over more row counts in one device call
     "small": [CudaGemvConfig(t, w, span) for t, w, span in ((1, 8, 2), (1, 4, 2), (1, 8, 1),
                                                            (1, 8, 4), (2, 8, 2), (2, 8, 1))],
+    # 16 warps (one K step each at K = 4096 and span 2): the small shapes (qkv, o_proj) move
+    # ~1.5 TB/s at one row, bound by each warp's two dependent round trips to memory
+    "wide": [CudaGemvConfig(t, w, span) for t, w, span in ((1, 8, 2), (1, 16, 1), (1, 16, 2),
+                                                          (2, 16, 1), (2, 16, 2))],
 }
 GRID = GRIDS["full"]
 STEP = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
