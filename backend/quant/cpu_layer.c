@@ -119,10 +119,13 @@ int64_t sgl_decode_scratch_floats(const sgl_model* m, int64_t rows) {
 // projection's blocks; helpers spin, claim blocks with a CAS and mark them done. Thread 0
 // claims blocks too and waits only for blocks someone else has *claimed*: a helper that is
 // not running claims nothing and delays nothing (its cost is one wait at the region's end).
-// A claim takes a quarter of the blocks left, not one: at one row a block is ~0.4 us of work,
-// and a CAS per block on a line both cores write, with `done` on the same line, left thread 0
-// spinning ~20% of a step (session 21, half-width AVX-512 EPYC: single stream 80-98 -> 118-119
-// tok/s, alternating runs of bench/cpu_engine.py; the 32-request row unchanged).
+// A claim takes 1 / (2 x threads) of the blocks left, not one (a quarter with two threads;
+// a fixed quarter would leave one of eight threads a quarter of the work): at one row a block
+// is ~0.4 us of work, and a CAS per block on a line both cores write, with `done` on the same
+// line, left thread 0 spinning through much of a step (session 21, half-width AVX-512 EPYC:
+// single stream 80-98 -> 118-119 tok/s, alternating runs of bench/cpu_engine.py; the
+// 32-request row unchanged). A helper descheduled while it holds a claim delays thread 0 until
+// it runs again, as it did holding one block; the rest of its claim adds microseconds.
 // A job is a projection (its blocks of output features) or a layer's decode attention (its
 // blocks are a row's query heads of one KV head, all of them or (few rows) one each:
 // sgl_decode_attn_heads, the same bits as one thread's).
@@ -158,12 +161,10 @@ typedef struct {
   const attn_job* attn;  // non-NULL: the current job is this attention, not a projection
   float* work;           // thread 0's attention buffer
   uint64_t stage;
+  uint64_t share;  // a claim takes 1 / share of the blocks left: twice the threads
 } team_t;
 
 #define JOB_BITS 20
-#ifndef CLAIM_SHARE
-#define CLAIM_SHARE 4  // a claim takes 1 / CLAIM_SHARE of the blocks left
-#endif
 #define JOB_MASK ((1ull << JOB_BITS) - 1)
 
 // Block `blk` of y = x @ W^T (+ b); int8 weights read the input `project` quantized into xp.
@@ -194,15 +195,16 @@ static void run_block(team_t* t, int64_t blk, float* work) {
 }
 
 // Claims and runs blocks of the current job until none is left; returns how many it ran. A
-// claim takes a quarter of what is left (at least one block): few claims, each a CAS on a
-// line both cores write, and a short tail where the last blocks are one at a time.
+// claim takes 1 / (2 x threads) of what is left (at least one block; a quarter with two
+// threads): few claims, each a CAS on a line every core writes, and a short tail where the
+// last blocks go one at a time, so no thread holds much more than its share at the end.
 static int64_t claim_blocks(team_t* t, uint64_t stage, float* work) {
   int64_t ran = 0;
   for (;;) {
     uint64_t job = atomic_load_explicit(&t->job, memory_order_acquire);
     uint64_t next = job & JOB_MASK, blocks = (job >> JOB_BITS) & JOB_MASK;
     if ((job >> (2 * JOB_BITS)) != stage || next >= blocks) return ran;
-    uint64_t take = (blocks - next) / CLAIM_SHARE;
+    uint64_t take = (blocks - next) / t->share;
     take = take > 0 ? take : 1;
     if (!atomic_compare_exchange_weak_explicit(&t->job, &job, job + take, memory_order_acq_rel,
                                                memory_order_relaxed))
@@ -330,6 +332,7 @@ int sgl_decode_step(const sgl_model* m, int64_t T, const float* x, float* residu
   for (int64_t b = 0; b < T; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
   size_t work_bytes = sizeof(float) * (size_t)(m->heads / m->kv_heads * (max_len + m->head_dim));
   team_t team = {0};
+  team.share = 2 * (uint64_t)(threads > 1 ? threads : 1);
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
