@@ -52,6 +52,12 @@ GRIDS = {
     # ~1.5 TB/s at one row, bound by each warp's two dependent round trips to memory
     "wide": [CudaGemvConfig(t, w, span) for t, w, span in ((1, 8, 2), (1, 16, 1), (1, 16, 2),
                                                           (2, 16, 1), (2, 16, 2))],
+    # more programs per SM against fewer registers (min_blocks: at most 64K / (32 warps
+    # min_blocks) registers a thread): session 22's profile of the 1-row products found 3
+    # programs of 8 warps per SM, each warp stalled on memory half its cycles
+    "occupancy": [CudaGemvConfig(*c) for c in ((1, 8, 2), (1, 8, 2, 3), (1, 8, 2, 4),
+                                               (1, 8, 1, 4), (1, 4, 1, 8), (1, 4, 2, 8),
+                                               (1, 16, 1, 2), (2, 8, 1, 3), (2, 8, 2, 3))],
 }
 GRID = GRIDS["full"]
 STEP = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
@@ -161,7 +167,7 @@ def main() -> int:
             except Exception as exc:  # a config that does not compile or launch
                 print(f"{shape} {tuple(cfg)}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            put(kind, shape, m, f"cuda {cfg.tiles}t {cfg.warps}w {cfg.span}s", us, err)
+            put(kind, shape, m, f"cuda {cfg.tiles}t {cfg.warps}w {cfg.span}s" + (f" {cfg.min_blocks}b" if cfg.min_blocks else ""), us, err)
         # the shipped config launched early (cuda_gemv.EARLY_LAUNCH): in the graph each call
         # may start while the one before it runs
         cuda_gemv.EARLY_LAUNCH = True

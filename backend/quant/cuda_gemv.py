@@ -105,6 +105,9 @@ class CudaGemvConfig(NamedTuple):
     tiles: int  # 16-row weight tiles per program
     warps: int  # warps per program, splitting K
     span: int = 1  # 16-byte chunks a lane loads per row and step (a warp: 64 span bytes a row)
+    # programs an SM must hold at once (0: the compiler's choice): caps the registers per
+    # thread at 64K / (32 warps min_blocks), more warps in flight against fewer registers
+    min_blocks: int = 0
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
@@ -115,11 +118,13 @@ class CudaGemvConfig(NamedTuple):
 # 5,256 with one tile), and from seven a lane takes one chunk per step (with two, registers
 # spill).
 # 8-bit: one chunk per step up to four rows (an 8B step's Q6_K-like products at one row 3,564
-# us against 3,805 with two, the head 205 against 230), two tiles from five.
+# us against 3,805 with two, the head 205 against 230), two tiles from five. (Its min_blocks 2
+# changes no limit, 80 registers either way, but without it ptxas spilled 8 bytes in the main
+# loop at one row once the scales were converted where used: session 22.)
 CUDA_GEMV_DEFAULTS: dict[int, tuple[tuple[int, CudaGemvConfig], ...]] = {
     4: ((4, CudaGemvConfig(1, 8, 2)), (6, CudaGemvConfig(2, 8, 2)),
         (MAX_ROWS, CudaGemvConfig(2, 8, 1))),
-    8: ((4, CudaGemvConfig(1, 8, 1)), (MAX_ROWS, CudaGemvConfig(2, 8, 1))),
+    8: ((4, CudaGemvConfig(1, 8, 1, 2)), (MAX_ROWS, CudaGemvConfig(2, 8, 1))),
 }
 
 SOURCE = r"""
@@ -207,9 +212,18 @@ typedef float scale_t;
 // A step covers 4 SPAN chunks of K: lane c holds chunks SPAN c .. SPAN c + SPAN - 1 of its
 // rows (SPAN 16-byte loads, contiguous), and the step's SPAN sub-steps each take one of them
 // per lane. A warp thus reads 64 SPAN contiguous bytes of each of its rows per step.
+//
+// The scales stay as loaded until run_step uses them. Converted in load_step, the compiler put
+// the int8 -> float conversions a few instructions after their loads, so a warp waited there
+// for the step it had just asked for before computing the one it held (session 22, read from
+// the machine code). Converted where used, the 8B down product at one row, seven steps a
+// warp, went from 16.6 to 14.7 us (4-bit) and 27.8 to 24.1 (8-bit) in bench/cuda_gemv_sweep.py.
 struct Step {
     uint4 w[TILES][2][SPAN];             // codes: tile, row (gid, gid+8), sub-step
-    float s[TILES][2][SPAN], z[TILES][2][SPAN];  // scale, and zero - OFFSET * scale
+    scale_t s[TILES][2][SPAN], z[TILES][2][SPAN];  // the group's scale and zero, as stored
+#if SUPER
+    float ss[TILES][2], sz[TILES][2];    // their super-block's factors (one per lane and step)
+#endif
 };
 
 struct Lane {                 // a lane's operands at its first row, chunk SPAN c
@@ -244,25 +258,32 @@ __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
         #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int row = 16 * t + 8 * h;
+#if SUPER
+            // the lane's chunks of a step, clamped or not, sit in the super-block of the first
+            const int sso = TAIL ? min(q0, G - 1) / CH / SUPER - q0 / CH / SUPER : 0;
+            st.ss[t][h] = __ldg(ssp + row * (GS / SUPER) + sso);
+            st.sz[t][h] = __ldg(szp + row * (GS / SUPER) + sso);
+#endif
             #pragma unroll
             for (int i = 0; i < SPAN; i++) {
                 // chunk q0 + i, or in TAIL clamped to the last one
                 const int off = TAIL ? min(q0 + i, G - 1) - q0 : i;
                 const int so = TAIL ? (q0 + off) / CH - q0 / CH : i / CH;
                 st.w[t][h][i] = __ldg(cp + row * G + off);
-#if SUPER
-                const int sso = TAIL ? (q0 + off) / CH / SUPER - q0 / CH / SUPER : 0;
-                const float sup = __ldg(ssp + row * (GS / SUPER) + sso);
-                const float sz = __ldg(szp + row * (GS / SUPER) + sso);
-                const float s = (float)__ldg(sp + row * GS + so) * sup;
-                const float z = (float)__ldg(zp + row * GS + so) * sz;
-#else
-                const float s = __ldg(sp + row * GS + so), z = __ldg(zp + row * GS + so);
-#endif
-                st.s[t][h][i] = s;
-                st.z[t][h][i] = fmaf(-OFFSET, s, z);
+                st.s[t][h][i] = __ldg(sp + row * GS + so);
+                st.z[t][h][i] = __ldg(zp + row * GS + so);
             }
         }
+}
+
+// chunk i's scale and zero - OFFSET * scale, of row h of tile t
+__device__ __forceinline__ float2 scales(const Step& st, int t, int h, int i) {
+#if SUPER
+    const float s = (float)st.s[t][h][i] * st.ss[t][h], z = (float)st.z[t][h][i] * st.sz[t][h];
+#else
+    const float s = st.s[t][h][i], z = st.z[t][h][i];
+#endif
+    return make_float2(s, fmaf(-OFFSET, s, z));
 }
 
 // the pairs of x that word j's codes meet, from x[32 g .. 32 g + 31] (xv: 4 x 8 activations)
@@ -376,11 +397,13 @@ __device__ __forceinline__ void run_step(const Step& st, const Lane& ln, int ste
         #pragma unroll
         for (int t = 0; t < TILES; t++)
             #pragma unroll
-            for (int h = 0; h < 2; h++)
+            for (int h = 0; h < 2; h++) {
+                const float2 sz = scales(st, t, h, i);
                 #pragma unroll
                 for (int r = 0; r < ROWS; r++)
-                    out[t][h][r] = fmaf(st.s[t][h][i], acc[r / 2][t][2 * h + r % 2],
-                                        fmaf(st.z[t][h][i], xs[r / 2][r % 2], out[t][h][r]));
+                    out[t][h][r] = fmaf(sz.x, acc[r / 2][t][2 * h + r % 2],
+                                        fmaf(sz.y, xs[r / 2][r % 2], out[t][h][r]));
+            }
     }
 }
 
@@ -401,7 +424,12 @@ __device__ __forceinline__ void aim(Lane& ln, const u32* codes, const scale_t* s
 // that it stays inside the weight (its rows shared with the tile before it get the same
 // values twice). A program's warps take a tile's steps in turn and add their sums in shared
 // memory; a program takes one tile.
-extern "C" __global__ void __launch_bounds__(WARPS * 32) mma_gemv(
+#if MIN_BLOCKS
+#define BOUNDS __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+#else
+#define BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+extern "C" __global__ void BOUNDS mma_gemv(
         const u32* __restrict__ codes, const scale_t* __restrict__ scale,
         const scale_t* __restrict__ zero, const float* __restrict__ sup_s,
         const float* __restrict__ sup_z, const u16* __restrict__ x,
@@ -525,6 +553,7 @@ def chunking(w: QuantizedWeight) -> tuple[int, int]:
 def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bits: int = 4,
              chunks_per_group: int = 1) -> str:
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
+            f"#define MIN_BLOCKS {cfg.min_blocks}\n"
             f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
             f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 
