@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--tiles", type=int, default=1)
     ap.add_argument("--warps", type=int, default=8)
     ap.add_argument("--span", type=int, default=2)
+    ap.add_argument("--min-blocks", type=int, default=0,
+                    help="programs an SM must hold (caps the registers; 0: none)")
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--super", type=int, default=8, help="0: float32 scales; 8: factored")
     ap.add_argument("--groups", type=int, default=448,
@@ -67,7 +69,7 @@ def main() -> int:
     ap.add_argument("--bits", type=int, choices=(4, 8), default=4)
     ap.add_argument("--per-group", type=int, default=1, help="chunks per scale (Q8_0: 2)")
     args = ap.parse_args()
-    cfg = CudaGemvConfig(args.tiles, args.warps, args.span)
+    cfg = CudaGemvConfig(args.tiles, args.warps, args.span, args.min_blocks)
     with tempfile.TemporaryDirectory() as tmp:
         report, cubin = assemble(to_ptx(_defines(cfg, args.rows, args.super, args.groups,
                                                  args.bits, args.per_group) + SOURCE), Path(tmp))
