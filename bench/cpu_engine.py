@@ -275,9 +275,6 @@ def main() -> None:
         from sgl.backend.model_loader import resolve_model_path
 
         args.model = str(resolve_model_path(None))
-    if args.one == LLAMA_SERVER:
-        print(json.dumps(run_llama_server(args)))
-        return
     if args.one:
         got = run_llama_cpp(args) if args.one == LLAMA_CPP else run_one(args.one, args)
         print(json.dumps(got))

@@ -167,7 +167,8 @@ def main() -> int:
             except Exception as exc:  # a config that does not compile or launch
                 print(f"{shape} {tuple(cfg)}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            put(kind, shape, m, f"cuda {cfg.tiles}t {cfg.warps}w {cfg.span}s" + (f" {cfg.min_blocks}b" if cfg.min_blocks else ""), us, err)
+            label = f"cuda {cfg.tiles}t {cfg.warps}w {cfg.span}s"
+            put(kind, shape, m, label + (f" {cfg.min_blocks}b" if cfg.min_blocks else ""), us, err)
         # the shipped config launched early (cuda_gemv.EARLY_LAUNCH): in the graph each call
         # may start while the one before it runs
         cuda_gemv.EARLY_LAUNCH = True
