@@ -99,6 +99,23 @@ def i32(*names: str) -> dict[str, str]:
     return {name: "i32" for name in names}
 
 
+def decode_stage1(types: dict[str, str], consts: dict[str, Any]) -> str:
+    """Decode attention's stage-1 kernel for the 8B shape's heads, its tensors bf16 but for
+    `types` (name -> type), with `consts` (DIRECT, ROTARY, MERGE, PDL)."""
+    pointers = {name: "*bf16" for name in ("Q", "K", "V", "Out", "NewK", "NewV")}
+    pointers.update({name: "*fp32" for name in ("MidO", "MidLse", "CosSin")}, **types)
+    return ptx(triton_attention_decode._decode_stage1,
+               {**pointers, "ReqToToken": "*i32", "Counters": "*i32",
+                **{name: "*i64" for name in ("ReqPoolIdx", "SeqLens", "Pos", "Loc")},
+                **i32("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
+                      "stride_vh", "stride_r2t", "stride_mob", "stride_moh", "stride_mos",
+                      "stride_mlb", "stride_mlh", "stride_ob", "stride_oh", "stride_nkb",
+                      "stride_nkh", "stride_nvb", "stride_nvh", "stride_cs"),
+                "qk_scale": "fp32", **i32("group", "head_dim", "head_dim_v", "num_splits")},
+               dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, BLOCK_G=4, BLOCK_C=8,
+                    UPCAST=False, IEEE=False, **consts))
+
+
 def check_float8_kv_cache() -> None:
     """A float8 e4m3 pool (kv_cache_dtype="fp8_e4m3"): the stores round each bf16 value once,
     to nearest even and saturated (the reference's `to_pool_dtype`); the rotary store rounds
@@ -128,16 +145,8 @@ def check_float8_kv_cache() -> None:
         return code.count("cvt.rn.bf16.f32") + 2 * code.count("cvt.rn.bf16x2.f32")
 
     assert to_bf16(rotary) == to_bf16(rotary_bf16) > 0, "rotated k not rounded to bf16 first"
-    decode = ptx(triton_attention_decode._decode_stage1,
-                 {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv",
-                  **{name: "*fp32" for name in ("MidO", "MidLse")}, "Out": "*bf16",
-                  "ReqToToken": "*i32", "ReqPoolIdx": "*i64", "SeqLens": "*i64",
-                  **i32("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
-                        "stride_vh", "stride_r2t", "stride_mob", "stride_moh", "stride_mos",
-                        "stride_mlb", "stride_mlh", "stride_ob", "stride_oh", "group",
-                        "head_dim", "head_dim_v", "num_splits"), "qk_scale": "fp32"},
-                 dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, UPCAST=False,
-                      IEEE=False, DIRECT=False, PDL=False))
+    decode = decode_stage1(dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", Out="*bf16"),
+                           dict(DIRECT=False, ROTARY=False, MERGE=False, PDL=False))
     extend = ptx(triton_attention_extend._extend_kernel,
                  {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16",
                   "ReqToToken": "*i32", **{name: "*i64" for name in (
@@ -211,17 +220,12 @@ def main() -> None:
                {"X": "*bf16", "Out": "*bf16", "stride_xt": "i32", "stride_ot": "i32",
                 "inter": "i32"}, dict(BLOCK=1024, PDL=True))
     # Decode attention with one split writes the output from stage 1 (no stage 2 after it).
-    attn = ptx(triton_attention_decode._decode_stage1,
-               {**{name: "*bf16" for name in ("Q", "K", "V", "MidO", "MidLse", "Out")},
-                "ReqToToken": "*i32", "ReqPoolIdx": "*i64", "SeqLens": "*i64",
-                **{name: "i32" for name in (
-                    "stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh",
-                    "stride_r2t", "stride_mob", "stride_moh", "stride_mos", "stride_mlb",
-                    "stride_mlh", "stride_ob", "stride_oh", "group", "head_dim", "head_dim_v",
-                    "num_splits")}, "qk_scale": "fp32"},
-               dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, UPCAST=False, IEEE=False,
-                    DIRECT=True, PDL=True))
-    for code in (norm, silu, attn):
+    attn = decode_stage1({}, dict(DIRECT=True, ROTARY=False, MERGE=False, PDL=True))
+    # A decode step's attention in one launch: its splits merged by the last program
+    # (after a barrier and the counter's atomic, the partials read back at L2).
+    fused = decode_stage1({}, dict(DIRECT=False, ROTARY=True, MERGE=True, PDL=True))
+    check_last_slice_reduction(fused)
+    for code in (norm, silu, attn, fused):
         assert "griddepcontrol.launch_dependents" in code, "no early launch"
     # The tiled kernels split along K (both operand orders), the tile's last slice adding.
     tiled = {"M": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_ps": "i32"}

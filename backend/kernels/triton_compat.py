@@ -134,5 +134,38 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["HAS_PDL", "HAS_TRITON", "PDL_SWITCH", "triton", "tl", "mma", "next_power_of_2",
-           "cdiv", "is_interpreted", "let_next_launch", "pdl_launch", "wait_for_inputs"]
+# Counters for "the last program finishes the job": a kernel whose programs each store a
+# partial result counts itself in an int32 counter (an atomic add, acquire-release at GPU
+# scope, after a barrier so that the whole program's stores are released with it), and the
+# program that finds all the others arrived reads the partials back and finishes; it then puts
+# the counter back to 0, so the next launch finds it so (the split-K "last" reduction,
+# quant/triton_split.py; decode attention's merge, triton_attention_decode.py). One zeroed
+# buffer per device and stream: kernels on one stream run one after another, so no two
+# launches use a counter at once. A buffer is made on first use, which the engine's capture
+# makes during its eager warm-up on the capture stream; made inside a capture it is the
+# graph's memory plus a captured zeroing (harmless: it is zero then anyway); a buffer outgrown
+# while a graph may hold it is kept alive.
+_COUNTERS: dict[tuple[str, int | None, int], Any] = {}  # (device, stream) -> int32 tensor
+_RETIRED: list[Any] = []  # replaced buffers: a captured graph may still use one
+MIN_COUNTERS = 1 << 16  # first size of a buffer (256 KB): tiles of the largest 8B products
+
+
+def tile_counters(device: Any, tiles: int) -> Any:
+    """A zeroed int32 buffer of at least `tiles` counters for launches on `device`'s (a
+    torch.device) current stream; every kernel using it leaves it zeroed."""
+    import torch
+
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if buf is not None:
+            _RETIRED.append(buf)
+        size = max(MIN_COUNTERS, 1 << max(tiles - 1, 1).bit_length())
+        buf = _COUNTERS[key] = torch.zeros(size, device=device, dtype=torch.int32)
+    return buf
+
+
+__all__ = ["HAS_PDL", "HAS_TRITON", "MIN_COUNTERS", "PDL_SWITCH", "triton", "tl", "mma",
+           "next_power_of_2", "cdiv", "is_interpreted", "let_next_launch", "pdl_launch",
+           "tile_counters", "wait_for_inputs"]

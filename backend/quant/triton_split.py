@@ -18,12 +18,8 @@ pool at capture and keeps its address on every replay.
   the whole program's stores are released with it); the program that finds SPLIT - 1 arrivals
   before it reads back all SPLIT partials (past L1) and adds them in slice order, as the
   kernel does: the same bits whichever slice finishes last. It then puts the counter back
-  to 0, so the next launch finds it so. The counters are one zeroed buffer per device and
-  stream (`tile_counters`): kernels on one stream run one after another, so no two launches
-  use a counter at once. A buffer is made on first use, which the engine's capture makes
-  during its eager warm-up on the capture stream; made inside a capture it is the graph's
-  memory plus a captured zeroing (harmless: it is zero then anyway); a buffer outgrown while
-  a graph may hold it is kept alive.
+  to 0, so the next launch finds it so. The counters are `triton_compat.tile_counters`,
+  shared with decode attention's merge (kernels/triton_attention_decode.py).
 
 A slice is a whole number of the kernel's K steps and `split_plan` never makes an empty one
 (5 steps asked in 4 slices become 3 slices of 2, 2 and 1 steps), so only the last slice of
@@ -36,11 +32,11 @@ from typing import NamedTuple
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, tl, triton
+from sgl.backend.kernels.triton_compat import cdiv, tile_counters, tl, triton
 
-__all__ = ["MIN_COUNTERS", "REDUCE_BLOCK", "SPLIT_REDUCES", "SplitLaunch", "check_split", "k_slice",
+__all__ = ["REDUCE_BLOCK", "SPLIT_REDUCES", "SplitLaunch", "check_split", "k_slice",
            "finish_split", "gemv_program", "reduce_partials", "split_launch", "split_plan",
-           "store_rows", "sum_slices", "tile_counters"]
+           "store_rows", "sum_slices"]
 
 REDUCE_BLOCK = 512  # outputs per program of the reduction (it reads SPLIT floats per output)
 
@@ -134,25 +130,6 @@ def _reduce_kernel(P, B, Y, N, stride_ps, stride_ym,
 
 
 SPLIT_REDUCES = ("kernel", "last")  # QGemvConfig.split_reduce
-_COUNTERS: dict[tuple[str, int | None, int], torch.Tensor] = {}  # (device, stream) -> int32
-_RETIRED: list[torch.Tensor] = []  # replaced buffers: a captured graph may still use one
-MIN_COUNTERS = 1 << 16  # first size of a buffer (256 KB): tiles of the largest 8B products
-
-
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least `tiles` counters for launches on `device`'s current
-    stream (the "last" reduction leaves it zeroed after every launch)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        if buf is not None:
-            _RETIRED.append(buf)
-        size = max(MIN_COUNTERS, 1 << max(tiles - 1, 1).bit_length())
-        buf = _COUNTERS[key] = torch.zeros(size, device=device, dtype=torch.int32)
-    return buf
-
-
 def check_split(split_k: int, split_reduce: str) -> None:
     if split_reduce not in SPLIT_REDUCES:
         raise ValueError(f"split_reduce {split_reduce!r}: use one of {list(SPLIT_REDUCES)}")
