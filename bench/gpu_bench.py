@@ -639,11 +639,10 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  "q4_late": dict(quantization="gguf"),  # the CUDA GEMV never launched early
                  # Q4_K_M's mix: Q6_K v and down in about half the layers (install.RANDOM_LAYOUT)
                  "q4km": dict(quantization="gguf"), "q4km_s19": dict(quantization="gguf"),
-                 # decode attention in three launches, as session 22 left it (variant)
+                 # decode attention's splits merged by a second kernel, as session 22 left
+                 # it (variants)
                  "q4_s22": dict(quantization="gguf"), "fp8_s22": dict(quantization="fp8"),
                  "bf16_s22": {},
-                 # one launch, but the splits merged by stage 2's kernel (variant)
-                 "q4_stage2": dict(quantization="gguf"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -697,12 +696,10 @@ def engine_variant(name: str) -> Iterator[None]:
         install.RANDOM_LAYOUT = "q4_k_m"
     early = PDL_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
-    from sgl.backend.attention import triton_backend
     from sgl.backend.kernels import triton_attention_decode, triton_matmul
 
-    fused, merge = triton_backend.FUSED_DECODE[0], triton_attention_decode.MERGE_IN_STAGE1[0]
-    triton_backend.FUSED_DECODE[0] = fused and not name.endswith("_s22")
-    triton_attention_decode.MERGE_IN_STAGE1[0] = merge and name != "q4_stage2"
+    merge = triton_attention_decode.MERGE_IN_STAGE1[0]
+    triton_attention_decode.MERGE_IN_STAGE1[0] = merge and not name.endswith("_s22")
     det_tile = dict(triton_matmul.TILE)
     if name == "det" and os.environ.get("DET_TILE"):  # a candidate of bench/det_linear.py
         tile = triton_matmul.MatmulTile(*map(int, os.environ["DET_TILE"].split("x")))
@@ -712,7 +709,6 @@ def engine_variant(name: str) -> Iterator[None]:
         yield
     finally:
         triton_matmul.TILE.update(det_tile)
-        triton_backend.FUSED_DECODE[0] = fused
         triton_attention_decode.MERGE_IN_STAGE1[0] = merge
         linear.SCRATCH_ELEMENTS = scratch
         linear.CUDA_GEMV = cuda_q4
@@ -776,7 +772,7 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed, args.single_runs)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4_s22", "q4_stage2", "q4",
+    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4_s22", "q4",
                  "q4km_s19", "q4km", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8_s22", "fp8",
                  "fp8_a8", "bf16_s22", "det", "kv_fp8"):
         for wl in ("single", "fixed"):

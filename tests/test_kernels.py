@@ -411,106 +411,36 @@ def test_decode_attention(impl: str, dtype: torch.dtype, heads: int, kv_heads: i
         torch.testing.assert_close(expected, dense, atol=1e-4, rtol=1e-4)
 
 
-def decode_step_inputs(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-                       page_size: int, dtype: torch.dtype, g: torch.Generator,
-                       rotary_dim: int | None = None) -> SimpleNamespace:
-    """A decode step's inputs over a shuffled pool: each row's new token at its last
-    position, its slot (`loc`) the last of its row in req_to_token (a row of length 0, a
-    padded CUDA-graph row: the reserved slot 0), the new q, k, v unrotated, a cos/sin cache."""
-    pool = make_pool(seq_lens, kv_heads, head_dim, page_size, dtype, g)
-    last = [max(n - 1, 0) for n in seq_lens]
-    loc = torch.stack([pool.req_to_token[pool.rows[b], i] if n else pool.req_to_token[0, 0]
-                       for b, (i, n) in enumerate(zip(last, seq_lens))]).long()
-    batch = len(seq_lens)
-    qkv = randn(batch, (heads + 2 * kv_heads) * head_dim, dtype=dtype, g=g)  # fused, strided
-    return SimpleNamespace(
-        pool=pool, loc=loc, positions=torch.tensor(last, device=DEVICE),
-        lens=torch.tensor(seq_lens, device=DEVICE),
-        q=qkv[:, : heads * head_dim].view(batch, heads, head_dim),
-        k=qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(batch, kv_heads, head_dim),
-        v=qkv[:, (heads + kv_heads) * head_dim :].view(batch, kv_heads, head_dim),
-        cache=rotary.make_cos_sin_cache(512, rotary_dim or head_dim, 10000.0, device=DEVICE,
-                                        dtype=dtype),
-    )
-
-
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", GQA)
-@pytest.mark.parametrize("page_size,num_kv_splits", [(1, 4), (16, 1), (16, 3), (1, 32)])
-@pytest.mark.parametrize("merge", ["stage1", "stage2"])
-def test_rotary_decode_attention(impl: str, dtype: torch.dtype, heads: int, kv_heads: int,
-                                 head_dim: int, page_size: int, num_kv_splits: int,
-                                 merge: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One launch of a decode step's attention (the Triton kernel: rotation, KV store and
-    both flash-decoding stages, the splits merged by the last program or by stage 2's
-    kernel) equals rotary_kv_store then decode_attention: the same pool bits, the output
-    within tolerance, q and k left as they were."""
-    if impl == "reference" and merge == "stage2":
-        pytest.skip("one reference")
-    monkeypatch.setattr(triton_attention_decode, "MERGE_IN_STAGE1", [merge == "stage1"])
+@pytest.mark.parametrize("num_kv_splits", [2, 5, 32])
+def test_decode_attention_merge_in_stage1_equals_stage2(dtype: torch.dtype, heads: int,
+                                                       kv_heads: int, head_dim: int,
+                                                       num_kv_splits: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The splits merged by the last program of stage 1 (one launch) and by stage 2's kernel
+    agree within the dtype's tolerance, and the last program puts every counter back to 0:
+    two launches in a row (as layers do) give the same bits."""
     g = gen(19)
-    seq_lens = [1, 37, 200, 0, 129, 64]
-    s = decode_step_inputs(seq_lens, heads, kv_heads, head_dim, page_size, dtype, g)
-    table = (s.pool.req_to_token, s.pool.rows, s.lens, head_dim**-0.5, num_kv_splits)
-    exp_kb, exp_vb = s.pool.k.clone(), s.pool.v.clone()
-    exp_q = rotary.rotary_kv_store_reference(s.positions, s.q.float().clone(), s.k.float(), s.v,
-                                             s.cache.float(), exp_kb, exp_vb, s.loc)
-    expected = attention_decode.decode_attention_reference(exp_q, exp_kb.float(),
-                                                           exp_vb.float(), *table)
-    q_in, k_in = s.q.clone(), s.k.clone()
-    out = op(attention_decode, "rotary_decode_attention", impl)(
-        s.positions, s.q, s.k, s.v, s.cache, s.pool.k, s.pool.v, s.loc, *table)
-    assert out.shape == (len(seq_lens), heads, head_dim) and out.dtype == dtype
-    close(out, expected, dtype)
-    close(s.pool.k, exp_kb, dtype)
-    assert torch.equal(s.pool.v, exp_vb)
-    assert torch.equal(s.q, q_in) and torch.equal(s.k, k_in), "q and k are left as they were"
-    if impl == "triton":  # the rotation the unfused kernel does, to the bit
-        kb, vb = s.pool.k.clone(), s.pool.v.clone()
-        from sgl.backend.kernels.triton_rotary import rotary_kv_store_triton
-
-        rotary_kv_store_triton(s.positions, s.q.clone(), s.k, s.v, s.cache, kb, vb, s.loc)
-        assert_same_bits(s.pool.k, kb)
-
-
-@needs_triton
-def test_rotary_decode_attention_merge_leaves_counters_zero() -> None:
-    """The last program of each (row, KV head) puts its counter back: two launches in a row
-    (as layers do) give the same output, and the counters read 0 after each."""
-    g = gen(20)
-    s = decode_step_inputs([300, 5, 77], 8, 2, 64, 1, torch.float32, g)
-    args = (s.positions, s.q, s.k, s.v, s.cache, s.pool.k, s.pool.v, s.loc,
-            s.pool.req_to_token, s.pool.rows, s.lens, 0.125, 8)
-    first = triton_attention_decode.rotary_decode_attention_triton(*args)
-    counters = triton_compat.tile_counters(first.device, 6)
+    seq_lens = [1, 37, 200, 0, 129, 64, 2000]
+    pool = make_pool(seq_lens, kv_heads, head_dim, 16, dtype, g)
+    q = randn(len(seq_lens), heads, head_dim, dtype=dtype, g=g)
+    args = (q, pool.k, pool.v, pool.req_to_token, pool.rows,
+            torch.tensor(seq_lens, device=DEVICE), head_dim**-0.5, num_kv_splits)
+    monkeypatch.setattr(triton_attention_decode, "MERGE_IN_STAGE1", [False])
+    two_launches = triton_attention_decode.decode_attention_triton(*args)
+    monkeypatch.setattr(triton_attention_decode, "MERGE_IN_STAGE1", [True])
+    one = triton_attention_decode.decode_attention_triton(*args)
+    counters = triton_compat.tile_counters(one.device, len(seq_lens) * kv_heads)
+    assert not counters.any(), "a counter left non-zero"
+    again = triton_attention_decode.decode_attention_triton(*args)
     assert not counters.any()
-    second = triton_attention_decode.rotary_decode_attention_triton(*args)
-    assert not counters.any()
-    assert torch.equal(first, second)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_decode_attention_float8_pool(impl: str, dtype: torch.dtype) -> None:
-    """Into a float8 pool: the stored codes are rotary_kv_store's, and the attention reads the
-    new token as the pool holds it (rounded to float8), not as computed."""
-    skip_float8_store_off_cuda(impl)
-    g = gen(21)
-    seq_lens = [1, 37, 200, 0, 129]
-    s = decode_step_inputs(seq_lens, 6, 2, 48, 16, torch.float32, g)
-    pool = float8_pool(s.pool)
-    q, k, v = s.q.to(dtype), s.k.to(dtype), s.v.to(dtype)
-    cache = s.cache.to(dtype)
-    table = (pool.req_to_token, pool.rows, s.lens, 48**-0.5, 4)
-    exp_kb, exp_vb = pool.k.clone(), pool.v.clone()
-    exp_q = op(rotary, "rotary_kv_store", impl)(s.positions, q.clone(), k, v, cache, exp_kb,
-                                                exp_vb, s.loc)
-    expected = attention_decode.decode_attention_reference(exp_q.float(), exp_kb.float(),
-                                                           exp_vb.float(), *table)
-    out = op(attention_decode, "rotary_decode_attention", impl)(
-        s.positions, q, k, v, cache, pool.k, pool.v, s.loc, *table)
-    assert_same_bits(pool.k, exp_kb)
-    assert_same_bits(pool.v, exp_vb)
-    close(out, expected, dtype)
+    assert torch.equal(one, again)
+    close(one, two_launches, dtype)
+    expected = attention_decode.decode_attention_reference(q.float(), pool.k.float(),
+                                                           pool.v.float(), *args[3:])
+    close(one, expected, dtype)
 
 
 def float8_pool(pool: SimpleNamespace) -> SimpleNamespace:
@@ -723,15 +653,6 @@ def _agree_case(op: str, ks: dispatch.KernelSet) -> list[torch.Tensor]:
         return [q, kb, vb]
     if op == "decode_attention":
         return [ks.decode_attention(q[:2], kb, vb, *table, 0.2, 2)]
-    if op == "rotary_decode_attention":
-        dec = make_forward_batch(ForwardMode.DECODE, [9, 20], [1, 1], torch.float32, 1, g)
-        cache = rotary.make_cos_sin_cache(64, 32, device=DEVICE)
-        kb, vb = dec.kv_pool.k_buffer[1].clone(), dec.kv_pool.v_buffer[1].clone()
-        k, v = randn(2, 2, 32, dtype=torch.float32, g=g), randn(2, 2, 32, dtype=torch.float32, g=g)
-        out = ks.rotary_decode_attention(dec.positions, q[:2], k, v, cache, kb, vb,
-                                         dec.out_cache_loc, dec.req_to_token,
-                                         dec.req_pool_indices, dec.seq_lens, 0.2, 2)
-        return [out, kb, vb]
     assert op == "extend_attention", f"no agreement case for op {op!r}"
     return [ks.extend_attention(q, kb, vb, *table, fb.extend_prefix_lens, fb.extend_seq_lens,
                                 fb.extend_start, 0.2, 3)]

@@ -101,16 +101,15 @@ def i32(*names: str) -> dict[str, str]:
 
 def decode_stage1(types: dict[str, str], consts: dict[str, Any]) -> str:
     """Decode attention's stage-1 kernel for the 8B shape's heads, its tensors bf16 but for
-    `types` (name -> type), with `consts` (DIRECT, ROTARY, MERGE, PDL)."""
-    pointers = {name: "*bf16" for name in ("Q", "K", "V", "Out", "NewK", "NewV")}
-    pointers.update({name: "*fp32" for name in ("MidO", "MidLse", "CosSin")}, **types)
+    `types` (name -> type), with `consts` (DIRECT, MERGE, PDL)."""
+    pointers = {name: "*bf16" for name in ("Q", "K", "V", "Out")}
+    pointers.update({name: "*fp32" for name in ("MidO", "MidLse")}, **types)
     return ptx(triton_attention_decode._decode_stage1,
                {**pointers, "ReqToToken": "*i32", "Counters": "*i32",
-                **{name: "*i64" for name in ("ReqPoolIdx", "SeqLens", "Pos", "Loc")},
+                **{name: "*i64" for name in ("ReqPoolIdx", "SeqLens")},
                 **i32("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
                       "stride_vh", "stride_r2t", "stride_mob", "stride_moh", "stride_mos",
-                      "stride_mlb", "stride_mlh", "stride_ob", "stride_oh", "stride_nkb",
-                      "stride_nkh", "stride_nvb", "stride_nvh", "stride_cs"),
+                      "stride_mlb", "stride_mlh", "stride_ob", "stride_oh"),
                 "qk_scale": "fp32", **i32("group", "head_dim", "head_dim_v", "num_splits")},
                dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, BLOCK_G=4, BLOCK_C=8,
                     UPCAST=False, IEEE=False, **consts))
@@ -146,7 +145,7 @@ def check_float8_kv_cache() -> None:
 
     assert to_bf16(rotary) == to_bf16(rotary_bf16) > 0, "rotated k not rounded to bf16 first"
     decode = decode_stage1(dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", Out="*bf16"),
-                           dict(DIRECT=False, ROTARY=False, MERGE=False, PDL=False))
+                           dict(DIRECT=False, MERGE=False, PDL=False))
     extend = ptx(triton_attention_extend._extend_kernel,
                  {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16",
                   "ReqToToken": "*i32", **{name: "*i64" for name in (
@@ -220,10 +219,10 @@ def main() -> None:
                {"X": "*bf16", "Out": "*bf16", "stride_xt": "i32", "stride_ot": "i32",
                 "inter": "i32"}, dict(BLOCK=1024, PDL=True))
     # Decode attention with one split writes the output from stage 1 (no stage 2 after it).
-    attn = decode_stage1({}, dict(DIRECT=True, ROTARY=False, MERGE=False, PDL=True))
-    # A decode step's attention in one launch: its splits merged by the last program
-    # (after a barrier and the counter's atomic, the partials read back at L2).
-    fused = decode_stage1({}, dict(DIRECT=False, ROTARY=True, MERGE=True, PDL=True))
+    attn = decode_stage1({}, dict(DIRECT=True, MERGE=False, PDL=True))
+    # More splits, one launch: merged by the last program (after a barrier and the counter's
+    # atomic, the partials read back at L2).
+    fused = decode_stage1({}, dict(DIRECT=False, MERGE=True, PDL=True))
     check_last_slice_reduction(fused)
     for code in (norm, silu, attn, fused):
         assert "griddepcontrol.launch_dependents" in code, "no early launch"

@@ -17,13 +17,11 @@ Per step, `prepare` decides the launch shapes from host data only (no device syn
 
 `forward` writes k/v of the new tokens into layer `layer_id` of the pool at `fb.out_cache_loc`
 (kv_store kernel; given the layer's rotary, q and k are rotated in the same launch:
-rotary_kv_store), then attends (decode or extend kernel). A decode step with the layer's
-rotary does all of it in one launch (`rotary_decode_attention`: the rotation, the store and
-both stages of flash-decoding, kernels/triton_attention_decode.py). The pool is duck-typed:
+rotary_kv_store), then attends (decode or extend kernel). The pool is duck-typed:
 `fb.kv_pool.k_buffer[layer_id]`, `fb.kv_pool.v_buffer[layer_id]`, `[num_slots, kv_heads, dim]`.
 
 CUDA-graph safety (DECODE only):
-- captured: the decode launches (kv_store, stage 1, stage 2, or the one fused launch). Their grids depend on (batch size,
+- captured: the kv_store, stage-1 and stage-2 launches. Their grids depend on (batch size,
   heads, num_kv_splits) only; everything data-dependent (seq_lens, req_pool_indices,
   out_cache_loc, req_to_token) is read on the device, so refilling those static input tensors
   before `replay()` is enough. Scratch tensors are allocated inside forward and come from the
@@ -53,9 +51,6 @@ if TYPE_CHECKING:
 # KV splits per decode row when the kernel set is batch-invariant: enough to keep a single
 # stream's long context spread over the SMs; a short row leaves most of them empty (they exit).
 DETERMINISTIC_KV_SPLITS = 16
-# [0] False: a decode step with the layer's rotary runs rotary_kv_store, then decode_attention
-# (three launches, as before session 23: the before of bench/gpu_bench.py's A/B runs)
-FUSED_DECODE = [True]
 
 
 @dataclass(frozen=True)
@@ -104,11 +99,6 @@ class TritonAttentionBackend(AttentionBackend):
             meta = fb.attn_metadata
         k_buffer = fb.kv_pool.k_buffer[layer_id]  # [num_slots, kv_heads, head_dim]
         v_buffer = fb.kv_pool.v_buffer[layer_id]
-        if fb.mode is ForwardMode.DECODE and rotary is not None and FUSED_DECODE[0]:
-            return self.kernels.rotary_decode_attention(
-                fb.positions, q, k, v, rotary.table, k_buffer, v_buffer, fb.out_cache_loc,
-                fb.req_to_token, fb.req_pool_indices, fb.seq_lens, scale, meta.num_kv_splits,
-            )
         # Store first: the attention kernels then read every key, old or new, from the pool.
         if rotary is not None:  # rotated and stored in one launch
             q = self.kernels.rotary_kv_store(fb.positions, q, k, v, rotary.table, k_buffer,

@@ -9,10 +9,12 @@ Triton version, flash-decoding in two stages:
     stage 1, grid (B, kv_heads, num_kv_splits): each program takes one KV head and *all* its
       query heads (so each K/V tile is loaded once per group, not once per query head), one
       slice of the sequence, and writes a partial (normalized acc, log-sum-exp) per head.
-    stage 2, grid (B, heads): merges the splits' partials by their log-sum-exp.
+    stage 2: merges the splits' partials by their log-sum-exp. It runs in stage 1's launch:
+      the last program of each (row, KV head) to finish merges its query heads' partials
+      (triton_attention_decode.py); a kernel of its own, grid (B, heads), is the A/B's before.
 
 With one split (batches that fill the GPU by themselves) stage 1 writes the output directly,
-with the bits stage 2 would have given: one launch per layer instead of two.
+with the bits stage 2 would have given.
 
 Splitting the KV length gives parallelism when batch * kv_heads is far below the number of SMs
 (single-stream decode over long contexts). The split *count* is a launch parameter that must
@@ -57,29 +59,3 @@ def decode_attention_reference(
         probs = scores.softmax(dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", probs, v).to(q.dtype)
     return out
-
-
-def rotary_decode_attention_reference(
-    positions: torch.Tensor,  # [B] int
-    q: torch.Tensor,  # [B, heads, head_dim], not rotated (left as it is)
-    k: torch.Tensor,  # [B, kv_heads, head_dim], not rotated: stored rotated at out_cache_loc
-    v: torch.Tensor,  # [B, kv_heads, head_dim_v]
-    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
-    k_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim]
-    v_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim_v]
-    out_cache_loc: torch.Tensor,  # [B] int: each row's new slot
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B]
-    seq_lens: torch.Tensor,  # [B]
-    scale: float,
-    num_kv_splits: int = 1,
-) -> torch.Tensor:  # [B, heads, head_dim_v]
-    """A decode step's attention of one layer from its unrotated q, k, v: `rotary_kv_store`
-    (k rotated into the pool with v, q rotated), then `decode_attention`. The attention
-    backend's op on the GPU, where the Triton kernel does it in one launch."""
-    from sgl.backend.kernels.rotary import rotary_kv_store_reference
-
-    q = rotary_kv_store_reference(positions, q.clone(), k, v, cos_sin_cache, k_buffer, v_buffer,
-                                  out_cache_loc)
-    return decode_attention_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                                      seq_lens, scale, num_kv_splits)

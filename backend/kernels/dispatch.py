@@ -89,9 +89,6 @@ class KernelSet:
     # (positions, q, k, v, cos_sin, k_buffer, v_buffer, loc) -> q: the two above in one launch
     rotary_kv_store: Callable[..., Tensor]
     decode_attention: Callable[..., Tensor]
-    # (positions, q, k, v, cos_sin, k_buffer, v_buffer, loc, req_to_token, req_pool_indices,
-    #  seq_lens, scale, num_kv_splits) -> out: rotary_kv_store, then decode_attention
-    rotary_decode_attention: Callable[..., Tensor]
     extend_attention: Callable[..., Tensor]
     apply_token_bitmask: Callable[[Tensor, Tensor, Tensor | None], None]
     pack_linears: bool  # pack linear weights for oneDNN at load (the CPU's linear fast path)
@@ -174,7 +171,6 @@ def _reference_ops() -> dict[str, Callable[..., Any]]:
         "kv_store": kv_store.kv_store_reference,
         "rotary_kv_store": rotary.rotary_kv_store_reference,
         "decode_attention": attention_decode.decode_attention_reference,
-        "rotary_decode_attention": attention_decode.rotary_decode_attention_reference,
         "extend_attention": attention_extend.extend_attention_reference,
         "apply_token_bitmask": token_bitmask.apply_token_bitmask_reference,
     }
@@ -201,7 +197,6 @@ def _triton_ops() -> dict[str, Callable[..., Any]]:
         "kv_store": triton_kv_store.kv_store_triton,
         "rotary_kv_store": triton_rotary.rotary_kv_store_triton,
         "decode_attention": triton_attention_decode.decode_attention_triton,
-        "rotary_decode_attention": triton_attention_decode.rotary_decode_attention_triton,
         "extend_attention": triton_attention_extend.extend_attention_triton,
         # Our own small kernel rather than xgrammar's on CUDA: same layout and rule, one fewer
         # dependency on the GPU path, and `indices` stays a device tensor (no host list).

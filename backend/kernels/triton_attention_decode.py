@@ -10,19 +10,12 @@ q's dtype as it is loaded (exact: bfloat16, float16 and float32 hold every e4m3 
 so the dots run in q's dtype as over a pool of that dtype; for a pool in q's dtype the cast is
 a no-op and the bits are unchanged.
 
-One launch a layer (`rotary_decode_attention_triton`, what the attention backend runs in a
-decode step) where the unfused op takes three (rotary + KV store, stage 1, stage 2):
-- ROTARY: each stage-1 program rotates its query heads as it loads them. The new token's key
-  is not in the pool yet: the programs' loops stop before the row's last position, and the
-  program whose split holds it takes that key as one more step after its loop, from the new
-  k (rotated) and v of its KV head rounded as the pool holds them; split 0's program stores
-  them in the pool. So no program waits for another's store, and the op needs what every
-  decode step has: each row's `out_cache_loc` is the slot of its last position.
-- MERGE (more than one split): each program stores its partial, counts itself in its (row,
-  KV head)'s counter (`triton_compat.tile_counters`), and the last to arrive merges all the
-  splits' partials of its query heads, in split order (the same bits whichever program is
-  last), instead of a second kernel.
-Single-stream decode of the 8B shape, one layer: see docs/benchmarks.md (session 23).
+With more than one split (MERGE, the default: `MERGE_IN_STAGE1`), stage 1 merges too: each
+program stores its partial and counts itself in its (row, KV head)'s counter
+(`triton_compat.tile_counters`), and the last to arrive merges every split's partials of its
+query heads, in split order (the same bits whichever program is last), instead of a second
+kernel: one launch a layer instead of two. (Session 23 also folded rotary + KV store into
+stage 1, measured it and dropped it: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -48,41 +41,17 @@ def decode_num_kv_splits(
 
 
 @triton.jit
-def _rope(CosSin, Pos, b, offs_d, head_dim, stride_cs, d_mask):
-    """Row b's rotation laid out over a whole head (neox style): each dim's partner (d + half
-    in the first half, d - half in the second) and its cos and sin, float32, sin negated in
-    the first half."""
-    half = head_dim // 2
-    first = offs_d < half
-    partner = tl.where(first, offs_d + half, offs_d - half)
-    cs = CosSin + tl.load(Pos + b).to(tl.int64) * stride_cs + tl.where(first, offs_d, partner)
-    cos = tl.load(cs, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cs + half, mask=d_mask, other=0.0).to(tl.float32)
-    return partner, cos, tl.where(first, -sin, sin)
-
-
-@triton.jit
-def _rotated(X, offs, partner, mask, cos, sin):
-    """X[offs] rotated (neox style, float32): x cos - x[d + half] sin in the first half,
-    x cos + x[d - half] sin in the second (`sin` comes negated in the first half)."""
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(X + partner, mask=mask, other=0.0).to(tl.float32)
-    return x * cos + xp * sin
-
-
-@triton.jit
 def _decode_stage1(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Out,
-    Pos, NewK, NewV, CosSin, Loc, Counters,  # ROTARY's and MERGE's (else unused)
+    Counters,  # MERGE's (else unused)
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cs,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is cheaper)
     group, head_dim, head_dim_v, num_splits,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    DIRECT: tl.constexpr, ROTARY: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
 ):
     # DIRECT (one split): each program holds whole rows and writes the output itself, with the
     # bits stage 2 would give (its merge of a single split multiplies by 1 and divides by 1).
@@ -106,24 +75,17 @@ def _decode_stage1(
     offs_dv = tl.arange(0, BLOCK_DV)
     d_mask = offs_d < head_dim
     dv_mask = offs_dv < head_dim_v
-    q_rows = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    q_mask = h_mask[:, None] & d_mask[None, :]
-    if ROTARY:
-        partner, cos, sin = _rope(CosSin, Pos, b, offs_d, head_dim, stride_cs, d_mask)
-        q = _rotated(q_rows, offs_d[None, :], partner[None, :], q_mask, cos[None, :],
-                     sin[None, :]).to(Q.dtype.element_ty)  # [BLOCK_H, BLOCK_D]
-        last = seq_len - 1  # the new token's position: its key is not in the pool yet
-        pool_end = tl.minimum(end, last)
-    else:
-        q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
-        pool_end = end
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (base-2 logits)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for n0 in range(start, pool_end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        n_mask = pos < pool_end
+        n_mask = pos < end
         slots = tl.load(ReqToToken + row * stride_r2t + pos, mask=n_mask, other=0).to(tl.int64)
         k = tl.load(
             K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
@@ -142,30 +104,6 @@ def _decode_stage1(
         ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, IEEE)
         m_i = m_new
-
-    if ROTARY:
-        # The new token's k and v as the pool holds them: k rotated and rounded to the
-        # model's dtype, then (both) to the pool's, as rotary_kv_store stores them.
-        partner, cos, sin = _rope(CosSin, Pos, b, offs_d, head_dim, stride_cs, d_mask)
-        new_k = _rotated(NewK + b.to(tl.int64) * stride_nkb + kv_head * stride_nkh, offs_d,
-                         partner, d_mask, cos, sin)
-        new_k = new_k.to(NewK.dtype.element_ty).to(K.dtype.element_ty)  # [BLOCK_D]
-        new_v = tl.load(NewV + b.to(tl.int64) * stride_nvb + kv_head * stride_nvh + offs_dv,
-                        mask=dv_mask, other=0.0).to(V.dtype.element_ty)  # [BLOCK_DV]
-        if split == 0:
-            loc = tl.load(Loc + b).to(tl.int64)  # int64: slot * stride can pass 2**31
-            tl.store(K + loc * stride_ks + kv_head * stride_kh + offs_d, new_k, mask=d_mask)
-            tl.store(V + loc * stride_vs + kv_head * stride_vh + offs_dv, new_v, mask=dv_mask)
-        if (start <= last) & (last < end):  # this split's last key: the loop's step, for one
-            k_row = new_k.to(q.dtype).to(tl.float32)[None, :]
-            qk = tl.sum(q.to(tl.float32) * k_row, axis=1) * qk_scale  # [BLOCK_H]
-            m_new = tl.maximum(m_i, qk)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new)
-            l_i = l_i * alpha + p
-            p = p.to(q.dtype).to(tl.float32)  # (the loop's products take p in v's dtype)
-            acc = acc * alpha[:, None] + p[:, None] * new_v.to(q.dtype).to(tl.float32)[None, :]
-            m_i = m_new
 
     # An empty split (start >= end) leaves l_i = 0, m_i = -inf: it stores lse = -inf, acc = 0,
     # and the merge gives it zero weight.
@@ -262,6 +200,11 @@ def _decode_stage2(
              mask=dv_mask)
 
 
+# [0] False: the splits are merged by stage 2's kernel, after stage 1 (as before session 23:
+# the before of bench/gpu_bench.py's A/B runs)
+MERGE_IN_STAGE1 = [True]
+
+
 def decode_attention_triton(
     q: torch.Tensor,  # [B, heads, head_dim]
     k_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim]
@@ -273,51 +216,6 @@ def decode_attention_triton(
     num_kv_splits: int = 1,
     out: torch.Tensor | None = None,  # [B, heads, head_dim_v]; preallocated for CUDA graphs
 ) -> torch.Tensor:
-    """Decode attention over keys already in the pool: stage 1, then stage 2's kernel."""
-    return _decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
-                   num_kv_splits, out, None, merge=False)
-
-
-def rotary_decode_attention_triton(
-    positions: torch.Tensor,  # [B] int
-    q: torch.Tensor,  # [B, heads, head_dim], not rotated (left as it is)
-    k: torch.Tensor,  # [B, kv_heads, head_dim], not rotated: stored rotated at out_cache_loc
-    v: torch.Tensor,  # [B, kv_heads, head_dim_v]
-    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
-    k_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim]
-    v_buffer: torch.Tensor,  # [num_slots, kv_heads, head_dim_v]
-    out_cache_loc: torch.Tensor,  # [B] int: each row's new slot, its last key's
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B]
-    seq_lens: torch.Tensor,  # [B]
-    scale: float,
-    num_kv_splits: int = 1,
-) -> torch.Tensor:  # [B, heads, head_dim_v]
-    """`rotary_kv_store` then `decode_attention`, in one launch (module docstring)."""
-    if cos_sin_cache.shape[-1] < q.shape[-1]:  # partial rotary: the two ops
-        from sgl.backend.kernels.triton_rotary import rotary_kv_store_triton
-
-        q = rotary_kv_store_triton(positions, q, k, v, cos_sin_cache, k_buffer, v_buffer,
-                                   out_cache_loc)
-        return decode_attention_triton(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                                       seq_lens, scale, num_kv_splits)
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-    new = (positions, k, v, cos_sin_cache, out_cache_loc)
-    return _decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
-                   num_kv_splits, None, new, merge=MERGE_IN_STAGE1[0])
-
-
-# [0] False: the fused op merges its splits in stage 2's kernel, as decode_attention does (the
-# before of bench/gpu_bench.py's A/B runs)
-MERGE_IN_STAGE1 = [True]
-
-
-def _decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-            req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float, num_kv_splits: int, out: torch.Tensor | None,
-            new: tuple[torch.Tensor, ...] | None, merge: bool) -> torch.Tensor:
-    """The launches of both ops: `new` (positions, k, v, cos_sin_cache, out_cache_loc) asks
-    for ROTARY; `merge` for MERGE where there is more than one split."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[-1]
     assert num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads"
@@ -328,10 +226,10 @@ def _decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
         out = torch.empty(batch, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    # One split: stage 1 writes the output itself (no partials, no stage 2). Else fp32 partials,
+    # One split: stage 1 writes the output itself (no partials, no merge). Else fp32 partials,
     # allocated per call (under graph capture they come from the graph's pool).
     direct = num_kv_splits == 1
-    merge = merge and not direct
+    merge = MERGE_IN_STAGE1[0] and not direct
     if direct:
         mid_o = mid_lse = out  # (unused)
         mid_strides = (0,) * 5
@@ -342,22 +240,16 @@ def _decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                               dtype=torch.float32, device=q.device)  # [B, heads, splits]
         mid_strides = (*mid_o.stride()[:3], *mid_lse.stride()[:2])
     counters = tile_counters(q.device, batch * num_kv_heads) if merge else out
-    if new is not None:
-        positions, new_k, new_v, cos_sin, loc = new
-        new_strides = (*new_k.stride()[:2], *new_v.stride()[:2], cos_sin.stride(0))
-    else:
-        positions = new_k = new_v = cos_sin = loc = out  # (unused)
-        new_strides = (0,) * 5
     pdl = pdl_launch(q.device, _decode_stage2)
     block_n = 64 if head_dim <= 128 else 32
     block_s = next_power_of_2(num_kv_splits)
     block_g = next_power_of_2(group)
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
-        positions, new_k, new_v, cos_sin, loc, counters,
+        counters,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-        *mid_strides, out.stride(0), out.stride(1), *new_strides,
+        *mid_strides, out.stride(0), out.stride(1),
         scale * _LOG2E, group, head_dim, head_dim_v, num_kv_splits,
         BLOCK_H=max(16, next_power_of_2(group)),  # tl.dot needs >= 16 rows
         BLOCK_N=block_n,
@@ -367,7 +259,7 @@ def _decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
         BLOCK_C=max(1, min(block_s, 32 // block_g)),  # splits a merge load takes
         UPCAST=is_interpreted(_decode_stage1),
         IEEE=q.dtype == torch.float32,
-        DIRECT=direct, ROTARY=new is not None, MERGE=merge, PDL=pdl and (direct or merge),
+        DIRECT=direct, MERGE=merge, PDL=pdl and (direct or merge),
         num_warps=4, num_stages=2,
     )
     if direct or merge:
