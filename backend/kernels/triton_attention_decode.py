@@ -55,7 +55,7 @@ def _decode_stage1(
 ):
     # DIRECT (one split): each program holds whole rows and writes the output itself, with the
     # bits stage 2 would give (its merge of a single split multiplies by 1 and divides by 1).
-    if DIRECT or MERGE:
+    if DIRECT:
         let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,6 +120,9 @@ def _decode_stage1(
                  mask=hv_mask)
         tl.store(mid_lse + split, lse, mask=h_mask)
         if MERGE:
+            # The GEMV after may start loading its weights once every program is here (not
+            # from the start: on the H200 that cost the Q4 single stream 3%, session 23).
+            let_next_launch(PDL)
             tl.debug_barrier()  # all of this program's stores before the release below
             counter = Counters + b * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -137,8 +140,9 @@ def _merge_splits(MidO, MidLse, Out, b, head0, group, used,
                   stride_oh, head_dim_v,
                   BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Stage 2 for the query heads head0 .. head0 + group - 1 of row b: the first `used`
-    splits' partials merged by their log-sum-exp, BLOCK_C splits a load (a round trip each),
-    in split order. Read past L1: other SMs wrote them."""
+    splits' partials merged by their log-sum-exp, BLOCK_C splits a load (one round trip for
+    their lse and partials), in split order, online (each chunk rescales the sums so far, as
+    the loop over keys does). Read past L1: other SMs wrote them."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_c = tl.arange(0, BLOCK_C)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -146,13 +150,7 @@ def _merge_splits(MidO, MidLse, Out, b, head0, group, used,
     heads = head0 + offs_g
     lse_rows = MidLse + b * stride_mlb + heads[:, None] * stride_mlh  # [BLOCK_G, 1]
     o_rows = MidO + b * stride_mob + heads[:, None, None] * stride_moh  # [BLOCK_G, 1, 1]
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for c0 in range(0, used, BLOCK_C):
-        lse = tl.load(lse_rows + c0 + offs_c[None, :],
-                      mask=g_mask[:, None] & (c0 + offs_c < used)[None, :],
-                      other=float("-inf"), cache_modifier=".cg")  # [BLOCK_G, BLOCK_C]
-        m = tl.maximum(m, tl.max(lse, axis=1))
-    m = tl.where(m == float("-inf"), 0.0, m)  # no split with keys (seq_len 0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the lse
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     dv_mask = (offs_dv < head_dim_v)[None, None, :]
@@ -160,12 +158,16 @@ def _merge_splits(MidO, MidLse, Out, b, head0, group, used,
         c_mask = g_mask[:, None] & (c0 + offs_c < used)[None, :]  # [BLOCK_G, BLOCK_C]
         lse = tl.load(lse_rows + c0 + offs_c[None, :], mask=c_mask, other=float("-inf"),
                       cache_modifier=".cg")
-        w = tl.exp2(lse - m[:, None])  # empty splits weigh exp2(-inf) = 0
         parts = tl.load(o_rows + (c0 + offs_c)[None, :, None] * stride_mos
                         + offs_dv[None, None, :], mask=c_mask[:, :, None] & dv_mask,
                         other=0.0, cache_modifier=".cg")  # [BLOCK_G, BLOCK_C, BLOCK_DV]
-        denom += tl.sum(w, axis=1)
-        acc += tl.sum(parts * w[:, :, None], axis=1)
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # (padded heads: no keys)
+        rescale = tl.exp2(m - m_new)  # the chunks before (none yet: exp2(-inf) = 0)
+        w = tl.exp2(lse - m_new[:, None])  # empty splits weigh exp2(-inf) = 0
+        denom = denom * rescale + tl.sum(w, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(parts * w[:, :, None], axis=1)
+        m = m_new
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=g_mask[:, None] & (offs_dv < head_dim_v)[None, :])
