@@ -644,8 +644,9 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  "q4_s22": dict(quantization="gguf"), "fp8_s22": dict(quantization="fp8"),
                  "bf16_s22": {},
                  # 4-bit products of K <= 4,096 at 1-2 rows capped to 3 programs per SM
-                 # (session 22's sweep winner, min_blocks 3), for bench/gpu_ab.py (variant)
-                 "q4_cap": dict(quantization="gguf"),
+                 # (min_blocks 3; since session 23 the default at one row), for
+                 # bench/gpu_ab.py (variant); "q4_nocap": the default without the cap
+                 "q4_cap": dict(quantization="gguf"), "q4_nocap": dict(quantization="gguf"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -692,11 +693,12 @@ def engine_variant(name: str) -> Iterator[None]:
     cuda_early, cuda_rows, cuda_bits = (cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS,
                                         cuda_gemv.BITS)
     mma_gemv = cuda_gemv.mma_gemv
-    if name == "q4_cap":
+    if name in ("q4_cap", "q4_nocap"):
         def capped(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
             rows = x.numel() // w.in_features
             if config is None and w.bits == 4 and rows <= 2 and w.in_features <= 4096:
-                config = cuda_gemv.config_for(rows, 4)._replace(min_blocks=3)
+                cap = 3 if name == "q4_cap" else 0
+                config = cuda_gemv.config_for(rows, 4, 1 << 30, True)._replace(min_blocks=cap)
             return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = capped

@@ -34,7 +34,7 @@ VARIANTS = [  # (config, rows, super_groups, chunks, bits, chunks per group): ea
     # its row counts, at the 8B Ks and at SmolLM2's (576: a tail step): 4-bit codes with
     # factored (Q4_K) and plain (Q4_1) scales; 8-bit in factored groups of 16 (Q6_K) and plain
     # groups of 32 (Q8_0)
-    (config_for(rows, form[2]), rows, *form)
+    (config_for(rows, form[2], form[1] * (32 if form[2] == 4 else 16), form[0] > 0), rows, *form)
     for rows in (1, 2, 4, 5, 8)
     for form in ((8, 128, 4, 1), (8, 448, 4, 1), (0, 18, 4, 1), (0, 25, 4, 1),
                  (16, 256, 8, 1), (16, 896, 8, 1), (0, 36, 8, 1), (0, 50, 8, 2))
@@ -127,8 +127,19 @@ def test_the_defaults_table_covers_every_row_count(bits: int) -> None:
     limits = [limit for limit, _ in CUDA_GEMV_DEFAULTS[bits]]
     assert limits == sorted(limits) and limits[-1] == MAX_ROWS
     for rows in range(1, MAX_ROWS + 1):
-        cfg = config_for(rows, bits)
-        assert cfg.tiles >= 1 and cfg.warps >= 1 and cfg.span in (1, 2, 4)
+        for k, factored in ((576, True), (4096, False), (4096, True), (14336, True)):
+            cfg = config_for(rows, bits, k, factored)
+            assert cfg.tiles >= 1 and cfg.warps >= 1 and cfg.span in (1, 2, 4)
+
+
+def test_one_row_short_k_q4_k_products_hold_three_programs_per_sm() -> None:
+    """One row against factored 4-bit codes of K <= 4,096 runs capped to 80 registers
+    (session 23's in-engine A/B: +5% single stream); longer K, more rows and plain scales
+    keep the compiler's choice (capped, they spill: the compile test above would fail)."""
+    assert config_for(1, 4, 4096, True).min_blocks == config_for(1, 4, 576, True).min_blocks == 3
+    assert {config_for(1, 4, 14336, True).min_blocks, config_for(2, 4, 4096, True).min_blocks,
+            config_for(1, 4, 4096, False).min_blocks, config_for(1, 8, 4096, True).min_blocks
+            } == {0, 2}  # (8-bit codes: their own min_blocks 2)
 
 
 class Compiled(Exception):

@@ -93,7 +93,7 @@ from sgl.backend.quant.factored import factor
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["CUDA_GEMV_DEFAULTS", "CudaGemvConfig", "MAX_ROWS", "SOURCE", "available",
-           "chunking", "config_for", "fitted", "mma_gemv", "prepare", "serves", "supports"]
+           "chunking", "config_for", "fitted", "mma_gemv", "prepare", "serves", "SHORT_K", "supports"]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class CudaGemvConfig(NamedTuple):
 # config or within 2% of it at every 8B shape at one and two rows and at four but for down;
 # from five rows two tiles share each lane's x (8 rows: an 8B step's products 4,190 us against
 # 5,256 with one tile), and from seven a lane takes one chunk per step (with two, registers
-# spill).
+# spill). `config_for` caps one case further (SHORT_K).
 # 8-bit: one chunk per step up to four rows (an 8B step's Q6_K-like products at one row 3,564
 # us against 3,805 with two, the head 205 against 230), two tiles from five. (Its min_blocks 2
 # changes no limit, 80 registers either way, but without it ptxas spilled 8 bytes in the main
@@ -126,7 +126,14 @@ CUDA_GEMV_DEFAULTS: dict[int, tuple[tuple[int, CudaGemvConfig], ...]] = {
         (MAX_ROWS, CudaGemvConfig(2, 8, 1))),
     8: ((4, CudaGemvConfig(1, 8, 1, 2)), (MAX_ROWS, CudaGemvConfig(2, 8, 1))),
 }
-
+# One row of x against 4-bit codes with factored scales (Q4_K's) and K <= SHORT_K (all of an
+# 8B layer's products but down) runs three programs per SM (min_blocks 3: 80 registers, and
+# ptxas spills nothing there; with plain scales or two rows it spills 8-32 bytes). The 8B
+# single stream: 393.4 tok/s against 374.2, the median of three turns each inside one engine
+# (`bench/gpu_ab.py --engine q4 --variants q4,q4_cap`, session 23). Session 22 had read no
+# gain across two engines, whose spread (~6%) hid it; at K = 14,336 the sweep had the cap
+# slower (down 19.0 us against 14.7).
+SHORT_K = 4096
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -532,8 +539,17 @@ def supports(x: torch.Tensor, w: Any) -> bool:
             and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and serves(w))
 
 
-def config_for(rows: int, bits: int = 4) -> CudaGemvConfig:
-    return next(cfg for limit, cfg in CUDA_GEMV_DEFAULTS[bits] if rows <= limit)
+def config_for(rows: int, bits: int, k: int, factored: bool) -> CudaGemvConfig:
+    """The default config of a product of `rows` rows of x against a `bits`-bit weight of K
+    = `k`, its scales `factored` (super groups) or not: the table above, and SHORT_K."""
+    cfg = next(cfg for limit, cfg in CUDA_GEMV_DEFAULTS[bits] if rows <= limit)
+    if bits == 4 and rows == 1 and factored and k <= SHORT_K:
+        return cfg._replace(min_blocks=3)
+    return cfg
+
+
+def _default(rows: int, w: QuantizedWeight) -> CudaGemvConfig:
+    return config_for(rows, w.bits, w.in_features, w.super_groups > 0)
 
 
 def fitted(cfg: CudaGemvConfig, n: int, chunks_per_group: int = 1) -> CudaGemvConfig:
@@ -646,8 +662,7 @@ def prepare(weights: Iterable[QuantizedWeight], device: torch.device,
     wanted; nothing is launched (the compiled code waits in memory and on disk)."""
     wanted = [(w, rows) for w in _self_check_weights("cpu") for rows in SELF_CHECK_ROWS]
     wanted += [(w, rows) for w in weights if serves(w) for rows in range(1, MAX_ROWS + 1)]
-    return compile_ahead([(config_for(rows, w.bits), rows, w) for w, rows in wanted], device,
-                         threads)
+    return compile_ahead([(_default(rows, w), rows, w) for w, rows in wanted], device, threads)
 
 
 def compile_ahead(jobs: Iterable[tuple[CudaGemvConfig, int, QuantizedWeight]],
@@ -671,7 +686,7 @@ def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = No
         x2 = x2.contiguous()  # 16-byte loads of x
     m, n = x2.shape[0], w.out_features
     y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    cfg = fitted(config or config_for(m, w.bits), n, chunking(w)[1])
+    cfg = fitted(config or _default(m, w), n, chunking(w)[1])
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kernel = _kernel(_variant(cfg, m, w), device)
     codes = w.codes.view(torch.int32)  # 4 words per 16-byte chunk
