@@ -28,7 +28,8 @@ from test_quant_triton import (
     shape_of,
 )
 
-from sgl.backend.quant import linear, triton_split
+from sgl.backend.kernels.triton_compat import tile_counters
+from sgl.backend.quant import linear
 from sgl.backend.quant.triton_fp8 import fp8_gemm
 from sgl.backend.quant.triton_gemm import GemmConfig, gemm_config, qgemm
 
@@ -155,7 +156,7 @@ def test_split_k_tiles_match_dequantize_then_matmul(kind: str, weight_as_a: bool
         assert_matches(by_kernel, x, ref, b)
         by_last = run(x, b, cfg._replace(split_reduce="last"))
         assert torch.equal(by_last, by_kernel), split
-        assert not triton_split.tile_counters(x.device, 1).any()
+        assert not tile_counters(x.device, 1).any()
 
 
 @needs_triton
