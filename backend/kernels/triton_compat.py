@@ -91,7 +91,8 @@ def is_interpreted(kernel: Any) -> bool:
 # still). The one-row FP8 GEMVs can launch so (quant/triton_fp8.py): their weights never
 # change, so they load the first K step's before waiting, which would hide their start (launch
 # and the first DRAM round trip) behind the small kernel before them; that kernel (RMSNorm,
-# SiLU x mul, decode attention's second stage) lets them launch as it starts. Both calls are
+# SiLU x mul, decode attention) lets them launch as it starts (decode attention merging its
+# splits in its last program: once every program has finished its loop). Both calls are
 # no-ops where nothing is launched so. On by default (`PDL_SWITCH`) since it was checked on
 # the H200 (session 10): the same greedy tokens with and without it, in CUDA graphs and eagerly
 # (tests/test_quant_gpu.py's early-launch test), and the 8B FP8 single stream 326.1 -> 333.0
