@@ -101,7 +101,7 @@ def i32(*names: str) -> dict[str, str]:
 
 def decode_stage1(types: dict[str, str], consts: dict[str, Any]) -> str:
     """Decode attention's stage-1 kernel for the 8B shape's heads, its tensors bf16 but for
-    `types` (name -> type), with `consts` (DIRECT, MERGE, PDL)."""
+    `types` (name -> type), with `consts` (DIRECT, MERGE, PDL, WAIT)."""
     pointers = {name: "*bf16" for name in ("Q", "K", "V", "Out")}
     pointers.update({name: "*fp32" for name in ("MidO", "MidLse")}, **types)
     return ptx(triton_attention_decode._decode_stage1,
@@ -125,13 +125,14 @@ def check_float8_kv_cache() -> None:
                  "Loc": "*i64", **i32("stride_kt", "stride_kh", "stride_vt", "stride_vh",
                                       "stride_kbs", "stride_kbh", "stride_vbs", "stride_vbh",
                                       "num_heads", "head_dim", "head_dim_v")},
-                dict(BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128))
+                dict(BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, PDL=False, WAIT=False))
     rotary_args = {"Pos": "*i64", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Cache": "*bf16",
                    "KBuf": "*fp8e4nv", "VBuf": "*fp8e4nv", "Loc": "*i64",
                    **i32("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                          "stride_vh", "stride_cache", "stride_kbs", "stride_kbh", "stride_vbs",
                          "stride_vbh", "num_q_heads", "num_k_heads", "half", "head_dim_v")}
-    rotary_consts = dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_DV=128)
+    rotary_consts = dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_DV=128, PDL=False,
+                         WAIT=False)
     rotary = ptx(triton_rotary._rotary_kv_store_kernel, rotary_args, rotary_consts)
     rotary_bf16 = ptx(triton_rotary._rotary_kv_store_kernel,
                       {**rotary_args, "KBuf": "*bf16", "VBuf": "*bf16"}, rotary_consts)
@@ -145,7 +146,7 @@ def check_float8_kv_cache() -> None:
 
     assert to_bf16(rotary) == to_bf16(rotary_bf16) > 0, "rotated k not rounded to bf16 first"
     decode = decode_stage1(dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", Out="*bf16"),
-                           dict(DIRECT=False, MERGE=False, PDL=False))
+                           dict(DIRECT=False, MERGE=False, PDL=False, WAIT=False))
     extend = ptx(triton_attention_extend._extend_kernel,
                  {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16",
                   "ReqToToken": "*i32", **{name: "*i64" for name in (
@@ -210,22 +211,25 @@ def main() -> None:
         code = ptx(kernel, args, consts, aligned=True)
         assert code.count("ld.global.v4.b32") >= 4, "weights not loaded as 16-byte vectors"
         assert "ld.global.b8" not in code and "ld.global.u8" not in code, "byte loads"
-    # The kernels before the GEMVs let them launch early: the trigger is in their PTX.
+    # The kernels before the GEMVs let them launch early: the trigger is in their PTX; launched
+    # early themselves (SMALL_EARLY_SWITCH), they wait for the kernel before.
     norm = ptx(triton_rmsnorm._rmsnorm_kernel,
                {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
                 "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32",
-                "hidden": "i32", "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True))
+                "hidden": "i32", "eps": "fp32"},
+               dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True, WAIT=True))
     silu = ptx(triton_activation._silu_and_mul_kernel,
                {"X": "*bf16", "Out": "*bf16", "stride_xt": "i32", "stride_ot": "i32",
-                "inter": "i32"}, dict(BLOCK=1024, PDL=True))
+                "inter": "i32"}, dict(BLOCK=1024, PDL=True, WAIT=True))
     # Decode attention with one split writes the output from stage 1 (no stage 2 after it).
-    attn = decode_stage1({}, dict(DIRECT=True, MERGE=False, PDL=True))
+    attn = decode_stage1({}, dict(DIRECT=True, MERGE=False, PDL=True, WAIT=True))
     # More splits, one launch: merged by the last program (after a barrier and the counter's
     # atomic, the partials read back at L2).
-    fused = decode_stage1({}, dict(DIRECT=False, MERGE=True, PDL=True))
+    fused = decode_stage1({}, dict(DIRECT=False, MERGE=True, PDL=True, WAIT=True))
     check_last_slice_reduction(fused)
     for code in (norm, silu, attn, fused):
         assert "griddepcontrol.launch_dependents" in code, "no early launch"
+        assert "griddepcontrol.wait" in code, "no wait for the kernel before"
     # The tiled kernels split along K (both operand orders), the tile's last slice adding.
     tiled = {"M": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_ps": "i32"}
     for w_as_a in (False, True):

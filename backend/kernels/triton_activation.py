@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, let_next_launch, pdl_launch, tl, triton
+from sgl.backend.kernels.triton_compat import (cdiv, launch_options, let_next_launch, tl, triton,
+                                               wait_for_inputs)
 
 
 @triton.jit
 def _silu_and_mul_kernel(X, Out, stride_xt, stride_ot, inter, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, WAIT: tl.constexpr):
     let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
+    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -36,6 +38,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         block = 1024
         _silu_and_mul_kernel[(x2.shape[0], cdiv(inter, block))](
             x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block,
-            PDL=pdl_launch(x2.device, _silu_and_mul_kernel),
+            **launch_options(x2.device, _silu_and_mul_kernel),
         )
     return out.reshape(*x.shape[:-1], inter)

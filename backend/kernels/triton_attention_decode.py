@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import (is_interpreted, let_next_launch, mma,
-                                               next_power_of_2, pdl_launch, tile_counters, tl,
-                                               triton)
+from sgl.backend.kernels.triton_compat import (is_interpreted, launch_options, let_next_launch,
+                                               mma, next_power_of_2, tile_counters, tl, triton,
+                                               wait_for_inputs)
 
 _LOG2E = 1.4426950408889634
 
@@ -51,12 +51,13 @@ def _decode_stage1(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    DIRECT: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     # DIRECT (one split): each program holds whole rows and writes the output itself, with the
     # bits stage 2 would give (its merge of a single split multiplies by 1 and divides by 1).
-    if DIRECT:
-        let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat)
+    if DIRECT or not MERGE:  # (MERGE: once every program has finished its loop, below)
+        let_next_launch(PDL)  # the GEMV (direct) or stage 2 after may start (triton_compat)
+    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,9 +179,10 @@ def _decode_stage2(
     MidO, MidLse, Out,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     head_dim_v, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
+    wait_for_inputs(WAIT)  # (launched early itself: stage 1 may still be running)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -242,7 +244,6 @@ def decode_attention_triton(
                               dtype=torch.float32, device=q.device)  # [B, heads, splits]
         mid_strides = (*mid_o.stride()[:3], *mid_lse.stride()[:2])
     counters = tile_counters(q.device, batch * num_kv_heads) if merge else out
-    pdl = pdl_launch(q.device, _decode_stage2)
     block_n = 64 if head_dim <= 128 else 32
     block_s = next_power_of_2(num_kv_splits)
     block_g = next_power_of_2(group)
@@ -261,7 +262,7 @@ def decode_attention_triton(
         BLOCK_C=max(1, min(block_s, 32 // block_g)),  # splits a merge load takes
         UPCAST=is_interpreted(_decode_stage1),
         IEEE=q.dtype == torch.float32,
-        DIRECT=direct, MERGE=merge, PDL=pdl and (direct or merge),
+        DIRECT=direct, MERGE=merge, **launch_options(q.device, _decode_stage1),
         num_warps=4, num_stages=2,
     )
     if direct or merge:
@@ -273,6 +274,6 @@ def decode_attention_triton(
         head_dim_v, num_kv_splits,
         BLOCK_S=block_s,
         BLOCK_DV=next_power_of_2(head_dim_v),
-        PDL=pdl, num_warps=4,
+        **launch_options(q.device, _decode_stage2), num_warps=4,
     )
     return out

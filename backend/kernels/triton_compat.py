@@ -104,6 +104,18 @@ try:  # (triton.language.extra.cuda's grid dependency control: Triton 3.3 and la
 except ImportError:  # pragma: no cover - older Triton, or none
     HAS_PDL = False
 PDL_SWITCH = [True]  # [0] True: launch the kernels above so, on devices that can
+# The small kernels themselves (RMSNorm, rotary and KV store, decode attention, SiLU x mul)
+# launch early too when [0] is True (and PDL_SWITCH's): each waits (`wait_for_inputs`) as it
+# starts, before it reads or writes anything, so only its launch and start-up overlap the
+# kernel before it (a GEMV's last programs, a norm's tail). They also let the next kernel
+# start as they begin, so a decode step's kernels are one chain of early launches.
+# Transitively safe: a kernel ends only after its wait returned, so when a kernel's wait
+# returns every kernel before it on the stream has finished and its writes are visible.
+# Off by default: session 21 measured it across two engines each (q4 382.6 -> 375.4, FP8
+# 337.0 -> 340.7 tok/s), which session 23 found cannot resolve a few per cent (two engines of
+# the same code spread ~6%); it waits for bench/gpu_ab.py's verdict inside one engine
+# (`--variants q4,q4_chain`, `fp8,fp8_chain`). Its device tests passed in session 21.
+SMALL_EARLY_SWITCH = [False]
 _PDL_DEVICES: dict[int, bool] = {}
 
 
@@ -118,6 +130,14 @@ def pdl_launch(device: Any, kernel: Any) -> bool:
 
         _PDL_DEVICES[index] = torch.cuda.get_device_capability(device)[0] >= 9
     return _PDL_DEVICES[index]
+
+
+def launch_options(device: Any, kernel: Any) -> dict[str, Any]:
+    """The launch keywords of a small kernel taking the constexprs PDL (lets the next kernel
+    start) and WAIT (launched early itself: waits first), with Triton's `launch_pdl`."""
+    pdl = pdl_launch(device, kernel)
+    wait = pdl and SMALL_EARLY_SWITCH[0]
+    return {"PDL": pdl, "WAIT": wait, **({"launch_pdl": True} if wait else {})}
 
 
 @triton.jit
@@ -167,6 +187,6 @@ def tile_counters(device: Any, tiles: int) -> Any:
     return buf
 
 
-__all__ = ["HAS_PDL", "HAS_TRITON", "MIN_COUNTERS", "PDL_SWITCH", "triton", "tl", "mma",
-           "next_power_of_2", "cdiv", "is_interpreted", "let_next_launch", "pdl_launch",
-           "tile_counters", "wait_for_inputs"]
+__all__ = ["HAS_PDL", "HAS_TRITON", "MIN_COUNTERS", "PDL_SWITCH", "SMALL_EARLY_SWITCH", "triton",
+           "tl", "mma", "next_power_of_2", "cdiv", "is_interpreted", "launch_options",
+           "let_next_launch", "pdl_launch", "tile_counters", "wait_for_inputs"]

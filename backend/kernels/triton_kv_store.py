@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import next_power_of_2, tl, triton
+from sgl.backend.kernels.triton_compat import (launch_options, let_next_launch, next_power_of_2,
+                                               tl, triton, wait_for_inputs)
 
 
 @triton.jit
@@ -37,8 +38,11 @@ def _kv_store_kernel(
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     num_heads, head_dim, head_dim_v,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     # One program per new token: copy its [kv_heads, head_dim] rows of k and v.
+    let_next_launch(PDL)  # the next kernel may start (triton_compat: PDL)
+    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)  # int64: slot * stride can pass 2**31 in big pools
     store_heads(K, KBuf, t, slot, stride_kt, stride_kh, stride_kbs, stride_kbh, num_heads,
@@ -69,5 +73,5 @@ def kv_store_triton(
         num_heads, head_dim, head_dim_v,
         BLOCK_H=next_power_of_2(num_heads),
         BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_DV=next_power_of_2(head_dim_v),
+        BLOCK_DV=next_power_of_2(head_dim_v), **launch_options(k.device, _kv_store_kernel),
     )

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import (let_next_launch, next_power_of_2, pdl_launch, tl,
-                                               triton)
+from sgl.backend.kernels.triton_compat import (launch_options, let_next_launch, next_power_of_2,
+                                               tl, triton, wait_for_inputs)
 
 
 @triton.jit
@@ -19,10 +19,11 @@ def _rmsnorm_kernel(
     X, R, W, Out, ResOut,
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     # One program per row; the whole row fits in one block (hidden <= 16k).
     let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
+    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -58,7 +59,7 @@ def _launch(
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
-            PDL=pdl_launch(x2.device, _rmsnorm_kernel), num_warps=4 if block <= 2048 else 8,
+            **launch_options(x2.device, _rmsnorm_kernel), num_warps=4 if block <= 2048 else 8,
         )
     out = out.reshape(x.shape)
     return out, (res_out.reshape(x.shape) if residual is not None else None)

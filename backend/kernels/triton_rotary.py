@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import next_power_of_2, tl, triton
+from sgl.backend.kernels.triton_compat import (launch_options, let_next_launch, next_power_of_2,
+                                               tl, triton, wait_for_inputs)
 from sgl.backend.kernels.triton_kv_store import kv_store_triton, store_heads
 
 
@@ -52,8 +53,11 @@ def _rotary_kernel(
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
     num_q_heads, num_k_heads, half,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     # One program per token: load its cos/sin row once, rotate all q and k heads with it.
+    let_next_launch(PDL)  # the next kernel may start (triton_compat: PDL)
+    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     cos, sin = _cos_sin(Cache, pos, stride_cache, half, BLOCK_R)
@@ -70,9 +74,11 @@ def _rotary_kv_store_kernel(
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     num_q_heads, num_k_heads, half, head_dim_v,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     # One program per token: q rotated in place, k rotated into its pool slot, v copied there.
+    let_next_launch(PDL)  # the next kernel may start (triton_compat: PDL)
+    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)  # int64: slot * stride can pass 2**31 in big pools
@@ -115,7 +121,7 @@ def rotary_embedding_triton(
             q.shape[1], k.shape[1], half,
             BLOCK_HQ=next_power_of_2(q.shape[1]),
             BLOCK_HK=next_power_of_2(k.shape[1]),
-            BLOCK_R=next_power_of_2(half),
+            BLOCK_R=next_power_of_2(half), **launch_options(q.device, _rotary_kernel),
         )
     return q_out, k_out
 
@@ -148,5 +154,6 @@ def rotary_kv_store_triton(
             BLOCK_HK=next_power_of_2(k.shape[1]),
             BLOCK_R=next_power_of_2(rotary_dim // 2),
             BLOCK_DV=next_power_of_2(v.shape[-1]),
+            **launch_options(q.device, _rotary_kv_store_kernel),
         )
     return q

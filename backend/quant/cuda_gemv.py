@@ -187,6 +187,14 @@ __device__ __forceinline__ void wait_for_inputs() {
 #endif
 }
 
+// Lets the kernel after start (if it was launched early: the small kernels are, and wait for
+// this one in their turn) while this one adds up its sums. A no-op otherwise.
+__device__ __forceinline__ void let_next_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 __device__ __forceinline__ u16 to_bf16(float f) {
     u16 r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
@@ -483,6 +491,7 @@ extern "C" __global__ void BOUNDS mma_gemv(
         load_step<true>(st, ln, full);
         run_step<true>(st, ln, full, out);
     }
+    let_next_launch();
     // the four lanes of a quad held different chunks: add them
     #pragma unroll
     for (int t = 0; t < TILES; t++)
