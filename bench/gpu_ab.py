@@ -34,7 +34,8 @@ import gpu_bench as gb  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", default="q4", help=f"one of {sorted(gb.QUANT_ENGINES)}: its options")
+    ap.add_argument("--engine", default="q4",
+                    help=f"one of {sorted(gb.QUANT_ENGINES)}: its options")
     ap.add_argument("--variants", default="q4_s22,q4",
                     help="engine_variant names, in turn order (their switches read at capture)")
     ap.add_argument("--rounds", type=int, default=2, help="times each variant takes its turn")

@@ -24,8 +24,9 @@ CUDA-graph safety (DECODE only):
 - captured: the kv_store and decode attention launches (one: stage 1 merges its splits).
   Their grids depend on (batch size, heads, num_kv_splits) only; everything data-dependent
   (seq_lens, req_pool_indices, out_cache_loc, req_to_token) is read on the device, so
-  refilling those static input tensors before `replay()` is enough. Scratch tensors are allocated inside forward and come from the
-  graph's private pool while capturing, at fixed addresses.
+  refilling those static input tensors before `replay()` is enough. Scratch tensors are
+  allocated inside forward and come from the graph's private pool while capturing, at fixed
+  addresses.
 - Call `prepare` on the padded batch before capture; keep its metadata for replays
   (the metadata is shape-only for DECODE).
 - Padded rows: give them seq_len 0 (output 0) or 1 with slot 0 (the pool's reserved slot) and

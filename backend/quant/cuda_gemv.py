@@ -92,8 +92,8 @@ import torch
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["CUDA_GEMV_DEFAULTS", "CudaGemvConfig", "MAX_ROWS", "SOURCE", "available",
-           "chunking", "config_for", "fitted", "mma_gemv", "prepare", "serves", "SHORT_K", "supports"]
+__all__ = ["CUDA_GEMV_DEFAULTS", "CudaGemvConfig", "MAX_ROWS", "SHORT_K", "SOURCE", "available",
+           "chunking", "config_for", "fitted", "mma_gemv", "prepare", "serves", "supports"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ CUDA_GEMV_DEFAULTS: dict[int, tuple[tuple[int, CudaGemvConfig], ...]] = {
 # gain across two engines, whose spread (~6%) hid it; at K = 14,336 the sweep had the cap
 # slower (down 19.0 us against 14.7).
 SHORT_K = 4096
+
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
