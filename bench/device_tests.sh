@@ -5,6 +5,11 @@
 # returns only the tail of its output, so a long run's summary lines must stay short.
 #
 #   bash bench/device_tests.sh SECONDS "tests/test_quant_gpu.py -k cuda_gemv" "tests/test_kernels.py"
+#
+# A selection is split on spaces: `-k` takes one word (`-k cuda_gemv_matches`, not `-k "a or
+# b"`). The GPU machine lacks some of the tests' packages: carry their wheels (xgrammar with
+# apache-tvm-ffi, which it imports: without it every structured request fails there; gguf,
+# pydantic, interegular) and install them with `pip install --no-index --no-deps --target`.
 set -u
 limit=$1
 shift
