@@ -121,8 +121,9 @@ def _decode_stage1(
                  mask=hv_mask)
         tl.store(mid_lse + split, lse, mask=h_mask)
         if MERGE:
-            # The GEMV after may start loading its weights once every program is here (not
-            # from the start: on the H200 that cost the Q4 single stream 3%, session 23).
+            # The GEMV after may start loading its weights once every program is here (from
+            # the start, the Q4 single stream read 3% slower in session 23, across engines:
+            # not A/B'd inside one)
             let_next_launch(PDL)
             tl.debug_barrier()  # all of this program's stores before the release below
             counter = Counters + b * tl.num_programs(1) + kv_head
