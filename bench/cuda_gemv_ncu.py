@@ -45,7 +45,7 @@ def main() -> int:
                 for _ in range(WARM + 1):
                     cuda_gemv.mma_gemv(x, w)
                 torch.cuda.synchronize()
-                cfg = cuda_gemv.fitted(cuda_gemv._default(m, w), n,
+                cfg = cuda_gemv.fitted(cuda_gemv.default_config(m, w), n,
                                        cuda_gemv.chunking(w)[1])
                 print(f"{kind} {shape} rows {m} {cfg}: launches {WARM} warm + 1", flush=True)
     return 0

@@ -706,9 +706,9 @@ def engine_variant(name: str) -> Iterator[None]:
     if name in ("q4_cap", "q4_nocap"):
         def capped(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
             rows = x.numel() // w.in_features
-            if config is None and w.bits == 4 and rows <= 2 and w.in_features <= 4096:
+            if config is None and w.bits == 4 and rows <= 2 and w.in_features <= cuda_gemv.SHORT_K:
                 cap = 3 if name == "q4_cap" else 0
-                config = cuda_gemv.config_for(rows, 4, 1 << 30, True)._replace(min_blocks=cap)
+                config = cuda_gemv.default_config(rows, w)._replace(min_blocks=cap)
             return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = capped

@@ -93,7 +93,8 @@ from sgl.backend.quant.factored import factor
 from sgl.backend.quant.weight import QuantizedWeight
 
 __all__ = ["CUDA_GEMV_DEFAULTS", "CudaGemvConfig", "MAX_ROWS", "SHORT_K", "SOURCE", "available",
-           "chunking", "config_for", "fitted", "mma_gemv", "prepare", "serves", "supports"]
+           "chunking", "config_for", "default_config", "fitted", "mma_gemv", "prepare", "serves",
+           "supports"]
 
 log = logging.getLogger(__name__)
 
@@ -558,7 +559,8 @@ def config_for(rows: int, bits: int, k: int, factored: bool) -> CudaGemvConfig:
     return cfg
 
 
-def _default(rows: int, w: QuantizedWeight) -> CudaGemvConfig:
+def default_config(rows: int, w: QuantizedWeight) -> CudaGemvConfig:
+    """`config_for` a product of `rows` rows of x against `w`."""
     return config_for(rows, w.bits, w.in_features, w.super_groups > 0)
 
 
@@ -672,7 +674,8 @@ def prepare(weights: Iterable[QuantizedWeight], device: torch.device,
     wanted; nothing is launched (the compiled code waits in memory and on disk)."""
     wanted = [(w, rows) for w in _self_check_weights("cpu") for rows in SELF_CHECK_ROWS]
     wanted += [(w, rows) for w in weights if serves(w) for rows in range(1, MAX_ROWS + 1)]
-    return compile_ahead([(_default(rows, w), rows, w) for w, rows in wanted], device, threads)
+    return compile_ahead([(default_config(rows, w), rows, w) for w, rows in wanted], device,
+                         threads)
 
 
 def compile_ahead(jobs: Iterable[tuple[CudaGemvConfig, int, QuantizedWeight]],
@@ -696,7 +699,7 @@ def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = No
         x2 = x2.contiguous()  # 16-byte loads of x
     m, n = x2.shape[0], w.out_features
     y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    cfg = fitted(config or _default(m, w), n, chunking(w)[1])
+    cfg = fitted(config or default_config(m, w), n, chunking(w)[1])
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kernel = _kernel(_variant(cfg, m, w), device)
     codes = w.codes.view(torch.int32)  # 4 words per 16-byte chunk
