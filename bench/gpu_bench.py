@@ -647,10 +647,10 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # (min_blocks 3; since session 23 the default at one row), for
                  # bench/gpu_ab.py (variant); "q4_nocap": the default without the cap
                  "q4_cap": dict(quantization="gguf"), "q4_nocap": dict(quantization="gguf"),
-                 # the small kernels launched early too, each waiting for the one before as
-                 # it starts (SMALL_EARLY_SWITCH, off by default since session 21: variants)
-                 "q4_chain": dict(quantization="gguf"), "fp8_chain": dict(quantization="fp8"),
-                 "bf16_chain": {},
+                 # the small kernels not launched early, as session 23 left them
+                 # (SMALL_EARLY_SWITCH, on since session 24: variants)
+                 "q4_s23": dict(quantization="gguf"), "fp8_s23": dict(quantization="fp8"),
+                 "bf16_s23": {},
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -676,9 +676,9 @@ def engine_variant(name: str) -> Iterator[None]:
     last program (triton_attention_decode.MERGE_IN_STAGE1); "q4_cap" runs the 4-bit CUDA
     GEMVs of K <= 4,096 at one and two rows with min_blocks 3 (80 registers: 3 programs of 8
     warps per SM), "q4_nocap" none of them capped (cuda_gemv.SHORT_K: the default before
-    session 23); "q4_chain", "fp8_chain" and "bf16_chain" launch the small kernels (RMSNorm,
-    rotary + KV store, decode attention, SiLU x mul) early too, each waiting for the kernel
-    before as it starts (triton_compat.SMALL_EARLY_SWITCH). The others: the shipped code.
+    session 23); "q4_s23", "fp8_s23" and "bf16_s23" launch the small kernels (RMSNorm,
+    rotary + KV store, decode attention, SiLU x mul) as session 23 did, not early (off:
+    triton_compat.SMALL_EARLY_SWITCH). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -720,7 +720,7 @@ def engine_variant(name: str) -> Iterator[None]:
         install.RANDOM_LAYOUT = "q4_k_m"
     early, small_early = PDL_SWITCH[0], SMALL_EARLY_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
-    SMALL_EARLY_SWITCH[0] = small_early or name.endswith("_chain")
+    SMALL_EARLY_SWITCH[0] = small_early and not name.endswith("_s23")
     from sgl.backend.kernels import triton_attention_decode, triton_matmul
 
     merge = triton_attention_decode.MERGE_IN_STAGE1[0]
@@ -798,9 +798,9 @@ def section_quant(args: argparse.Namespace, rates: Rates, state: dict[str, Any])
             note(f"quant: {name}: GEMV tables q4 {GEMV_DEFAULTS['q4']}, fp8 {GEMV_DEFAULTS['fp8']}")
             res[name] = quant_engine(name, opts, rates, shape, fixed, args.single_runs)
     base = res.get("bf16", {})
-    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4_s22", "q4", "q4_chain",
-                 "q4km_s19", "q4km", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8_s22", "fp8",
-                 "fp8_chain", "fp8_a8", "bf16_s22", "bf16_chain", "det", "kv_fp8"):
+    for name in ("q4_bytes", "q4_triton", "q4_s19", "q4_late", "q4_s22", "q4_s23", "q4",
+                 "q4km_s19", "q4km", "q4_l2", "fp8_s9", "fp8_nopdl", "fp8_wo", "fp8_s22", "fp8_s23",
+                 "fp8", "fp8_a8", "bf16_s22", "bf16_s23", "det", "kv_fp8"):
         for wl in ("single", "fixed"):
             if wl in res.get(name, {}) and wl in base:
                 ratio = res[name][wl]["output_tok_s"] / base[wl]["output_tok_s"]

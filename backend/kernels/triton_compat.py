@@ -111,11 +111,11 @@ PDL_SWITCH = [True]  # [0] True: launch the kernels above so, on devices that ca
 # start as they begin, so a decode step's kernels are one chain of early launches.
 # Transitively safe: a kernel ends only after its wait returned, so when a kernel's wait
 # returns every kernel before it on the stream has finished and its writes are visible.
-# Off by default: session 21 measured it across two engines each (q4 382.6 -> 375.4, FP8
-# 337.0 -> 340.7 tok/s), which session 23 found cannot resolve a few per cent (two engines of
-# the same code spread ~6%); it waits for bench/gpu_ab.py's verdict inside one engine
-# (`--variants q4,q4_chain`, `fp8,fp8_chain`). Its device tests passed in session 21.
-SMALL_EARLY_SWITCH = [False]
+# On since session 24: inside one engine (`bench/gpu_ab.py`, three turns each) the 8B single
+# stream read 393.7 -> 414.4 tok/s with Q4 weights (+5.3%) and 343.9 -> 354.0 with FP8 (+3.0%),
+# every turn the same way. (Session 21 had read it across two engines, -1.9% and +1.1%, and
+# turned it off; two engines of the same code spread ~6%, which hid the gain.)
+SMALL_EARLY_SWITCH = [True]
 _PDL_DEVICES: dict[int, bool] = {}
 
 
