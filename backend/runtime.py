@@ -272,7 +272,8 @@ class Runtime:
         self.sampler = Sampler(vocab_size=mcfg.vocab_size, max_rows=max_running + 1, device=self.device,
                                seed=config.random_seed, eos_token_ids=mcfg.eos_token_ids,
                                token_vocab_size=len(self.tokenizer) if self.tokenizer is not None else None,
-                               apply_token_bitmask=self.kernels.apply_token_bitmask)
+                               apply_token_bitmask=self.kernels.apply_token_bitmask,
+                               argmax=self.kernels.argmax)
         self.runner = ModelRunner(model, self.kv_pool, self.req_pool, attn, self.sampler, device=self.device,
                                   max_batch=max_running, vocab_size=mcfg.vocab_size, overlap=overlap)
         self.runner.verify_table = config.debug_integrity

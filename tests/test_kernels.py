@@ -35,6 +35,7 @@ from sgl.backend.attention.triton_backend import TritonAttentionBackend
 from sgl.backend.forward_batch import ForwardBatch, ForwardMode
 from sgl.backend.kernels import (
     activation,
+    argmax,
     attention_decode,
     attention_extend,
     dispatch,
@@ -112,6 +113,34 @@ def test_silu_and_mul(impl: str, dtype: torch.dtype, tokens: int, inter: int) ->
     out = op(activation, "silu_and_mul", impl)(x)
     assert out.shape == (tokens, inter)
     close(out, F.silu(x.float()[:, :inter]) * x.float()[:, inter:], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 4096, 9000])  # one slice of the kernel, exactly one, three
+def test_argmax_is_torch_argmax_on_ties_nans_zeros_and_masks(impl: str, dtype: torch.dtype,
+                                                              vocab: int) -> None:
+    """The greedy token: the first index of the row's maximum, a NaN the maximum (the first
+    NaN), -0.0 tying +0.0, column 0 for an all -inf row, +inf beating finite values; ties
+    across the kernel's slices keep the lower index. int64, as torch.argmax."""
+    g = gen(21)
+    logits = torch.randn(9, vocab, generator=g).to(dtype)
+    last = vocab - 1
+    logits[1, 3] = logits[1, last] = 40.0  # a tie: the lower id
+    logits[2, last] = logits[2, 1] = float("nan")  # NaN wins, the first one
+    logits[3] = float("-inf")  # every token masked: column 0
+    logits[4, last] = float("inf")
+    logits[5] = float("-inf")
+    logits[5, 1] = -0.0  # -0.0 first, then +0.0: they tie, the first wins
+    logits[5, last] = 0.0
+    logits[6] = -1.0  # all equal: column 0
+    logits[7, last] = logits[7, max(0, last - 4096)] = float("inf")  # a tie across slices
+    logits = logits.to(DEVICE)
+    for view in (logits, logits[1:8], logits[:, : max(1, vocab // 2)]):
+        got = op(argmax, "argmax", impl)(view)
+        want = view.cpu().float().argmax(dim=-1)
+        assert got.dtype == torch.int64 and got.device == view.device
+        assert torch.equal(got.cpu(), want), (dtype, vocab, got, want)
+    assert op(argmax, "argmax", impl)(logits[:0]).shape == (0,)
 
 
 def _hf_rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -629,6 +658,8 @@ def _agree_case(op: str, ks: dispatch.KernelSet) -> list[torch.Tensor]:
     if op == "linear":
         x1, w16 = x[:1].bfloat16(), randn(40, 64, dtype=torch.bfloat16, g=g)  # one row: GEMV
         return [ks.linear(x1, w16, None).float(), ks.linear(x, w, None)]
+    if op == "argmax":
+        return [ks.argmax(x).float()]
     if op == "apply_token_bitmask":
         logits = x.clone()
         bitmask = torch.tensor([[5, -1], [0, 3], [-7, 9]], dtype=torch.int32, device=DEVICE)

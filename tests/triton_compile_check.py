@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sgl.backend.kernels import (triton_activation, triton_attention_decode,
+from sgl.backend.kernels import (triton_activation, triton_argmax, triton_attention_decode,
                                  triton_attention_extend, triton_kv_store, triton_rmsnorm,
                                  triton_rotary)
 from sgl.backend.quant import (triton_fp8, triton_gemm, triton_gemv, triton_q4gemv, triton_q4mma,
@@ -247,6 +247,13 @@ def main() -> None:
     ptx(triton_split._reduce_kernel, {"P": "*fp32", "B": "*bf16", "Y": "*bf16", "N": "i32",
                                       "stride_ps": "i32", "stride_ym": "i32"},
         dict(HAS_BIAS=True, SPLIT=4, BLOCK=triton_split.REDUCE_BLOCK))
+    # The greedy argmax: each slice's pair stored, a barrier, the row's counter, the last
+    # program reading the pairs at L2.
+    check_last_slice_reduction(ptx(
+        triton_argmax._argmax_kernel,
+        {"X": "*fp32", "Keys": "*i32", "Idx": "*i32", "Counters": "*i32", "Out": "*i64",
+         "stride_x": "i32", "vocab": "i32", "slices": "i32"},
+        dict(BLOCK=triton_argmax.BLOCK, BLOCK_S=32), num_warps=8))
     print("ok")
 
 

@@ -47,6 +47,7 @@ import torch
 
 from sgl.backend.kernels import (
     activation,
+    argmax,
     attention_decode,
     attention_extend,
     gemv,
@@ -91,6 +92,7 @@ class KernelSet:
     decode_attention: Callable[..., Tensor]
     extend_attention: Callable[..., Tensor]
     apply_token_bitmask: Callable[[Tensor, Tensor, Tensor | None], None]
+    argmax: Callable[[Tensor], Tensor]  # [B, V] -> [B] int64: the sampler's greedy rows
     pack_linears: bool  # pack linear weights for oneDNN at load (the CPU's linear fast path)
     attention: Literal["torch", "triton"]  # the attention backend that "auto" means
     batch_invariant: bool = False  # rows keep their bits whatever else the call holds
@@ -173,12 +175,14 @@ def _reference_ops() -> dict[str, Callable[..., Any]]:
         "decode_attention": attention_decode.decode_attention_reference,
         "extend_attention": attention_extend.extend_attention_reference,
         "apply_token_bitmask": token_bitmask.apply_token_bitmask_reference,
+        "argmax": argmax.argmax_reference,
     }
 
 
 def _triton_ops() -> dict[str, Callable[..., Any]]:
     from sgl.backend.kernels import (
         triton_activation,
+        triton_argmax,
         triton_attention_decode,
         triton_attention_extend,
         triton_gemv,
@@ -201,6 +205,7 @@ def _triton_ops() -> dict[str, Callable[..., Any]]:
         # Our own small kernel rather than xgrammar's on CUDA: same layout and rule, one fewer
         # dependency on the GPU path, and `indices` stays a device tensor (no host list).
         "apply_token_bitmask": triton_token_bitmask.apply_token_bitmask_triton,
+        "argmax": triton_argmax.argmax_triton,
     }
 
 
