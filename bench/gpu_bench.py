@@ -651,9 +651,6 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # (SMALL_EARLY_SWITCH, on since session 24: variants)
                  "q4_s23": dict(quantization="gguf"), "fp8_s23": dict(quantization="fp8"),
                  "bf16_s23": {},
-                 # SiLU x mul not folded into the gate_up GEMV (cuda_gemv.FOLD_SILU, on since
-                 # session 24); "q4_foldwide": folded, at one row two chunks a step, uncapped
-                 "q4_nofold": dict(quantization="gguf"), "q4_foldwide": dict(quantization="gguf"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -681,10 +678,7 @@ def engine_variant(name: str) -> Iterator[None]:
     warps per SM), "q4_nocap" none of them capped (cuda_gemv.SHORT_K: the default before
     session 23); "q4_s23", "fp8_s23" and "bf16_s23" launch the small kernels (RMSNorm,
     rotary + KV store, decode attention, SiLU x mul) as session 23 did, not early (off:
-    triton_compat.SMALL_EARLY_SWITCH); "q4_nofold" runs SiLU x mul as a kernel of its own
-    after the gate_up GEMV (cuda_gemv.FOLD_SILU off), "q4_foldwide" folds it with two chunks a
-    step at one row and no register cap (the default there: one chunk, capped). The others:
-    the shipped code.
+    triton_compat.SMALL_EARLY_SWITCH). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -709,22 +703,13 @@ def engine_variant(name: str) -> Iterator[None]:
     cuda_early, cuda_rows, cuda_bits = (cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS,
                                         cuda_gemv.BITS)
     mma_gemv = cuda_gemv.mma_gemv
-    fold_silu = cuda_gemv.FOLD_SILU
-    cuda_gemv.FOLD_SILU = fold_silu and name != "q4_nofold"
-    if name == "q4_foldwide":
-        def wide(x: Any, w: Any, bias: Any = None, config: Any = None, glu: bool = False) -> Any:
-            if glu and config is None and x.numel() == w.in_features:
-                config = cuda_gemv.default_config(1, w)._replace(min_blocks=0)
-            return mma_gemv(x, w, bias, config, glu)
-
-        cuda_gemv.mma_gemv = wide
     if name in ("q4_cap", "q4_nocap"):
-        def capped(x: Any, w: Any, bias: Any = None, config: Any = None, glu: bool = False) -> Any:
+        def capped(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
             rows = x.numel() // w.in_features
             if config is None and w.bits == 4 and rows <= 2 and w.in_features <= cuda_gemv.SHORT_K:
                 cap = 3 if name == "q4_cap" else 0
-                config = cuda_gemv.default_config(rows, w, glu)._replace(min_blocks=cap)
-            return mma_gemv(x, w, bias, config, glu)
+                config = cuda_gemv.default_config(rows, w)._replace(min_blocks=cap)
+            return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = capped
     cuda_gemv.EARLY_LAUNCH = cuda_early and name not in ("q4_s19", "q4_late", "q4km_s19")
@@ -754,7 +739,7 @@ def engine_variant(name: str) -> Iterator[None]:
         linear.CUDA_GEMV = cuda_q4
         cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS, cuda_gemv.BITS = (cuda_early, cuda_rows,
                                                                       cuda_bits)
-        cuda_gemv.mma_gemv, cuda_gemv.FOLD_SILU = mma_gemv, fold_silu
+        cuda_gemv.mma_gemv = mma_gemv
         install.RANDOM_LAYOUT = layout
         GEMV_DEFAULTS.update(shipped)
         install.install_fp8 = install_fp8

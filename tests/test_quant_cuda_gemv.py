@@ -62,27 +62,6 @@ def test_the_cuda_gemv_compiles_for_hopper_on_the_tensor_cores(
     assert regs and int(regs.group(1)) <= 255, report
 
 
-@needs_tools
-@pytest.mark.parametrize("rows,bits,sup,chunks,per_group", [
-    (1, 4, 8, 128, 1), (2, 4, 8, 128, 1), (5, 4, 8, 128, 1), (8, 4, 8, 128, 1),
-    (1, 4, 0, 18, 1), (1, 8, 16, 256, 1), (8, 8, 0, 50, 2)])
-def test_the_folded_silu_compiles_with_the_triton_kernels_instructions(
-        rows: int, bits: int, sup: int, chunks: int, per_group: int, tmp_path: Path) -> None:
-    """With SiLU x mul folded in (GLU: an 8B gate_up's half width), the kernel keeps its
-    registers (no spills) and computes the activation with the instructions Triton emits for
-    kernels/triton_activation.py (the exponent by ex2.approx after a multiply by -log2(e),
-    the full-range division, no flush to zero): that is what gives the same bits."""
-    cfg = config_for(rows, bits, chunks * (32 if bits == 4 else 16), sup > 0, glu=True)
-    ptx = to_ptx(_defines(fitted(cfg, 28672, per_group), rows, sup, chunks, bits, per_group,
-                          14336) + SOURCE)
-    e = re.search(r"mul\.f32 (%f\d+), %f\d+, 0fBFB8AA3B;", ptx)  # -gate * log2(e)
-    assert e and f"ex2.approx.f32 {e[1]}, {e[1]};" in ptx, "exp(-gate) as Triton computes it"
-    assert "div.full.f32" in ptx and "ex2.approx.ftz" not in ptx
-    report = assemble(ptx, tmp_path)[0]
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert spills and spills.groups() == ("0", "0"), report
-
-
 def lop3(a: int, b: int, c: int, imm: int) -> int:
     """PTX lop3.b32: bit i of the result is bit (a_i b_i c_i) of the 8-bit table `imm`."""
     return sum(((imm >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i
@@ -267,52 +246,10 @@ def test_the_engine_prepares_the_projections_and_the_head_not_the_table(
                                                        dtype=torch.bfloat16)
     install_random_quantized(model, 0)
     given: list = []
-    folded: list = []
-    monkeypatch.setattr(linear.cuda_gemv, "prepare", lambda weights, device, glu=(): (
-        given.extend(weights), folded.extend(glu), len(given))[-1])
+    monkeypatch.setattr(linear.cuda_gemv, "prepare",
+                        lambda weights, device: given.extend(weights) or len(given))
     assert linear.prepare_cuda_kernels(model, torch.device("cuda", 0), torch.bfloat16) == 9
     head, table = model.lm_head.qweight, model.model.embed_tokens.qweight
     assert sum(w is head for w in given) == 1
     assert tied or not any(w is table for w in given)
-    # The MLPs' gate_up weights also with SiLU x mul folded in, where the set's activation is
-    # the Triton kernel (on this CPU model the reference: none)
-    gate_ups = [layer.mlp.gate_up_proj.qweight for layer in model.model.layers]
-    assert folded == [] and not any(layer.mlp.gate_up_proj.silu_after
-                                    for layer in model.model.layers)
-    for layer in model.model.layers:
-        layer.mlp.gate_up_proj.silu_after = True
-    given.clear()
-    linear.prepare_cuda_kernels(model, torch.device("cuda", 0), torch.bfloat16)
-    assert len(folded) == 2 and all(any(w is g for g in gate_ups) for w in folded)
     assert linear.prepare_cuda_kernels(model, torch.device("cuda", 0), torch.float16) == 0
-
-
-def test_the_mlp_takes_the_folded_activation_where_its_gate_up_offers_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """An MLP whose gate_up may fold SiLU x mul (`silu_after`: the set's activation is the
-    Triton kernel) takes the one-kernel result straight to down_proj; where the product's
-    kernel does not fold (None: more rows, another weight), it runs the product and then the
-    activation. A set with the reference activation never asks."""
-    from transformers import LlamaConfig
-
-    from sgl.backend.models.registry import get_model_class, resolve_architecture
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
-    model = get_model_class(resolve_architecture(cfg))(cfg, device=torch.device("cpu"),
-                                                       dtype=torch.float32)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    mlp = model.model.layers[0].mlp
-    assert not mlp.gate_up_proj.silu_after  # (the CPU's set: the reference activation)
-    x = torch.randn(3, 64)
-    plain = mlp(x)
-    folded = torch.randn(3, 128)
-    calls: list[str] = []
-    monkeypatch.setattr(mlp.gate_up_proj, "silu_and_mul",
-                        lambda x_: calls.append("fold") or folded)
-    assert torch.equal(mlp(x), plain) and calls == []  # (not asked)
-    mlp.gate_up_proj.silu_after = True
-    assert torch.equal(mlp(x), mlp.down_proj(folded)) and calls == ["fold"]
-    monkeypatch.setattr(mlp.gate_up_proj, "silu_and_mul", lambda x_: None)
-    assert torch.equal(mlp(x), plain)

@@ -232,31 +232,6 @@ def test_gpu_cuda_gemv_matches_dequantize_then_matmul(n: int, k: int, bits: int,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,bits,group,factored", [
-    (28672, 4096, 4, 32, True), (3072, 576, 4, 32, True), (2000, 800, 4, 32, False),
-    (48, 96, 4, 32, False), (28672, 4096, 8, 16, True), (2000, 800, 8, 32, False)])
-def test_gpu_cuda_gemv_folds_silu_and_mul_with_the_same_bits(n: int, k: int, bits: int,
-                                                              group: int, factored: bool) -> None:
-    """`mma_gemv(glu=True)` on a [gate; up] weight gives silu(gate) * up with the bits of the
-    same config's product followed by the Triton SiLU x mul kernel: at the 8B gate_up, at
-    SmolLM2's (K off the steps), off the tiles (I = 1000, 24), one to eight rows, with and
-    without a bias; the defaults (the fold's own at one row) and the test configs."""
-    from sgl.backend.kernels.triton_activation import silu_and_mul_triton
-
-    w = random_qweight(n, k, bits, group, seed=n + k + 1, factored=factored)
-    x = torch.randn(cuda_gemv.MAX_ROWS, k, device=CUDA, dtype=torch.bfloat16)
-    configs = [None] + [cfg for cfg in CUDA_GEMV_CONFIGS if 16 * cfg.tiles <= n]
-    for bias in (None, torch.randn(n, device=CUDA, dtype=torch.bfloat16)):
-        for cfg in configs:
-            for m in (1, 2, 5, 8):
-                plain = cfg or cuda_gemv.default_config(m, w, glu=True)
-                want = silu_and_mul_triton(cuda_gemv.mma_gemv(x[:m], w, bias, config=plain))
-                got = cuda_gemv.mma_gemv(x[:m], w, bias, config=cfg, glu=True)
-                assert got.shape == (m, n // 2)
-                assert torch.equal(got, want), (cfg, m, bias is None)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 16)])
 def test_gpu_quant_linear_routes_one_to_eight_rows_to_the_cuda_gemv(
         bits: int, group: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,11 +15,5 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.kernels = kernels
 
-    @property
-    def foldable(self) -> bool:
-        """Whether a product's kernel may fold this activation in: the set's op is the Triton
-        kernel, whose arithmetic the fold repeats (quant/cuda_gemv.py, `glu`)."""
-        return getattr(self.kernels.silu_and_mul, "__module__", "").endswith(".triton_activation")
-
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(gate_up)

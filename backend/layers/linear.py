@@ -22,7 +22,7 @@ from torch import nn
 from sgl.backend.kernels import onednn_linear
 from sgl.backend.kernels.dispatch import KernelSet
 from sgl.backend.quant.fp8 import Fp8Weight
-from sgl.backend.quant.linear import quant_linear, quant_silu_and_mul
+from sgl.backend.quant.linear import quant_linear
 from sgl.backend.quant.weight import QuantizedWeight
 
 
@@ -49,9 +49,6 @@ class Linear(nn.Module):
                                                        dtype=dtype)
         self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
         self.qweight: QuantizedWeight | Fp8Weight | None = None  # (quant/install.py)
-        # The product's two halves meet SiLU x mul next (an MLP's gate_up; set by the MLP):
-        # `silu_and_mul` may fold it in, and the engine compiles that kernel ahead.
-        self.silu_after = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
@@ -60,14 +57,6 @@ class Linear(nn.Module):
         if self.weight.is_mkldnn:  # packed by pack_for_cpu
             return onednn_linear.packed_linear(x, self.weight, self.bias)
         return self.kernels.linear(x, self.weight, self.bias)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of this [gate; up] product in one kernel where the weight's kernel
-        folds the activation in (quant.linear.quant_silu_and_mul); None elsewhere, where the
-        caller runs the product and then the activation."""
-        if self.qweight is None:
-            return None
-        return quant_silu_and_mul(x, self.qweight, self.bias)
 
 
 class MergedLinear(Linear):

@@ -90,13 +90,10 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter},
                                          bias=bias, **kw)
         self.act = SiluAndMul(kernels=kernels)
-        self.gate_up_proj.silu_after = self.act.foldable
         self.down_proj = Linear(inter, cfg.hidden_size, bias=bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (one kernel for both where the product's folds the activation in: the same bits)
-        h = self.gate_up_proj.silu_and_mul(x) if self.gate_up_proj.silu_after else None
-        return self.down_proj(h if h is not None else self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

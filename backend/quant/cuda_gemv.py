@@ -64,6 +64,14 @@ in shared memory per warp (1.5-1.7x slower than the register double buffer at ev
 It launches early (programmatic dependent launch: `EARLY_LAUNCH`, below), loading its first
 step's weights before waiting for the kernel that writes x.
 
+Tried and dropped (session 24): SiLU x mul folded into the gate_up product (a lane's two rows
+of an MMA a gate row and its up row, the Triton kernel's five instructions after the sums:
+the same bits). Inside one engine the 8B single stream read 419.1 tok/s without it, 417.5
+with it and 420.2 with it uncapped (`bench/gpu_ab.py`, three turns each): no gain. With the
+small kernels launched early the activation's ~1.6 us overlapped the down product's first
+loads already, and the fold's up-row addresses cost registers: at SHORT_K's cap two chunks a
+step spilled 32 bytes in the loop, so the capped fold took one.
+
 Compiled per (config, rows, code width, scale form, K), K a constant so that every row and
 chunk offset is an immediate of its load: at first use, or ahead and in parallel when the
 engine starts (`prepare`, before graph capture), and the machine code is kept on disk for the
@@ -92,7 +100,7 @@ import torch
 from sgl.backend.quant.factored import factor
 from sgl.backend.quant.weight import QuantizedWeight
 
-__all__ = ["CUDA_GEMV_DEFAULTS", "CudaGemvConfig", "FOLD_SILU", "MAX_ROWS", "SHORT_K", "SOURCE", "available",
+__all__ = ["CUDA_GEMV_DEFAULTS", "CudaGemvConfig", "MAX_ROWS", "SHORT_K", "SOURCE", "available",
            "chunking", "config_for", "default_config", "fitted", "mma_gemv", "prepare", "serves",
            "supports"]
 
@@ -203,21 +211,6 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return r;
 }
 
-// silu(gate) * up of the products rounded to bf16, as the Triton kernel computes it
-// (kernels/triton_activation.py: gate / (1 + exp(-gate)) * up in float32, which Triton emits
-// as these five instructions), so that the fold gives that kernel's bits
-__device__ __forceinline__ u16 silu_mul(float gate, float up) {
-    const float g = __uint_as_float((u32)to_bf16(gate) << 16);
-    const float u = __uint_as_float((u32)to_bf16(up) << 16);
-    float e, q, r;
-    asm("mul.f32 %0, %1, 0fBFB8AA3B;" : "=f"(e) : "f"(g));  // -gate * log2(e)
-    asm("ex2.approx.f32 %0, %0;" : "+f"(e));
-    asm("add.f32 %0, %0, 0f3F800000;" : "+f"(e));
-    asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(g), "f"(e));
-    asm("mul.f32 %0, %1, %2;" : "=f"(r) : "f"(q), "f"(u));
-    return to_bf16(r);
-}
-
 #if SUPER
 typedef signed char scale_t;
 #else
@@ -236,17 +229,6 @@ typedef float scale_t;
 #define GS (G / CH)       // scale groups per row
 #if SPAN % CH || (SUPER && SUPER % (SPAN / CH))
 #error "a lane's chunks of a step must start a scale group and sit in one super-block"
-#endif
-
-// A lane's rows, relative to its first: rows gid and gid + 8 of each 16-row tile, or with GLU
-// (SiLU x mul folded in; GLU = I, the width of each half of a [gate; up] weight) gate row
-// 8 t + gid and its up row, I further: the lane's two rows of an MMA are a pair it multiplies.
-#if GLU
-#define ROW(t, h) (8 * (t) + (h) * GLU)
-#define OUTS 8            // outputs per tile
-#else
-#define ROW(t, h) (16 * (t) + 8 * (h))
-#define OUTS 16
 #endif
 
 // Compiled per weight shape: G (chunks along K) is a constant, so every row, tile and chunk
@@ -300,7 +282,7 @@ __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
     for (int t = 0; t < TILES; t++)
         #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int row = ROW(t, h);
+            const int row = 16 * t + 8 * h;
 #if SUPER
             // the lane's chunks of a step, clamped or not, sit in the super-block of the first
             const int sso = TAIL ? min(q0, G - 1) / CH / SUPER - q0 / CH / SUPER : 0;
@@ -480,7 +462,7 @@ extern "C" __global__ void BOUNDS mma_gemv(
         int N, int stride_x, int stride_y, int has_bias) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, c = lane & 3;
-    const int row0 = min((int)blockIdx.x * (OUTS * TILES), N - OUTS * TILES);  // (GLU: N = I)
+    const int row0 = min((int)blockIdx.x * (16 * TILES), N - 16 * TILES);
     Lane ln;
     aim(ln, codes, scale, zero, sup_s, sup_z, row0 + gid, c);
     ln.x = (const uint4*)x + XV * SPAN * c;
@@ -542,22 +524,6 @@ extern "C" __global__ void BOUNDS mma_gemv(
                     part[warp][(16 * t + 8 * h + gid) * ROWS + k] = out[t][h][k];
     }
     __syncthreads();
-#if GLU
-    for (int i = threadIdx.x; i < TILES * 8 * ROWS; i += WARPS * 32) {
-        const int o = i / ROWS, k = i % ROWS;  // output row0 + o: tile o / 8, gid o % 8
-        const int gate_at = (16 * (o / 8) + o % 8) * ROWS + k, up_at = gate_at + 8 * ROWS;
-        float gate = 0.f, up = 0.f;
-        #pragma unroll
-        for (int w = 0; w < WARPS; w++)
-            gate += part[w][gate_at], up += part[w][up_at];
-        const int n = row0 + o;
-        if (has_bias) {
-            gate += __uint_as_float((u32)bias[n] << 16);
-            up += __uint_as_float((u32)bias[GLU + n] << 16);
-        }
-        y[(long)k * stride_y + n] = silu_mul(gate, up);
-    }
-#else
     for (int i = threadIdx.x; i < TILES * 16 * ROWS; i += WARPS * 32) {
         float v = 0.f;
         #pragma unroll
@@ -568,61 +534,48 @@ extern "C" __global__ void BOUNDS mma_gemv(
             v += __uint_as_float((u32)bias[n] << 16);
         y[(long)k * stride_y + n] = to_bf16(v);
     }
-#endif
 }
 """
 
 
 
 BITS = (4, 8)  # the code widths the engine sends here (bench/gpu_bench.py's variants narrow it)
-# Whether an MLP's gate_up product takes SiLU x mul into its last step (`mma_gemv(glu=True)`):
-# one kernel and one launch fewer per layer, the same bits.
-FOLD_SILU = True
 FORMS = ((4, 32), (8, 16), (8, 32))  # (bits, group size) the kernel reads
 
 
-def serves(w: Any, glu: bool = False) -> bool:
+def serves(w: Any) -> bool:
     """Whether the kernel reads this weight: 4-bit codes in groups of 32 or 8-bit codes in
-    groups of 16 or 32, plain float32 or factored scales, at least 16 rows; with `glu` (SiLU x
-    mul folded in, FOLD_SILU on), two halves of at least 8 rows each."""
+    groups of 16 or 32, plain float32 or factored scales, at least 16 rows."""
     return (isinstance(w, QuantizedWeight) and (w.bits, w.group_size) in FORMS
             and w.bits in BITS and w.scale.dtype in (torch.float32, torch.int8)
-            and w.out_features >= 16 and (not glu or FOLD_SILU and w.out_features % 2 == 0))
+            and w.out_features >= 16)
 
 
-def supports(x: torch.Tensor, w: Any, glu: bool = False) -> bool:
-    """Whether the kernel serves this product: a weight it reads (`serves`, with `glu`) and
-    CUDA bf16 activations of 1..MAX_ROWS rows."""
+def supports(x: torch.Tensor, w: Any) -> bool:
+    """Whether the kernel serves this product: a weight it reads (`serves`) and CUDA bf16
+    activations of 1..MAX_ROWS rows."""
     return (x.is_cuda and x.dtype == torch.bfloat16
-            and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and serves(w, glu))
+            and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and serves(w))
 
 
-def config_for(rows: int, bits: int, k: int, factored: bool, glu: bool = False) -> CudaGemvConfig:
+def config_for(rows: int, bits: int, k: int, factored: bool) -> CudaGemvConfig:
     """The default config of a product of `rows` rows of x against a `bits`-bit weight of K
-    = `k`, its scales `factored` (super groups) or not, SiLU x mul folded in (`glu`) or not:
-    the table above, and SHORT_K."""
+    = `k`, its scales `factored` (super groups) or not: the table above, and SHORT_K."""
     cfg = next(cfg for limit, cfg in CUDA_GEMV_DEFAULTS[bits] if rows <= limit)
     if bits == 4 and rows == 1 and factored and k <= SHORT_K:
-        # (folded, a lane's up rows need their own addresses: at 80 registers two chunks a
-        # step spill 32 bytes in the loop, one does not)
-        return cfg._replace(min_blocks=3, span=GLU_CAPPED_SPAN if glu else cfg.span)
+        return cfg._replace(min_blocks=3)
     return cfg
 
 
-# A lane's chunks per step where the fold meets SHORT_K's cap (above; bench variants move it)
-GLU_CAPPED_SPAN = 1
-
-
-def default_config(rows: int, w: QuantizedWeight, glu: bool = False) -> CudaGemvConfig:
+def default_config(rows: int, w: QuantizedWeight) -> CudaGemvConfig:
     """`config_for` a product of `rows` rows of x against `w`."""
-    return config_for(rows, w.bits, w.in_features, w.super_groups > 0, glu)
+    return config_for(rows, w.bits, w.in_features, w.super_groups > 0)
 
 
 def fitted(cfg: CudaGemvConfig, n: int, chunks_per_group: int = 1) -> CudaGemvConfig:
-    """`cfg` with at most n / 16 tiles (the last program starts at N - 16 tiles; SiLU x mul
-    folded in, at (N / 2) - 8 tiles: the same count) and, where two 16-byte chunks share a
-    scale (8-bit codes in groups of 32), an even span (a lane's chunks of a step start a scale
-    group)."""
+    """`cfg` with at most n / 16 tiles (the last program starts at N - 16 tiles) and, where
+    two 16-byte chunks share a scale (8-bit codes in groups of 32), an even span (a lane's
+    chunks of a step start a scale group)."""
     span = cfg.span + cfg.span % chunks_per_group
     return cfg._replace(tiles=min(cfg.tiles, n // 16), span=span)
 
@@ -634,21 +587,21 @@ def chunking(w: QuantizedWeight) -> tuple[int, int]:
 
 
 def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bits: int = 4,
-             chunks_per_group: int = 1, glu: int = 0) -> str:
+             chunks_per_group: int = 1) -> str:
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
             f"#define MIN_BLOCKS {cfg.min_blocks}\n"
             f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
-            f"#define BITS {bits}\n#define CH {chunks_per_group}\n#define GLU {glu}\n")
+            f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 
 
-Variant = tuple[CudaGemvConfig, int, int, int, int, int, int]  # _defines' arguments
+Variant = tuple[CudaGemvConfig, int, int, int, int, int]  # _defines' arguments
 
 
-def _variant(cfg: CudaGemvConfig, rows: int, w: QuantizedWeight, glu: bool = False) -> Variant:
+def _variant(cfg: CudaGemvConfig, rows: int, w: QuantizedWeight) -> Variant:
     """What names the compiled kernel that serves `rows` rows of x against `w` with `cfg`
-    (fitted to it), SiLU x mul folded in or not."""
+    (fitted to it)."""
     chunks, per_group = chunking(w)
-    return cfg, rows, w.super_groups, chunks, w.bits, per_group, w.out_features // 2 if glu else 0
+    return cfg, rows, w.super_groups, chunks, w.bits, per_group
 
 
 def _source(variant: Variant) -> str:
@@ -723,54 +676,47 @@ SELF_CHECK_ROWS = (1, 2, 5)  # (both 4-bit defaults' families, and rows in pairs
 
 
 def prepare(weights: Iterable[QuantizedWeight], device: torch.device,
-            threads: int | None = None, glu: Iterable[QuantizedWeight] = ()) -> int:
+            threads: int | None = None) -> int:
     """Compile, in parallel, the variants that products of 1..MAX_ROWS bf16 rows against
-    `weights` will launch on `device` (those in `glu` also with SiLU x mul folded in), and the
-    self-check's. Returns how many variants were wanted; nothing is launched (the compiled
-    code waits in memory and on disk)."""
-    wanted = [(w, rows, False) for w in _self_check_weights("cpu") for rows in SELF_CHECK_ROWS]
-    wanted += [(w, rows, False) for w in weights if serves(w) for rows in range(1, MAX_ROWS + 1)]
-    wanted += [(w, rows, True) for w in glu if serves(w, glu=True)
-               for rows in range(1, MAX_ROWS + 1)]
-    return compile_ahead([(default_config(rows, w, folds), rows, w, folds)
-                          for w, rows, folds in wanted], device, threads)
+    `weights` will launch on `device`, and the self-check's. Returns how many variants were
+    wanted; nothing is launched (the compiled code waits in memory and on disk)."""
+    wanted = [(w, rows) for w in _self_check_weights("cpu") for rows in SELF_CHECK_ROWS]
+    wanted += [(w, rows) for w in weights if serves(w) for rows in range(1, MAX_ROWS + 1)]
+    return compile_ahead([(default_config(rows, w), rows, w) for w, rows in wanted], device,
+                         threads)
 
 
-def compile_ahead(jobs: Iterable[tuple[CudaGemvConfig, int, QuantizedWeight]
-                                 | tuple[CudaGemvConfig, int, QuantizedWeight, bool]],
+def compile_ahead(jobs: Iterable[tuple[CudaGemvConfig, int, QuantizedWeight]],
                   device: torch.device, threads: int | None = None) -> int:
-    """Compile, in parallel, what `mma_gemv` will launch for each (config, rows of x, weight,
-    and optionally `glu`) on `device` (a weight stands for its shape and form). Returns how
-    many variants."""
+    """Compile, in parallel, what `mma_gemv` will launch for each (config, rows of x, weight)
+    on `device` (a weight stands for its shape and form). Returns how many variants."""
     arch = _arch(device.index if device.index is not None else torch.cuda.current_device())
-    sources = {_source(_variant(fitted(cfg, w.out_features, chunking(w)[1]), rows, w, *glu))
-               for cfg, rows, w, *glu in jobs}
+    sources = {_source(_variant(fitted(cfg, w.out_features, chunking(w)[1]), rows, w))
+               for cfg, rows, w in jobs}
     with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda source: _cubin(source, arch), sources))
     return len(sources)
 
 
 def mma_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
-             config: CudaGemvConfig | None = None, glu: bool = False) -> torch.Tensor:
-    """x [..., K] bf16 (1..MAX_ROWS rows) @ w^T (+ bias) -> [..., N] bf16; with `glu` (w a
-    [gate; up] weight: `serves(w, glu=True)`) silu(gate) * up of the product -> [..., N / 2],
-    the bits of the product followed by kernels/triton_activation.py's kernel."""
+             config: CudaGemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] bf16 (1..MAX_ROWS rows) @ w^T (+ bias) -> [..., N] bf16."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()  # 16-byte loads of x
-    m, n = x2.shape[0], w.out_features // 2 if glu else w.out_features
+    m, n = x2.shape[0], w.out_features
     y = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    cfg = fitted(config or default_config(m, w, glu), w.out_features, chunking(w)[1])
+    cfg = fitted(config or default_config(m, w), n, chunking(w)[1])
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(_variant(cfg, m, w, glu), device)
+    kernel = _kernel(_variant(cfg, m, w), device)
     codes = w.codes.view(torch.int32)  # 4 words per 16-byte chunk
     sup_s = w.super_scale if w.super_groups else w.scale
     sup_z = w.super_zero if w.super_groups else w.zero
     b = bias if bias is not None else y
     args = [codes, w.scale, w.zero, sup_s, sup_z, x2, b, y, n, x2.stride(0), y.stride(0),
             int(bias is not None)]
-    grid, block = (-(-n // ((8 if glu else 16) * cfg.tiles)), 1, 1), (32 * cfg.warps, 1, 1)
+    grid, block = (-(-n // (16 * cfg.tiles)), 1, 1), (32 * cfg.warps, 1, 1)
     stream = torch.cuda.current_stream(device)
     if _early(device):
         _launch_early(kernel, grid, block, args, stream)

@@ -44,8 +44,8 @@ from sgl.backend.quant.weight import QuantizedWeight, mark_weights
 
 __all__ = ["CUDA_GEMV", "CUDA_ROUTES", "GEMV_MAX_ROWS", "INT8_MAX_ROWS", "SCRATCH_ELEMENTS",
            "TILE_BYTES", "cuda_route", "dense_via_scratch", "keep_rows_invariant",
-           "prepare_cuda_kernels", "quant_linear", "quant_linear_reference",
-           "quant_silu_and_mul", "use_triton", "weight_kind"]
+           "prepare_cuda_kernels", "quant_linear", "quant_linear_reference", "use_triton",
+           "weight_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,8 @@ def prepare_cuda_kernels(model: torch.nn.Module, device: torch.device,
                if isinstance(w := getattr(m, "qweight", None), QuantizedWeight)}
     if not weights:
         return 0
-    glu = {id(m.qweight): m.qweight for m in multiplied
-           if getattr(m, "silu_after", False) and isinstance(m.qweight, QuantizedWeight)}
     try:
-        return cuda_gemv.prepare(weights.values(), device, glu=glu.values())
+        return cuda_gemv.prepare(weights.values(), device)
     except Exception as exc:  # (NVRTC missing or failing: the self-check will tell)
         log.info("compiling the CUDA GEMV ahead failed (%s: %s)", type(exc).__name__, exc)
         return 0
@@ -221,17 +219,6 @@ def _quant_linear_triton(x: torch.Tensor, w: QuantizedWeight,
         return qgemm(x, w, bias)
     return dense_via_scratch(x, w.out_features, w.in_features, bias,
                              lambda rows_: qdequant(w, x.dtype, rows_))
-
-
-def quant_silu_and_mul(x: torch.Tensor, w: QuantizedWeight | Fp8Weight,
-                       bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """silu(gate) * up of the product of x and a [gate; up] weight, in one kernel where one
-    folds the activation in (the CUDA GEMV: bf16 decode rows on GGUF codes, with the bits of
-    the product followed by the Triton SiLU x mul kernel); None elsewhere."""
-    if (CUDA_GEMV and isinstance(w, QuantizedWeight) and use_triton(x)
-            and cuda_gemv.supports(x, w, glu=True) and cuda_gemv.available(x.device)):
-        return cuda_gemv.mma_gemv(x, w, bias, glu=True)
-    return None
 
 
 def dense_via_scratch(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
