@@ -217,7 +217,11 @@ def main() -> None:
                {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
                 "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32",
                 "hidden": "i32", "eps": "fp32"},
-               dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True, WAIT=True))
+               dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True, WAIT=True, WEIGHT_FIRST=True))
+    # (its weight, a parameter, is read before the wait: the first load of the kernel)
+    first_load = next(i for i, line in enumerate(norm.splitlines()) if "ld.global" in line)
+    wait_at = next(i for i, line in enumerate(norm.splitlines()) if "griddepcontrol.wait" in line)
+    assert first_load < wait_at, "the norm's weight is not loaded before the wait"
     silu = ptx(triton_activation._silu_and_mul_kernel,
                {"X": "*bf16", "Out": "*bf16", "stride_xt": "i32", "stride_ot": "i32",
                 "inter": "i32"}, dict(BLOCK=1024, PDL=True, WAIT=True))
