@@ -654,6 +654,8 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # the RMSNorm's weight loaded after its wait, as before session 24
                  # (triton_rmsnorm.WEIGHT_FIRST: variants)
                  "q4_normlate": dict(quantization="gguf"), "fp8_normlate": dict(quantization="fp8"),
+                 # FP8 products of 4097-8192 rows (qkv) at one row on 4 warps by 512 (variant)
+                 "fp8_qkv": dict(quantization="fp8"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -682,7 +684,10 @@ def engine_variant(name: str) -> Iterator[None]:
     session 23); "q4_s23", "fp8_s23" and "bf16_s23" launch the small kernels (RMSNorm,
     rotary + KV store, decode attention, SiLU x mul) as session 23 did, not early (off:
     triton_compat.SMALL_EARLY_SWITCH); "q4_normlate" and "fp8_normlate" load the RMSNorm's
-    weight after its wait (triton_rmsnorm.WEIGHT_FIRST off). The others: the shipped code.
+    weight after its wait (triton_rmsnorm.WEIGHT_FIRST off); "fp8_qkv" runs the one-row FP8
+    products of 4,097-8,192 rows (qkv) on the word kernel at 4 rows by 512 on 4 warps
+    (`bench/fp8_gemv_sweep.py --pdl on --norm`'s best there, session 24). The others: the
+    shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -696,6 +701,10 @@ def engine_variant(name: str) -> Iterator[None]:
         GEMV_DEFAULTS["fp8"] = ((8192, QGemvConfig(8, 1024, 4, fp8_decode="cvt")),
                                 (1 << 62, QGemvConfig(4, 1024, 4, fp8_decode="cvt")))
         install.install_fp8 = lambda model: install_fp8(model, head=False)
+    elif name == "fp8_qkv":  # (the one-row sweep's qkv winner with norms and early launches)
+        GEMV_DEFAULTS["fp8"] = tuple(
+            (limit, QGemvConfig(4, 512, 4, num_stages=1, fp8_decode="words") if limit == 8192
+             else cfg) for limit, cfg in shipped["fp8"])
     from sgl.backend.quant import linear
 
     scratch, cuda_q4 = linear.SCRATCH_ELEMENTS, linear.CUDA_GEMV
