@@ -1,6 +1,6 @@
 """The sampler's greedy argmax on the GPU: torch's `argmax(dim=-1)` against the one-launch
 Triton kernel (kernels/triton_argmax.py), float32 logits of the 8B vocabulary (128,256) at 1,
-8 and 128 rows, device time per call (CUDA events around a graph of 50 calls); the answers compared
+8 and 128 rows, device time per call (gemv_bench.graph_us: calls replayed from one CUDA graph); the answers compared
 first.
 
     python bench/argmax_bench.py [--vocab 128256] [--rows 1,8,128]
@@ -16,28 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ensure_sgl_importable  # noqa: E402
+from gemv_bench import graph_us  # noqa: E402
 
 ensure_sgl_importable()
 from sgl.backend.kernels.triton_argmax import argmax_triton  # noqa: E402
-
-
-def device_us(fn, logits: torch.Tensor, calls: int = 50, replays: int = 20) -> float:
-    """Per call, `calls` calls captured in one CUDA graph (no launch cost from Python)."""
-    for _ in range(3):
-        fn(logits)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(logits)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main() -> int:
@@ -50,8 +32,8 @@ def main() -> int:
     for rows in map(int, args.rows.split(",")):
         logits = torch.randn(rows, args.vocab, device="cuda") * 4
         assert torch.equal(argmax_triton(logits), logits.argmax(dim=-1))
-        ref = device_us(lambda t: t.argmax(dim=-1), logits)
-        ours = device_us(argmax_triton, logits)
+        ref = graph_us([lambda: logits.argmax(dim=-1)])
+        ours = graph_us([lambda: argmax_triton(logits)])
         print(f"| {rows} | {ref:.1f} | {ours:.1f} | {ours / ref:.2f} |")
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
     return 0
