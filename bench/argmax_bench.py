@@ -1,7 +1,8 @@
 """The sampler's greedy argmax on the GPU: torch's `argmax(dim=-1)` against the one-launch
 Triton kernel (kernels/triton_argmax.py), float32 logits of the 8B vocabulary (128,256) at 1,
-8 and 128 rows, device time per call (gemv_bench.graph_us: calls replayed from one CUDA graph); the answers compared
-first.
+8 and 128 rows, device time per call (gemv_bench.graph_us: calls replayed from one CUDA
+graph); the answers compared first. (Session 24's figures, docs/benchmarks.md, came from the
+same method with the script's first timer: 50 calls in a graph, events around 20 replays.)
 
     python bench/argmax_bench.py [--vocab 128256] [--rows 1,8,128]
 """
