@@ -10,7 +10,8 @@ recorded one by one). Prints the kernels sorted by total device time, per decode
 weight-streaming GEMVs (attention, norms, rotary, KV stores, sampling, launch gaps).
 `--prefill N` profiles prefill instead: N concurrent requests of 1,024-token prompts and one new
 token each (what dominates gpu_bench's `fixed` workload), reported per engine step.
-Writes $OUT/gpu_step_profile_<kind>.txt when $OUT is set.
+Writes $OUT/gpu_step_profile_<kind>.txt when $OUT is set (a kind named again: another engine
+of it, `_2`, `_3`: which kernels differ between two engines of the same code).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import gc
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,6 +55,10 @@ def one_kind(kind: str, tokens: int, prefill: int) -> str:
 
         asyncio.run(go(8, [p[:200] for p in prompts]))  # warm-up: compiles, graphs
         engine.flush_cache()
+        start = time.perf_counter()  # the same run unprofiled: its wall rate
+        asyncio.run(go(1, prompts) if prefill else go(tokens, prompts))
+        rate = (len(prompts) if prefill else tokens) / (time.perf_counter() - start)
+        engine.flush_cache()
         steps0 = engine.stats().steps
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             asyncio.run(go(1, prompts) if prefill else go(tokens, prompts))
@@ -63,7 +69,8 @@ def one_kind(kind: str, tokens: int, prefill: int) -> str:
         rows.sort(key=lambda r: -r[1])
         total = sum(t for _, t, _ in rows)
         what = f"{prefill} prompts of 1024 tokens" if prefill else "1 prefill"
-        lines = [f"{kind}: {steps} steps ({what}), device time per step {total / steps:.1f} us"]
+        lines = [f"{kind}: {steps} steps ({what}), device time per step {total / steps:.1f} us"
+                 f" (unprofiled: {rate:.1f} tok/s)"]
         lines += [f"{t / steps:9.1f} us/step {c / steps:6.1f} calls/step  {name[:110]}"
                   for name, t, c in rows[:40]]
         return "\n".join(lines)
@@ -81,11 +88,17 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0)
     args = ap.parse_args()
     out = os.environ.get("OUT")
+    seen: dict[str, int] = {}
     for kind in args.weights.split(","):
         text = one_kind(kind, args.tokens, args.prefill)
         print(text, flush=True)
+        # (a kind named again is another engine of it: `--weights q4,q4` compares two engines
+        # of the same code, whose single streams have read ~6% apart)
+        seen[kind] = seen.get(kind, 0) + 1
+        again = f"_{seen[kind]}" if seen[kind] > 1 else ""
         if out:
-            Path(out, f"gpu_step_profile_{kind}{'_prefill' if args.prefill else ''}.txt").write_text(text + "\n")
+            name = f"gpu_step_profile_{kind}{'_prefill' if args.prefill else ''}{again}.txt"
+            Path(out, name).write_text(text + "\n")
 
 
 if __name__ == "__main__":
