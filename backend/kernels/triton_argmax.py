@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, tile_counters, tl, triton
+from sgl.backend.kernels.triton_compat import arrives_last, cdiv, tile_counters, tl, triton
 
 BLOCK = 4096  # a program's slice of a row: 32 programs for a 128,256-wide vocabulary
 _NAN_KEY = tl.constexpr(0x7FFFFFFF)  # every NaN's key: above +inf's (0x7F800000)
@@ -41,10 +41,8 @@ def _argmax_kernel(X, Keys, Idx, Counters, Out, stride_x, vocab, slices,
     first = tl.min(tl.where(key == best, offs, vocab), axis=0)
     tl.store(Keys + row * slices + part, best)
     tl.store(Idx + row * slices + part, first)
-    tl.debug_barrier()  # this program's stores before the release below
     counter = Counters + row
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == slices - 1:  # the last of the row: every slice's pair is stored
+    if arrives_last(counter, slices):  # the last of the row: every slice's pair is stored
         tl.store(counter, 0)  # (for the next launch)
         s = tl.arange(0, BLOCK_S)
         keys = tl.load(Keys + row * slices + s, mask=s < slices, other=_NO_KEY,

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import (is_interpreted, launch_options, let_next_launch,
-                                               mma, next_power_of_2, tile_counters, tl, triton,
+from sgl.backend.kernels.triton_compat import (arrives_last, is_interpreted, launch_options,
+                                               let_next_launch, mma, next_power_of_2,
+                                               tile_counters, tl, triton,
                                                wait_for_inputs)
 
 _LOG2E = 1.4426950408889634
@@ -125,10 +126,8 @@ def _decode_stage1(
             # the start, the Q4 single stream read 3% slower in session 23, across engines:
             # not A/B'd inside one)
             let_next_launch(PDL)
-            tl.debug_barrier()  # all of this program's stores before the release below
             counter = Counters + b * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last: every split's partial is stored
+            if arrives_last(counter, num_splits):  # every split's partial is stored
                 tl.store(counter, 0)  # (for the next launch)
                 used = tl.cdiv(seq_len, tl.maximum(split_len, 1))  # the splits with keys
                 _merge_splits(MidO, MidLse, Out, b.to(tl.int64), kv_head * group, group, used,

@@ -156,16 +156,17 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 # Counters for "the last program finishes the job": a kernel whose programs each store a
-# partial result counts itself in an int32 counter (an atomic add, acquire-release at GPU
-# scope, after a barrier so that the whole program's stores are released with it), and the
-# program that finds all the others arrived reads the partials back and finishes; it then puts
-# the counter back to 0, so the next launch finds it so (the split-K "last" reduction,
-# quant/triton_split.py; decode attention's merge, triton_attention_decode.py). One zeroed
-# buffer per device and stream: kernels on one stream run one after another, so no two
-# launches use a counter at once. A buffer is made on first use, which the engine's capture
-# makes during its eager warm-up on the capture stream; made inside a capture it is the
-# graph's memory plus a captured zeroing (harmless: it is zero then anyway); a buffer outgrown
-# while a graph may hold it is kept alive.
+# partial result counts itself in an int32 counter (`arrives_last`: an atomic add,
+# acquire-release at GPU scope, after a barrier so that the whole program's stores are released
+# with it), and the program that finds all the others arrived reads the partials back and
+# finishes; it then puts the counter back to 0, so the next launch finds it so (the split-K
+# "last" reductions, quant/triton_split.py and triton_gemm.py; decode attention's merge,
+# triton_attention_decode.py; the greedy argmax, triton_argmax.py). One zeroed buffer per
+# device and stream: kernels on one stream run one after another (one launched early touches
+# the counters only after its wait), so no two launches use a counter at once. A buffer is
+# made on first use, which the engine's capture makes during its eager warm-up on the capture
+# stream; made inside a capture it is the graph's memory plus a captured zeroing (harmless: it
+# is zero then anyway); a buffer outgrown while a graph may hold it is kept alive.
 _COUNTERS: dict[tuple[str, int | None, int], Any] = {}  # (device, stream) -> int32 tensor
 _RETIRED: list[Any] = []  # replaced buffers: a captured graph may still use one
 MIN_COUNTERS = 1 << 16  # first size of a buffer (256 KB): tiles of the largest 8B products
@@ -187,6 +188,16 @@ def tile_counters(device: Any, tiles: int) -> Any:
     return buf
 
 
+@triton.jit
+def arrives_last(counter, count):
+    """Count this program in `counter` once all its partial stores are issued (a barrier, then
+    an acquire-release atomic at GPU scope); True in the program that completes `count`
+    arrivals, which may then read every program's partials (past L1: `.cg`) and must put the
+    counter back to 0."""
+    tl.debug_barrier()  # all of this program's stores before the release below
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
+
+
 __all__ = ["HAS_PDL", "HAS_TRITON", "MIN_COUNTERS", "PDL_SWITCH", "SMALL_EARLY_SWITCH", "triton",
-           "tl", "mma", "next_power_of_2", "cdiv", "is_interpreted", "launch_options",
-           "let_next_launch", "pdl_launch", "tile_counters", "wait_for_inputs"]
+           "tl", "mma", "next_power_of_2", "cdiv", "arrives_last", "is_interpreted",
+           "launch_options", "let_next_launch", "pdl_launch", "tile_counters", "wait_for_inputs"]

@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, is_interpreted, mma, tl, triton
+from sgl.backend.kernels.triton_compat import arrives_last, cdiv, is_interpreted, mma, tl, triton
 from sgl.backend.quant.triton_gemv import (
     _rows,
     groups_per_block,
@@ -247,10 +247,8 @@ def store_split_tile(acc, B, Y, P, CNT, offs_m, offs_n, mask_m, mask_n, stride_y
         store_tile(acc, B, P + pid_s.to(tl.int64) * stride_ps, offs_m, offs_n, mask_m, mask_n,
                    stride_ym, False, TRANSPOSED)
         if LAST:
-            tl.debug_barrier()  # all of this program's stores before the release below
             cnt = CNT + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
+            if arrives_last(cnt, SPLIT):
                 off, mask = _tile_offsets(offs_m, offs_n, mask_m, mask_n, stride_ym, TRANSPOSED)
                 total = sum_slices(P + off, mask, stride_ps, SPLIT, True)
                 tl.store(cnt, 0)  # (the tile is done: zero for the next launch)

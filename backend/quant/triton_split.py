@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from sgl.backend.kernels.triton_compat import cdiv, tile_counters, tl, triton
+from sgl.backend.kernels.triton_compat import arrives_last, cdiv, tile_counters, tl, triton
 
 __all__ = ["REDUCE_BLOCK", "SPLIT_REDUCES", "SplitLaunch", "check_split", "k_slice",
            "finish_split", "gemv_program", "reduce_partials", "split_launch", "split_plan",
@@ -110,10 +110,8 @@ def store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, n_blocks, offs_n, mask_n, N, 
         p = P + row.to(tl.int64) * N + offs_n  # slice 0's
         tl.store(p + pid_s.to(tl.int64) * stride_ps, y, mask=mask_n)
         if LAST:
-            tl.debug_barrier()  # all of this program's stores before the release below
             cnt = CNT + row.to(tl.int64) * n_blocks + pid_n
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
+            if arrives_last(cnt, SPLIT):
                 acc = sum_slices(p, mask_n, stride_ps, SPLIT, True)
                 tl.store(cnt, 0)  # (the tile is done: zero for the next launch)
                 _store_y(acc, B, Y, row, offs_n, mask_n, stride_ym, HAS_BIAS)
