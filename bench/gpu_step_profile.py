@@ -55,13 +55,14 @@ def one_kind(kind: str, tokens: int, prefill: int) -> str:
 
         asyncio.run(go(8, [p[:200] for p in prompts]))  # warm-up: compiles, graphs
         engine.flush_cache()
-        start = time.perf_counter()  # the same run unprofiled: its wall rate
-        asyncio.run(go(1, prompts) if prefill else go(tokens, prompts))
-        rate = (len(prompts) if prefill else tokens) / (time.perf_counter() - start)
+        new = 1 if prefill else tokens  # new tokens per request of the measured run
+        start = time.perf_counter()  # the run once unprofiled: its wall rate
+        asyncio.run(go(new, prompts))
+        rate = new * len(prompts) / (time.perf_counter() - start)
         engine.flush_cache()
         steps0 = engine.stats().steps
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            asyncio.run(go(1, prompts) if prefill else go(tokens, prompts))
+            asyncio.run(go(new, prompts))
         torch.cuda.synchronize()
         steps = engine.stats().steps - steps0
         rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
