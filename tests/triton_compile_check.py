@@ -115,6 +115,16 @@ def decode_stage1(types: dict[str, str], consts: dict[str, Any]) -> str:
                     UPCAST=False, IEEE=False, **consts))
 
 
+# rotary + KV store for the 8B shape's heads, over a bf16 pool
+ROTARY_KV_STORE_ARGS = {
+    "Pos": "*i64", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Cache": "*bf16", "KBuf": "*bf16",
+    "VBuf": "*bf16", "Loc": "*i64",
+    **i32("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+          "stride_cache", "stride_kbs", "stride_kbh", "stride_vbs", "stride_vbh", "num_q_heads",
+          "num_k_heads", "half", "head_dim_v")}
+ROTARY_KV_STORE_CONSTS = dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_DV=128)
+
+
 def check_float8_kv_cache() -> None:
     """A float8 e4m3 pool (kv_cache_dtype="fp8_e4m3"): the stores round each bf16 value once,
     to nearest even and saturated (the reference's `to_pool_dtype`); the rotary store rounds
@@ -126,13 +136,8 @@ def check_float8_kv_cache() -> None:
                                       "stride_kbs", "stride_kbh", "stride_vbs", "stride_vbh",
                                       "num_heads", "head_dim", "head_dim_v")},
                 dict(BLOCK_H=8, BLOCK_D=128, BLOCK_DV=128, PDL=False, WAIT=False))
-    rotary_args = {"Pos": "*i64", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Cache": "*bf16",
-                   "KBuf": "*fp8e4nv", "VBuf": "*fp8e4nv", "Loc": "*i64",
-                   **i32("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
-                         "stride_vh", "stride_cache", "stride_kbs", "stride_kbh", "stride_vbs",
-                         "stride_vbh", "num_q_heads", "num_k_heads", "half", "head_dim_v")}
-    rotary_consts = dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_DV=128, PDL=False,
-                         WAIT=False)
+    rotary_args = {**ROTARY_KV_STORE_ARGS, "KBuf": "*fp8e4nv", "VBuf": "*fp8e4nv"}
+    rotary_consts = dict(ROTARY_KV_STORE_CONSTS, PDL=False, WAIT=False)
     rotary = ptx(triton_rotary._rotary_kv_store_kernel, rotary_args, rotary_consts)
     rotary_bf16 = ptx(triton_rotary._rotary_kv_store_kernel,
                       {**rotary_args, "KBuf": "*bf16", "VBuf": "*bf16"}, rotary_consts)
@@ -219,9 +224,12 @@ def main() -> None:
                 "hidden": "i32", "eps": "fp32"},
                dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True, WAIT=True, WEIGHT_FIRST=True))
     # (its weight, a parameter, is read before the wait: the first load of the kernel)
-    first_load = next(i for i, line in enumerate(norm.splitlines()) if "ld.global" in line)
-    wait_at = next(i for i, line in enumerate(norm.splitlines()) if "griddepcontrol.wait" in line)
+    lines = norm.splitlines()
+    first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
+    wait_at = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     assert first_load < wait_at, "the norm's weight is not loaded before the wait"
+    rotary = ptx(triton_rotary._rotary_kv_store_kernel, ROTARY_KV_STORE_ARGS,
+                 dict(ROTARY_KV_STORE_CONSTS, PDL=True, WAIT=True))
     silu = ptx(triton_activation._silu_and_mul_kernel,
                {"X": "*bf16", "Out": "*bf16", "stride_xt": "i32", "stride_ot": "i32",
                 "inter": "i32"}, dict(BLOCK=1024, PDL=True, WAIT=True))
@@ -231,7 +239,7 @@ def main() -> None:
     # atomic, the partials read back at L2).
     fused = decode_stage1({}, dict(DIRECT=False, MERGE=True, PDL=True, WAIT=True))
     check_last_slice_reduction(fused)
-    for code in (norm, silu, attn, fused):
+    for code in (norm, silu, rotary, attn, fused):
         assert "griddepcontrol.launch_dependents" in code, "no early launch"
         assert "griddepcontrol.wait" in code, "no wait for the kernel before"
     # The tiled kernels split along K (both operand orders), the tile's last slice adding.
