@@ -686,10 +686,12 @@ def engine_variant(name: str) -> Iterator[None]:
     triton_compat.SMALL_EARLY_SWITCH); "q4_normlate" and "fp8_normlate" load the RMSNorm's
     weight after its wait (triton_rmsnorm.WEIGHT_FIRST off); "fp8_qkv" runs the one-row FP8
     products of 4,097-8,192 rows (qkv) on the word kernel at 4 rows by 512 on 4 warps
-    (`bench/fp8_gemv_sweep.py --pdl on --norm`'s best there, session 24). The others: the
+    (`bench/fp8_gemv_sweep.py --pdl on --norm`'s best there, session 24); "q4_inlate" and
+    "fp8_inlate" read rotary's and decode attention's step inputs after their waits, with no
+    prefetch of attention's first tile (triton_compat.INPUTS_FIRST off). The others: the
     shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
-    from sgl.backend.kernels.triton_compat import PDL_SWITCH, SMALL_EARLY_SWITCH
+    from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
     from sgl.backend.quant.triton_gemv import GEMV_DEFAULTS, QGemvConfig
 
@@ -738,6 +740,8 @@ def engine_variant(name: str) -> Iterator[None]:
 
     weight_first = triton_rmsnorm.WEIGHT_FIRST[0]
     triton_rmsnorm.WEIGHT_FIRST[0] = weight_first and not name.endswith("_normlate")
+    inputs_first = INPUTS_FIRST[0]
+    INPUTS_FIRST[0] = inputs_first and not name.endswith("_inlate")
 
     merge = triton_attention_decode.MERGE_IN_STAGE1[0]
     triton_attention_decode.MERGE_IN_STAGE1[0] = merge and not name.endswith("_s22")
@@ -752,6 +756,7 @@ def engine_variant(name: str) -> Iterator[None]:
         triton_matmul.TILE.update(det_tile)
         triton_attention_decode.MERGE_IN_STAGE1[0] = merge
         triton_rmsnorm.WEIGHT_FIRST[0] = weight_first
+        INPUTS_FIRST[0] = inputs_first
         linear.SCRATCH_ELEMENTS = scratch
         linear.CUDA_GEMV = cuda_q4
         cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS, cuda_gemv.BITS = (cuda_early, cuda_rows,

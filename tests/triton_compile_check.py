@@ -88,7 +88,8 @@ def check_dots_stay_in_flight(code: str) -> None:
 
 
 def check_loads_around_wait(code: str) -> None:
-    """PDL: a weight load before griddepcontrol.wait, and no store before it."""
+    """PDL: a load (a weight, the step's inputs) before griddepcontrol.wait, and no store
+    before it."""
     lines = code.splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     assert any("ld.global" in line for line in lines[:wait]), "no load before the wait"
@@ -112,7 +113,7 @@ def decode_stage1(types: dict[str, str], consts: dict[str, Any]) -> str:
                       "stride_mlb", "stride_mlh", "stride_ob", "stride_oh"),
                 "qk_scale": "fp32", **i32("group", "head_dim", "head_dim_v", "num_splits")},
                dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, BLOCK_G=4, BLOCK_C=8,
-                    UPCAST=False, IEEE=False, **consts))
+                    UPCAST=False, IEEE=False, **{"INPUTS_FIRST": True, "LINES": 2, **consts}))
 
 
 # rotary + KV store for the 8B shape's heads, over a bf16 pool
@@ -122,7 +123,8 @@ ROTARY_KV_STORE_ARGS = {
     **i32("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
           "stride_cache", "stride_kbs", "stride_kbh", "stride_vbs", "stride_vbh", "num_q_heads",
           "num_k_heads", "half", "head_dim_v")}
-ROTARY_KV_STORE_CONSTS = dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_DV=128)
+ROTARY_KV_STORE_CONSTS = dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_DV=128,
+                              INPUTS_FIRST=True)
 
 
 def check_float8_kv_cache() -> None:
@@ -242,6 +244,16 @@ def main() -> None:
     for code in (norm, silu, rotary, attn, fused):
         assert "griddepcontrol.launch_dependents" in code, "no early launch"
         assert "griddepcontrol.wait" in code, "no wait for the kernel before"
+    # Before the wait (triton_compat.INPUTS_FIRST): rotary loads its token's inputs, decode
+    # attention its lengths and table slots and prefetches its first tile's rows; nothing is
+    # stored there.
+    check_loads_around_wait(rotary)
+    for code in (attn, fused):
+        check_loads_around_wait(code)
+        lines = code.splitlines()
+        wait_at = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        assert sum("prefetch.global.L2" in line for line in lines[:wait_at]) >= 2, \
+            "no prefetch of the first tile's keys and values before the wait"
     # The tiled kernels split along K (both operand orders), the tile's last slice adding.
     tiled = {"M": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_ps": "i32"}
     for w_as_a in (False, True):

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import (arrives_last, is_interpreted, launch_options,
-                                               let_next_launch, mma, next_power_of_2,
-                                               tile_counters, tl, triton,
-                                               wait_for_inputs)
+from sgl.backend.kernels.triton_compat import (INPUTS_FIRST, arrives_last, is_interpreted,
+                                               launch_options, let_next_launch, mma,
+                                               next_power_of_2, prefetch_l2, tile_counters, tl,
+                                               triton, wait_for_inputs)
 
 _LOG2E = 1.4426950408889634
 
@@ -42,6 +42,31 @@ def decode_num_kv_splits(
 
 
 @triton.jit
+def _split_range(SeqLens, ReqPoolIdx, b, split, num_splits, BLOCK_N: tl.constexpr):
+    """Row b's length and table row, and the keys [start, end) of its split `split`."""
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    # Split length: an even share rounded up to whole BLOCK_N tiles, so a short sequence fills
+    # only the first splits and the rest exit at once (cheap, and graph-safe).
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    return seq_len, row, split_len, start, end
+
+
+@triton.jit
+def _prefetch_first_tile(K, V, ReqToToken, row, start, end, kv_head, stride_ks, stride_kh,
+                         stride_vs, stride_vh, stride_r2t, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for the keys and values of the split's first tile: LINES 128-byte lines a row."""
+    pos = start + tl.arange(0, BLOCK_N)
+    slots = tl.load(ReqToToken + row * stride_r2t + pos, mask=pos < end, other=0).to(tl.int64)
+    lines = tl.arange(0, LINES)[None, :]
+    prefetch_l2(K + slots[:, None] * stride_ks + kv_head * stride_kh + lines * (BLOCK_D // LINES))
+    prefetch_l2(V + slots[:, None] * stride_vs + kv_head * stride_vh + lines * (BLOCK_DV // LINES))
+
+
+@triton.jit
 def _decode_stage1(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Out,
     Counters,  # MERGE's (else unused)
@@ -53,22 +78,29 @@ def _decode_stage1(
     BLOCK_DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
+    INPUTS_FIRST: tl.constexpr, LINES: tl.constexpr,
 ):
     # DIRECT (one split): each program holds whole rows and writes the output itself, with the
     # bits stage 2 would give (its merge of a single split multiplies by 1 and divides by 1).
     if DIRECT or not MERGE:  # (MERGE: once every program has finished its loop, below)
         let_next_launch(PDL)  # the GEMV (direct) or stage 2 after may start (triton_compat)
-    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    # Split length: an even share rounded up to whole BLOCK_N tiles, so a short sequence fills
-    # only the first splits and the rest exit at once (cheap, and graph-safe).
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # Before the wait (triton_compat.INPUTS_FIRST): the step's inputs, and an L2 prefetch of
+    # the first tile's keys and values, whose trip from memory then overlaps the kernel before
+    # (rotary + KV store, which writes the new token's row: that row is read after the wait).
+    if INPUTS_FIRST:
+        seq_len, row, split_len, start, end = _split_range(SeqLens, ReqPoolIdx, b, split,
+                                                           num_splits, BLOCK_N)
+        if LINES:
+            _prefetch_first_tile(K, V, ReqToToken, row, start, end, kv_head, stride_ks,
+                                 stride_kh, stride_vs, stride_vh, stride_r2t, BLOCK_N, BLOCK_D,
+                                 BLOCK_DV, LINES)
+    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
+    if not INPUTS_FIRST:
+        seq_len, row, split_len, start, end = _split_range(SeqLens, ReqPoolIdx, b, split,
+                                                           num_splits, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)  # rows: the query heads of this KV head (padded to >= 16)
     heads = kv_head * group + offs_h
@@ -245,8 +277,14 @@ def decode_attention_triton(
         mid_strides = (*mid_o.stride()[:3], *mid_lse.stride()[:2])
     counters = tile_counters(q.device, batch * num_kv_heads) if merge else out
     block_n = 64 if head_dim <= 128 else 32
+    block_d = max(16, next_power_of_2(head_dim))
     block_s = next_power_of_2(num_kv_splits)
     block_g = next_power_of_2(group)
+    options = launch_options(q.device, _decode_stage1)
+    # Launched early, it prefetches its first tile's rows (128-byte lines, LINES a row) while
+    # the kernel before runs; launched normally (or interpreted: no PTX) there is no one to
+    # overlap.
+    lines = max(1, block_d * k_buffer.element_size() // 128) if options["WAIT"] else 0
     _decode_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         counters,
@@ -256,13 +294,13 @@ def decode_attention_triton(
         scale * _LOG2E, group, head_dim, head_dim_v, num_kv_splits,
         BLOCK_H=max(16, next_power_of_2(group)),  # tl.dot needs >= 16 rows
         BLOCK_N=block_n,
-        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         BLOCK_DV=max(16, next_power_of_2(head_dim_v)),
         BLOCK_G=block_g,
         BLOCK_C=max(1, min(block_s, 32 // block_g)),  # splits a merge load takes
         UPCAST=is_interpreted(_decode_stage1),
         IEEE=q.dtype == torch.float32,
-        DIRECT=direct, MERGE=merge, **launch_options(q.device, _decode_stage1),
+        DIRECT=direct, MERGE=merge, INPUTS_FIRST=INPUTS_FIRST[0], LINES=lines, **options,
         num_warps=4, num_stages=2,
     )
     if direct or merge:

@@ -116,6 +116,18 @@ PDL_SWITCH = [True]  # [0] True: launch the kernels above so, on devices that ca
 # every turn the same way. (Session 21 had read it across two engines, -1.9% and +1.1%, and
 # turned it off; two engines of the same code spread ~6%, which hid the gain.)
 SMALL_EARLY_SWITCH = [True]
+# What a kernel launched early may read before its wait: what nothing on the stream can still be
+# writing. That is a parameter (the norm's weight) and the step's inputs: positions, pool
+# slots, sequence lengths and the request table are written by torch's copies as the step
+# starts, and a kernel launched early starts only once the kernel before lets it, which torch's
+# kernels never do; the step's first early kernel thus starts after those copies have finished.
+# And the keys and values of earlier steps, which only an L2 prefetch touches before the wait
+# (`prefetch_l2`: the new token's row, written by the kernel just before, may be among them,
+# and L2 holds the latest bytes whichever comes first). When [0] is True rotary + KV store
+# loads its positions, slots and cos/sin rows before its wait, and decode attention its
+# lengths, its first tile's table slots and an L2 prefetch of that tile's keys and values.
+# A list: bench variants turn it off to measure it (read at each launch, so at graph capture).
+INPUTS_FIRST = [True]
 _PDL_DEVICES: dict[int, bool] = {}
 
 
@@ -146,6 +158,14 @@ def let_next_launch(PDL: tl.constexpr):
     `wait_for_inputs` for this one to finish)."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines holding `ptrs` (a tensor of pointers): a hint, nothing
+    comes back and nothing waits for it. Compiled kernels only (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

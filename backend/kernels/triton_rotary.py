@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import (launch_options, let_next_launch, next_power_of_2,
-                                               tl, triton, wait_for_inputs)
+from sgl.backend.kernels.triton_compat import (INPUTS_FIRST, launch_options, let_next_launch,
+                                               next_power_of_2, tl, triton, wait_for_inputs)
 from sgl.backend.kernels.triton_kv_store import kv_store_triton, store_heads
 
 
@@ -68,6 +68,15 @@ def _rotary_kernel(
 
 
 @triton.jit
+def _token_inputs(Pos, Loc, Cache, t, stride_cache, half, BLOCK_R: tl.constexpr):
+    """Token t's pool slot (int64: slot * stride can pass 2**31 in big pools) and cos/sin."""
+    pos = tl.load(Pos + t).to(tl.int64)
+    slot = tl.load(Loc + t).to(tl.int64)
+    cos, sin = _cos_sin(Cache, pos, stride_cache, half, BLOCK_R)
+    return slot, cos, sin
+
+
+@triton.jit
 def _rotary_kv_store_kernel(
     Pos, Q, K, V, Cache, KBuf, VBuf, Loc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
@@ -75,14 +84,16 @@ def _rotary_kv_store_kernel(
     num_q_heads, num_k_heads, half, head_dim_v,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_DV: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
+    INPUTS_FIRST: tl.constexpr,
 ):
     # One program per token: q rotated in place, k rotated into its pool slot, v copied there.
     let_next_launch(PDL)  # the next kernel may start (triton_compat: PDL)
-    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(Pos + t).to(tl.int64)
-    slot = tl.load(Loc + t).to(tl.int64)  # int64: slot * stride can pass 2**31 in big pools
-    cos, sin = _cos_sin(Cache, pos, stride_cache, half, BLOCK_R)
+    if INPUTS_FIRST:  # the step's inputs and the cos/sin table: no kernel of it writes them
+        slot, cos, sin = _token_inputs(Pos, Loc, Cache, t, stride_cache, half, BLOCK_R)
+    wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
+    if not INPUTS_FIRST:
+        slot, cos, sin = _token_inputs(Pos, Loc, Cache, t, stride_cache, half, BLOCK_R)
     _rotate_heads(Q, Q, t, stride_qt, stride_qh, stride_qt, stride_qh, num_q_heads, half,
                   cos, sin, BLOCK_HQ, BLOCK_R)
     # (the token's pool row as a one-row output: token stride 0, the pool's head stride)
@@ -153,7 +164,7 @@ def rotary_kv_store_triton(
             BLOCK_HQ=next_power_of_2(q.shape[1]),
             BLOCK_HK=next_power_of_2(k.shape[1]),
             BLOCK_R=next_power_of_2(rotary_dim // 2),
-            BLOCK_DV=next_power_of_2(v.shape[-1]),
+            BLOCK_DV=next_power_of_2(v.shape[-1]), INPUTS_FIRST=INPUTS_FIRST[0],
             **launch_options(q.device, _rotary_kv_store_kernel),
         )
     return q
