@@ -654,8 +654,13 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # the RMSNorm's weight loaded after its wait, as before session 24
                  # (triton_rmsnorm.WEIGHT_FIRST: variants)
                  "q4_normlate": dict(quantization="gguf"), "fp8_normlate": dict(quantization="fp8"),
-                 # FP8 products of 4097-8192 rows (qkv) at one row on 4 warps by 512 (variant)
-                 "fp8_qkv": dict(quantization="fp8"),
+                 # FP8 products of 4097-8192 rows (qkv) at one row on 2 warps by 1,024, as
+                 # before session 25 (variant); step inputs read after the waits (variants)
+                 "fp8_qkv_s24": dict(quantization="fp8"),
+                 "q4_inlate": dict(quantization="gguf"), "fp8_inlate": dict(quantization="fp8"),
+                 # FP8 GEMVs not letting the next kernel launch early; the CUDA GEMV letting it
+                 # at its start (variants)
+                 "fp8_nolet": dict(quantization="fp8"), "q4_letstart": dict(quantization="gguf"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -684,12 +689,14 @@ def engine_variant(name: str) -> Iterator[None]:
     session 23); "q4_s23", "fp8_s23" and "bf16_s23" launch the small kernels (RMSNorm,
     rotary + KV store, decode attention, SiLU x mul) as session 23 did, not early (off:
     triton_compat.SMALL_EARLY_SWITCH); "q4_normlate" and "fp8_normlate" load the RMSNorm's
-    weight after its wait (triton_rmsnorm.WEIGHT_FIRST off); "fp8_qkv" runs the one-row FP8
-    products of 4,097-8,192 rows (qkv) on the word kernel at 4 rows by 512 on 4 warps
-    (`bench/fp8_gemv_sweep.py --pdl on --norm`'s best there, session 24); "q4_inlate" and
+    weight after its wait (triton_rmsnorm.WEIGHT_FIRST off); "fp8_qkv_s24" runs the one-row
+    FP8 products of 4,097-8,192 rows (qkv) on the word kernel at 4 rows by 1,024 on 2 warps,
+    the config before session 25 (4 by 512 on 4 warps now); "q4_inlate" and
     "fp8_inlate" read rotary's and decode attention's step inputs after their waits, with no
-    prefetch of attention's first tile (triton_compat.INPUTS_FIRST off). The others: the
-    shipped code.
+    prefetch of attention's first tile (triton_compat.INPUTS_FIRST off); "fp8_nolet": the FP8
+    GEMVs never let the kernel after them launch early (triton_fp8.LET_NEXT off, as before
+    session 25); "q4_letstart": the CUDA GEMV lets it as a program starts, not once its K loop
+    is done (CudaGemvConfig.let_next_at_start). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -703,9 +710,9 @@ def engine_variant(name: str) -> Iterator[None]:
         GEMV_DEFAULTS["fp8"] = ((8192, QGemvConfig(8, 1024, 4, fp8_decode="cvt")),
                                 (1 << 62, QGemvConfig(4, 1024, 4, fp8_decode="cvt")))
         install.install_fp8 = lambda model: install_fp8(model, head=False)
-    elif name == "fp8_qkv":  # (the one-row sweep's qkv winner with norms and early launches)
+    elif name == "fp8_qkv_s24":  # (qkv's word kernel config before session 25)
         GEMV_DEFAULTS["fp8"] = tuple(
-            (limit, QGemvConfig(4, 512, 4, num_stages=1, fp8_decode="words") if limit == 8192
+            (limit, QGemvConfig(4, 1024, 2, num_stages=1, fp8_decode="words") if limit == 8192
              else cfg) for limit, cfg in shipped["fp8"])
     from sgl.backend.quant import linear
 
@@ -727,6 +734,12 @@ def engine_variant(name: str) -> Iterator[None]:
             return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = capped
+    elif name == "q4_letstart":
+        def let_at_start(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
+            config = config or cuda_gemv.default_config(x.numel() // w.in_features, w)
+            return mma_gemv(x, w, bias, config._replace(let_next_at_start=True))
+
+        cuda_gemv.mma_gemv = let_at_start
     cuda_gemv.EARLY_LAUNCH = cuda_early and name not in ("q4_s19", "q4_late", "q4km_s19")
     if name in ("q4_s19", "q4km_s19"):
         cuda_gemv.MAX_ROWS, cuda_gemv.BITS = 2, (4,)
@@ -742,6 +755,10 @@ def engine_variant(name: str) -> Iterator[None]:
     triton_rmsnorm.WEIGHT_FIRST[0] = weight_first and not name.endswith("_normlate")
     inputs_first = INPUTS_FIRST[0]
     INPUTS_FIRST[0] = inputs_first and not name.endswith("_inlate")
+    from sgl.backend.quant import triton_fp8
+
+    fp8_let_next = triton_fp8.LET_NEXT[0]
+    triton_fp8.LET_NEXT[0] = fp8_let_next and name != "fp8_nolet"
 
     merge = triton_attention_decode.MERGE_IN_STAGE1[0]
     triton_attention_decode.MERGE_IN_STAGE1[0] = merge and not name.endswith("_s22")
@@ -757,6 +774,7 @@ def engine_variant(name: str) -> Iterator[None]:
         triton_attention_decode.MERGE_IN_STAGE1[0] = merge
         triton_rmsnorm.WEIGHT_FIRST[0] = weight_first
         INPUTS_FIRST[0] = inputs_first
+        triton_fp8.LET_NEXT[0] = fp8_let_next
         linear.SCRATCH_ELEMENTS = scratch
         linear.CUDA_GEMV = cuda_q4
         cuda_gemv.EARLY_LAUNCH, cuda_gemv.MAX_ROWS, cuda_gemv.BITS = (cuda_early, cuda_rows,

@@ -117,6 +117,9 @@ class CudaGemvConfig(NamedTuple):
     # programs an SM must hold at once (0: the compiler's choice): caps the registers per
     # thread at 64K / (32 warps min_blocks), more warps in flight against fewer registers
     min_blocks: int = 0
+    # let the kernel after launch as a program starts (once its first step is asked for), not
+    # once its K loop is done
+    let_next_at_start: bool = False
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
@@ -474,6 +477,9 @@ extern "C" __global__ void BOUNDS mma_gemv(
     Step one, two;  // two steps in turn, each loaded while the other is computed
     if (warp < full)
         load_step<false>(one, ln, warp);  // (weights only: they never change)
+#if LET_NEXT_AT_START
+    let_next_launch();
+#endif
     wait_for_inputs();
     __shared__ float part[WARPS][TILES * 16 * ROWS];
     float out[TILES][2][ROWS];
@@ -501,7 +507,9 @@ extern "C" __global__ void BOUNDS mma_gemv(
         load_step<true>(st, ln, full);
         run_step<true>(st, ln, full, out);
     }
+#if !LET_NEXT_AT_START
     let_next_launch();
+#endif
     // the four lanes of a quad held different chunks: add them
     #pragma unroll
     for (int t = 0; t < TILES; t++)
@@ -590,6 +598,7 @@ def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bit
              chunks_per_group: int = 1) -> str:
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
             f"#define MIN_BLOCKS {cfg.min_blocks}\n"
+            f"#define LET_NEXT_AT_START {int(cfg.let_next_at_start)}\n"
             f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
             f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 

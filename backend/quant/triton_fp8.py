@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import (cdiv, is_interpreted, mma, pdl_launch, tl,
-                                               triton, wait_for_inputs)
+from sgl.backend.kernels.triton_compat import (cdiv, is_interpreted, let_next_launch, mma,
+                                               pdl_launch, tl, triton, wait_for_inputs)
 from sgl.backend.quant.triton_gemm import (GemmConfig, gemm_config, split_tile_launch,
                                            store_split_tile)
 from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
@@ -44,6 +44,12 @@ __all__ = ["FP8_DECODES", "e4m3_f32", "e4m3_f32_sext", "e4m3x4_f32", "fp8_dequan
            "fp8_gemv", "fp8_quantize_rows"]
 
 FP8_DECODES = {"cvt": 0, "bits": 1, "sext": 2, "words": 3}  # QGemvConfig.fp8_decode
+# The one-row GEMVs let the kernel after them start once their K loop is done (triton_compat:
+# PDL), as the CUDA GEMV does: that kernel (RMSNorm, rotary + KV store, SiLU x mul) then
+# launches and makes its reads before its wait (the norm's weight, the step's inputs) while
+# this one adds up its sums and stores them, not after its last program has exited. A list:
+# bench variants turn it off (read at each launch, so at graph capture).
+LET_NEXT = [True]
 
 @triton.jit
 def e4m3_f32(b):
@@ -90,6 +96,7 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
     ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
+    LET_NEXT: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
     k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # this program's weights of K
@@ -108,6 +115,7 @@ def _fp8_gemv_kernel(
     for k0 in range(k_first, k_hi, BLOCK_K):
         w = _load_w(w_ptrs, k0, K, offs_k, mask_n, EVEN_N, EVEN_K)
         acc = _bytes_step(acc, w, x_row, k0, K, offs_k, EVEN_K, DECODE)
+    let_next_launch(LET_NEXT)
     y = tl.sum(acc, axis=1)
     if DECODE != 0:
         y = y * 1.329227995784916e36  # 2^120: the bit tricks' values are the weights / 2^120
@@ -191,6 +199,7 @@ def _fp8_words_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, ASM: tl.constexpr,
     ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
+    LET_NEXT: tl.constexpr,
 ):
     """The FP8 GEMV on int32 words (`fp8_decode="words"`). W: the weight's bytes as int32
     words [N, K / 4] (stride_wn in words). A thread owns 16-byte vectors of a row (four
@@ -221,6 +230,7 @@ def _fp8_words_kernel(
     for k0 in range(k_first, k_hi, BLOCK_K):
         w = _load_words(w_ptrs, inner, mask_n, k0, K, EVEN_N, EVEN_K)
         acc = _words_step(acc, w, x_row, x32, inner, k0, K, EVEN_K, X_PAIRS, ASM)
+    let_next_launch(LET_NEXT)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
     store_rows(y, B, Y, P, CNT, row, pid_n, pid_s, tl.cdiv(N, BLOCK_N), offs_n, mask_n, N,
                stride_ym, stride_ps, HAS_BIAS, SPLIT, LAST)
@@ -261,8 +271,8 @@ def fp8_gemv(
                 HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, X_PAIRS=pairs,
                 ASM=not is_interpreted(_fp8_words_kernel), ROWS_FIRST=rows_first,
-                SPLIT=sk.split, LAST=sk.last, PDL=pdl, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **early,
+                SPLIT=sk.split, LAST=sk.last, PDL=pdl, LET_NEXT=pdl and LET_NEXT[0],
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **early,
             )
             finish_split(sk, bias, y)
             return y.reshape(*x.shape[:-1], n)
@@ -275,7 +285,8 @@ def fp8_gemv(
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
             ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **early,
+            LET_NEXT=pdl and LET_NEXT[0], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **early,
         )
         finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)

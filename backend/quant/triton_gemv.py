@@ -74,7 +74,10 @@ class QGemvConfig(NamedTuple):
 # (small programs, many of them per SM); its prefetch and split-K lost everywhere. FP8:
 # bench/fp8_gemv_sweep.py's winners (session 10, H200): the first kernel at N = 4096 (o_proj,
 # down), the word kernel (quant/triton_fp8.py) on 4 rows above (qkv; gate_up and the head on
-# one warp).
+# one warp). Session 25: qkv (N <= 8192) on 4 rows by 512 on 4 warps, the one-row sweep's best
+# with norms and early launches (`fp8_gemv_sweep.py --pdl on --norm`: 10.0 us against 10.8 for
+# 4/1024/2): inside one engine the 8B FP8 single stream 360.9 -> 364.9 tok/s, both turns
+# (`bench/gpu_ab.py --engine fp8 --variants fp8_inlate,fp8,fp8_qkv`; docs/benchmarks.md).
 _Q = QGemvConfig
 GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
     "q4": ((4096, _Q(8, 2048, 2, num_stages=1, unpack="lop3")),
@@ -82,7 +85,7 @@ GEMV_DEFAULTS: dict[str, tuple[tuple[int, QGemvConfig], ...]] = {
            (1 << 62, _Q(16, 1024, 1, num_stages=1, unpack="lop3"))),
     "q8": ((8192, _Q(4, 2048, 4, magic=False)), (1 << 62, _Q(4, 1024, 4, magic=False))),
     "fp8": ((4096, _Q(8, 1024, 4, fp8_decode="cvt")),
-            (8192, _Q(4, 1024, 2, num_stages=1, fp8_decode="words")),
+            (8192, _Q(4, 512, 4, num_stages=1, fp8_decode="words")),
             (1 << 62, _Q(4, 512, 1, num_stages=1, fp8_decode="words"))),
 }
 
