@@ -658,9 +658,9 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # before session 25 (variant); step inputs read after the waits (variants)
                  "fp8_qkv_s24": dict(quantization="fp8"),
                  "q4_inlate": dict(quantization="gguf"), "fp8_inlate": dict(quantization="fp8"),
-                 # FP8 GEMVs not letting the next kernel launch early; the CUDA GEMV letting it
-                 # at its start (variants)
-                 "fp8_nolet": dict(quantization="fp8"), "q4_letstart": dict(quantization="gguf"),
+                 # when the GEMVs let the next kernel launch (variants)
+                 "fp8_nolet": dict(quantization="fp8"), "fp8_letloop": dict(quantization="fp8"),
+                 "fp8_letstart": dict(quantization="fp8"), "q4_letloop": dict(quantization="gguf"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -694,9 +694,10 @@ def engine_variant(name: str) -> Iterator[None]:
     the config before session 25 (4 by 512 on 4 warps now); "q4_inlate" and
     "fp8_inlate" read rotary's and decode attention's step inputs after their waits, with no
     prefetch of attention's first tile (triton_compat.INPUTS_FIRST off); "fp8_nolet": the FP8
-    GEMVs never let the kernel after them launch early (triton_fp8.LET_NEXT off, as before
-    session 25); "q4_letstart": the CUDA GEMV lets it as a program starts, not once its K loop
-    is done (CudaGemvConfig.let_next_at_start). The others: the shipped code.
+    GEMVs never let the kernel after them launch early (triton_fp8.LET_NEXT "", as before
+    session 25), "fp8_letloop" and "fp8_letstart" let it once their K loop is done or as a
+    program starts; "q4_letloop": the CUDA GEMV lets it once its K loop is done, as before
+    session 25 (CudaGemvConfig.let_next_at_start off). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -734,12 +735,12 @@ def engine_variant(name: str) -> Iterator[None]:
             return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = capped
-    elif name == "q4_letstart":
-        def let_at_start(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
+    elif name == "q4_letloop":
+        def let_after_loop(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
             config = config or cuda_gemv.default_config(x.numel() // w.in_features, w)
-            return mma_gemv(x, w, bias, config._replace(let_next_at_start=True))
+            return mma_gemv(x, w, bias, config._replace(let_next_at_start=False))
 
-        cuda_gemv.mma_gemv = let_at_start
+        cuda_gemv.mma_gemv = let_after_loop
     cuda_gemv.EARLY_LAUNCH = cuda_early and name not in ("q4_s19", "q4_late", "q4km_s19")
     if name in ("q4_s19", "q4km_s19"):
         cuda_gemv.MAX_ROWS, cuda_gemv.BITS = 2, (4,)
@@ -758,7 +759,8 @@ def engine_variant(name: str) -> Iterator[None]:
     from sgl.backend.quant import triton_fp8
 
     fp8_let_next = triton_fp8.LET_NEXT[0]
-    triton_fp8.LET_NEXT[0] = fp8_let_next and name != "fp8_nolet"
+    triton_fp8.LET_NEXT[0] = {"fp8_nolet": "", "fp8_letstart": "start",
+                              "fp8_letloop": "loop"}.get(name, fp8_let_next)
 
     merge = triton_attention_decode.MERGE_IN_STAGE1[0]
     triton_attention_decode.MERGE_IN_STAGE1[0] = merge and not name.endswith("_s22")

@@ -194,20 +194,20 @@ def main() -> None:
     assert code.count("fma.rn.bf16x2") >= 2 and "wgmma.mma_async" in code, "no bf16 MMA path"
     check_last_slice_reduction(code)
     fp8 = dict(HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, EVEN_N=True, EVEN_K=False, DECODE=0,
-               ROWS_FIRST=False, PDL=False, LET_NEXT=False)
+               ROWS_FIRST=False, PDL=False, LET_NEXT=0)
     check_last_slice_reduction(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
                                    dict(fp8, SPLIT=8, LAST=True)))
     # The FP8 word kernel: the hardware e4m3x2 conversions survive to the PTX (two per word).
     # Launched early (PDL): the first weights load before the wait, x after it; the kernel
-    # after may launch once the K loop is done (LET_NEXT), before the sums are stored.
+    # after may launch before the sums are stored (LET_NEXT: once the K loop is done, or as it starts).
     words = dict(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=1024, EVEN_N=False, EVEN_K=False,
-                 X_PAIRS=True, ASM=True, ROWS_FIRST=False, PDL=True, LET_NEXT=True)
+                 X_PAIRS=True, ASM=True, ROWS_FIRST=False, PDL=True, LET_NEXT=1)
     code = ptx(triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
                dict(words, SPLIT=2, LAST=True))
     assert code.count("cvt.rn.f16x2.e4m3x2") >= 2, "e4m3 not converted by the hardware"
     check_last_slice_reduction(code)
     for code in (code, ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
-                           dict(fp8, PDL=True, LET_NEXT=True, SPLIT=1, LAST=False))):
+                           dict(fp8, PDL=True, LET_NEXT=2, SPLIT=1, LAST=False))):
         check_loads_around_wait(code)
         lines = code.splitlines()
         trigger = next(i for i, line in enumerate(lines)
@@ -217,7 +217,7 @@ def main() -> None:
     # Unmasked tiles at aligned shapes: the weights load as 16-byte vectors (a constexpr lost
     # on the way to the load, e.g. through a local `a and b`, makes it one byte per load).
     even = dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, EVEN_N=True, EVEN_K=True,
-                ROWS_FIRST=False, SPLIT=1, LAST=False, PDL=False, LET_NEXT=False)
+                ROWS_FIRST=False, SPLIT=1, LAST=False, PDL=False, LET_NEXT=0)
     for kernel, args, consts in ((triton_fp8._fp8_gemv_kernel, FP8_ARGS, dict(even, DECODE=0)),
                                  (triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
                                   dict(even, X_PAIRS=True, ASM=True))):

@@ -118,8 +118,11 @@ class CudaGemvConfig(NamedTuple):
     # thread at 64K / (32 warps min_blocks), more warps in flight against fewer registers
     min_blocks: int = 0
     # let the kernel after launch as a program starts (once its first step is asked for), not
-    # once its K loop is done
-    let_next_at_start: bool = False
+    # once its K loop is done: the small kernel after then makes its reads before its wait and
+    # lets the GEMV after it ask for its first weights while this one's last programs run.
+    # Session 25, inside one engine: the 8B Q4 single stream 428.2 -> 440.4 tok/s
+    # (`bench/gpu_ab.py --engine q4 --variants q4_letstart,q4`, every turn).
+    let_next_at_start: bool = True
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
