@@ -199,7 +199,8 @@ def main() -> None:
                                    dict(fp8, SPLIT=8, LAST=True)))
     # The FP8 word kernel: the hardware e4m3x2 conversions survive to the PTX (two per word).
     # Launched early (PDL): the first weights load before the wait, x after it; the kernel
-    # after may launch before the sums are stored (LET_NEXT: once the K loop is done, or as it starts).
+    # after may launch before the sums are stored (LET_NEXT 1: once the K loop is done; 2: as
+    # a program starts).
     words = dict(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=1024, EVEN_N=False, EVEN_K=False,
                  X_PAIRS=True, ASM=True, ROWS_FIRST=False, PDL=True, LET_NEXT=1)
     code = ptx(triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},

@@ -92,11 +92,13 @@ def is_interpreted(kernel: Any) -> bool:
 # change, so they load the first K step's before waiting, which would hide their start (launch
 # and the first DRAM round trip) behind the small kernel before them; that kernel (RMSNorm,
 # SiLU x mul, decode attention) lets them launch as it starts (decode attention merging its
-# splits in its last program: once every program has finished its loop). Both calls are
-# no-ops where nothing is launched so. On by default (`PDL_SWITCH`) since it was checked on
-# the H200 (session 10): the same greedy tokens with and without it, in CUDA graphs and eagerly
-# (tests/test_quant_gpu.py's early-launch test), and the 8B FP8 single stream 326.1 -> 333.0
-# tok/s (`bench/gpu_bench.py --quant-engines fp8_nopdl,fp8`).
+# splits in its last program: once every program has finished its loop). The GEMVs let the
+# small kernel after them launch in turn: the 4-bit CUDA GEMV as a program starts, the FP8
+# ones once their K loop is done (session 25: quant/cuda_gemv.py, quant/triton_fp8.py). Both
+# calls are no-ops where nothing is launched so. On by default (`PDL_SWITCH`) since it was
+# checked on the H200 (session 10): the same greedy tokens with and without it, in CUDA graphs
+# and eagerly (tests/test_quant_gpu.py's early-launch test), and the 8B FP8 single stream
+# 326.1 -> 333.0 tok/s (`bench/gpu_bench.py --quant-engines fp8_nopdl,fp8`).
 try:  # (triton.language.extra.cuda's grid dependency control: Triton 3.3 and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 

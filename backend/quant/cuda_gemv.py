@@ -62,7 +62,8 @@ group (the first version: 16 half-used sectors per load) and a cp.async pipeline
 in shared memory per warp (1.5-1.7x slower than the register double buffer at every shape).
 
 It launches early (programmatic dependent launch: `EARLY_LAUNCH`, below), loading its first
-step's weights before waiting for the kernel that writes x.
+step's weights before waiting for the kernel that writes x, and lets the kernel after it
+launch as soon as it has asked for them (`CudaGemvConfig.let_next_at_start`).
 
 Tried and dropped (session 24): SiLU x mul folded into the gate_up product (a lane's two rows
 of an MMA a gate row and its up row, the Triton kernel's five instructions after the sums:
@@ -204,7 +205,8 @@ __device__ __forceinline__ void wait_for_inputs() {
 }
 
 // Lets the kernel after start (if it was launched early: the small kernels are, and wait for
-// this one in their turn) while this one adds up its sums. A no-op otherwise.
+// this one in their turn): once this one's programs have asked for their first weights
+// (LET_NEXT_AT_START) or have done their K loops. A no-op otherwise.
 __device__ __forceinline__ void let_next_launch() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");

@@ -49,8 +49,11 @@ FP8_DECODES = {"cvt": 0, "bits": 1, "sext": 2, "words": 3}  # QGemvConfig.fp8_de
 # launches as the last program exits). That kernel (RMSNorm, rotary + KV store, SiLU x mul)
 # then makes its reads before its wait (the norm's weight, the step's inputs) and lets the
 # GEMV after it launch in turn, which asks for its own first weights: memory stays busy across
-# the handover. Session 25, inside one engine: "loop" 360.3 -> 374.8 tok/s against "" on the
-# 8B FP8 single stream. A list: bench variants change it (read at each launch, so at capture).
+# the handover. Session 25, inside one engine, the 8B FP8 single stream: "loop" 374.8 tok/s
+# against 360.3 for "" (every turn), and 376.4 against 361.4 for "start" (every turn), though
+# the 4-bit CUDA GEMV gained from its own "start" (cuda_gemv.CudaGemvConfig.let_next_at_start;
+# why the two differ was not measured). A list: bench variants change it (read at each launch,
+# so at graph capture).
 LET_NEXT = ["loop"]
 _LET_NEXT_CODES = {"": 0, "loop": 1, "start": 2}  # the kernels' LET_NEXT
 
