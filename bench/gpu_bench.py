@@ -661,6 +661,8 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # when the GEMVs let the next kernel launch (variants)
                  "fp8_nolet": dict(quantization="fp8"), "fp8_letloop": dict(quantization="fp8"),
                  "fp8_letstart": dict(quantization="fp8"), "q4_letloop": dict(quantization="gguf"),
+                 "q4_attnstart": dict(quantization="gguf"),
+                 "fp8_attnstart": dict(quantization="fp8"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -697,7 +699,9 @@ def engine_variant(name: str) -> Iterator[None]:
     GEMVs never let the kernel after them launch early (triton_fp8.LET_NEXT "", as before
     session 25), "fp8_letloop" and "fp8_letstart" let it once their K loop is done or as a
     program starts; "q4_letloop": the CUDA GEMV lets it once its K loop is done, as before
-    session 25 (CudaGemvConfig.let_next_at_start off). The others: the shipped code.
+    session 25 (CudaGemvConfig.let_next_at_start off); "q4_attnstart" and "fp8_attnstart":
+    decode attention's merging stage 1 lets the GEMV after it launch as it starts
+    (triton_attention_decode.MERGE_LETS_NEXT_AT_START). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -764,6 +768,9 @@ def engine_variant(name: str) -> Iterator[None]:
 
     merge = triton_attention_decode.MERGE_IN_STAGE1[0]
     triton_attention_decode.MERGE_IN_STAGE1[0] = merge and not name.endswith("_s22")
+    attn_start = triton_attention_decode.MERGE_LETS_NEXT_AT_START[0]
+    triton_attention_decode.MERGE_LETS_NEXT_AT_START[0] = (attn_start
+                                                          or name.endswith("_attnstart"))
     det_tile = dict(triton_matmul.TILE)
     if name == "det" and os.environ.get("DET_TILE"):  # a candidate of bench/det_linear.py
         tile = triton_matmul.MatmulTile(*map(int, os.environ["DET_TILE"].split("x")))
@@ -774,6 +781,7 @@ def engine_variant(name: str) -> Iterator[None]:
     finally:
         triton_matmul.TILE.update(det_tile)
         triton_attention_decode.MERGE_IN_STAGE1[0] = merge
+        triton_attention_decode.MERGE_LETS_NEXT_AT_START[0] = attn_start
         triton_rmsnorm.WEIGHT_FIRST[0] = weight_first
         INPUTS_FIRST[0] = inputs_first
         triton_fp8.LET_NEXT[0] = fp8_let_next

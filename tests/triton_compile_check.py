@@ -113,7 +113,8 @@ def decode_stage1(types: dict[str, str], consts: dict[str, Any]) -> str:
                       "stride_mlb", "stride_mlh", "stride_ob", "stride_oh"),
                 "qk_scale": "fp32", **i32("group", "head_dim", "head_dim_v", "num_splits")},
                dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, BLOCK_G=4, BLOCK_C=8,
-                    UPCAST=False, IEEE=False, **{"INPUTS_FIRST": True, "LINES": 2, **consts}))
+                    UPCAST=False, IEEE=False, **{"INPUTS_FIRST": True, "LINES": 2, "LET_AT_START": False,
+                                                      **consts}))
 
 
 # rotary + KV store for the 8B shape's heads, over a bf16 pool
@@ -248,6 +249,11 @@ def main() -> None:
     # atomic, the partials read back at L2).
     fused = decode_stage1({}, dict(DIRECT=False, MERGE=True, PDL=True, WAIT=True))
     check_last_slice_reduction(fused)
+    # (merging, it lets the GEMV after launch once its loop is done, not as it starts)
+    lines = fused.splitlines()
+    assert (min(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+            > min(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)), \
+        "the merging stage 1 lets the next kernel launch before its loop"
     for code in (norm, silu, rotary, attn, fused):
         assert "griddepcontrol.launch_dependents" in code, "no early launch"
         assert "griddepcontrol.wait" in code, "no wait for the kernel before"
