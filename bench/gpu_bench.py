@@ -701,7 +701,14 @@ def engine_variant(name: str) -> Iterator[None]:
     program starts; "q4_letloop": the CUDA GEMV lets it once its K loop is done, as before
     session 25 (CudaGemvConfig.let_next_at_start off); "q4_attnstart" and "fp8_attnstart":
     decode attention's merging stage 1 lets the GEMV after it launch as it starts
-    (triton_attention_decode.MERGE_LETS_NEXT_AT_START). The others: the shipped code.
+    (triton_attention_decode.MERGE_LETS_NEXT_AT_START); "q4_cfg:T.W.S.B[/T.W.S.B]" runs the
+    one-row 4-bit CUDA GEMVs on CudaGemvConfig(tiles, warps, span, min_blocks), the first for
+    K <= cuda_gemv.SHORT_K and the second (or the first again) for the longer ones: an
+    in-engine sweep (`bench/gpu_ab.py --variants q4,q4_cfg:1.8.2.3/1.8.2.0,...`);
+    "fp8_cfg:A|B|C" replaces the rows of triton_gemv.GEMV_DEFAULTS["fp8"] (N <= 4,096, N <=
+    8,192, the rest), each "rows.block_k.warps.decode[.stages]" (1 stage unless named) or "-"
+    for the shipped
+    one (`--variants fp8,fp8_cfg:4.2048.4.words|-|-`). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -719,6 +726,18 @@ def engine_variant(name: str) -> Iterator[None]:
         GEMV_DEFAULTS["fp8"] = tuple(
             (limit, QGemvConfig(4, 1024, 2, num_stages=1, fp8_decode="words") if limit == 8192
              else cfg) for limit, cfg in shipped["fp8"])
+    elif name.startswith("fp8_cfg:"):  # (the one-row FP8 configs named, docstring)
+        def fp8_config(word: str, shipped_cfg: QGemvConfig) -> QGemvConfig:
+            if word == "-":
+                return shipped_cfg
+            rows, block_k, warps, decode, *stages = word.split(".")
+            return QGemvConfig(int(rows), int(block_k), int(warps),
+                               num_stages=int(stages[0]) if stages else 1, fp8_decode=decode)
+
+        words = name.split(":", 1)[1].split("|")
+        assert len(words) == len(shipped["fp8"]), f"{name}: one config per row of the table"
+        GEMV_DEFAULTS["fp8"] = tuple((limit, fp8_config(word, cfg))
+                                     for word, (limit, cfg) in zip(words, shipped["fp8"]))
     from sgl.backend.quant import linear
 
     scratch, cuda_q4 = linear.SCRATCH_ELEMENTS, linear.CUDA_GEMV
@@ -739,6 +758,17 @@ def engine_variant(name: str) -> Iterator[None]:
             return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = capped
+    elif name.startswith("q4_cfg:"):  # (the one-row 4-bit configs named, docstring)
+        short, *rest = (cuda_gemv.CudaGemvConfig(*map(int, c.split(".")))
+                        for c in name.split(":", 1)[1].split("/"))
+        long = rest[0] if rest else short
+
+        def one_row(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
+            if config is None and w.bits == 4 and x.numel() // w.in_features == 1:
+                config = short if w.in_features <= cuda_gemv.SHORT_K else long
+            return mma_gemv(x, w, bias, config)
+
+        cuda_gemv.mma_gemv = one_row
     elif name == "q4_letloop":
         def let_after_loop(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
             config = config or cuda_gemv.default_config(x.numel() // w.in_features, w)
