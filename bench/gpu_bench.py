@@ -707,8 +707,8 @@ def engine_variant(name: str) -> Iterator[None]:
     in-engine sweep (`bench/gpu_ab.py --variants q4,q4_cfg:1.8.2.3/1.8.2.0,...`);
     "fp8_cfg:A|B|C" replaces the rows of triton_gemv.GEMV_DEFAULTS["fp8"] (N <= 4,096, N <=
     8,192, the rest), each "rows.block_k.warps.decode[.stages]" (1 stage unless named) or "-"
-    for the shipped
-    one (`--variants fp8,fp8_cfg:4.2048.4.words|-|-`). The others: the shipped code.
+    for the shipped one (`--variants fp8,fp8_cfg:4.2048.4.words|-|-`). The others: the
+    shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
