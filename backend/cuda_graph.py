@@ -125,7 +125,9 @@ class DecodeGraphs:
             out_cache_loc=self.inputs[2, :bs],
             req_pool_indices=self.inputs[3, :bs],
             seq_lens=self.inputs[4, :bs],
-            extend_prefix_lens=self.inputs[4, :bs] - 1,
+            # (seq_lens - 1, which every graph row's position is: step_io.one_row_per_token,
+            # pad_decode_rows; a view, where a subtraction was a kernel in every replay)
+            extend_prefix_lens=self.inputs[1, :bs],
             extend_seq_lens=self._ones[:bs],
             extend_start=self._arange[:bs],
             seq_lens_cpu=[1] * bs,  # not read by the Triton decode path
