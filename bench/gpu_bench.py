@@ -701,9 +701,10 @@ def engine_variant(name: str) -> Iterator[None]:
     program starts; "q4_letloop": the CUDA GEMV lets it once its K loop is done, as before
     session 25 (CudaGemvConfig.let_next_at_start off); "q4_attnstart" and "fp8_attnstart":
     decode attention's merging stage 1 lets the GEMV after it launch as it starts
-    (triton_attention_decode.MERGE_LETS_NEXT_AT_START); "q4_cfg:T.W.S.B[/T.W.S.B]" runs the
-    one-row 4-bit CUDA GEMVs on CudaGemvConfig(tiles, warps, span, min_blocks), the first for
-    K <= cuda_gemv.SHORT_K and the second (or the first again) for the longer ones: an
+    (triton_attention_decode.MERGE_LETS_NEXT_AT_START); "q4_cfg:A[/B[/C]]" runs the one-row
+    CUDA GEMVs on CudaGemvConfig(tiles, warps, span, min_blocks), each written T.W.S.B or "-"
+    (the default): A the 4-bit ones of K <= cuda_gemv.SHORT_K, B the longer ones (A if not
+    named), C the 8-bit ones (the head of the Q4 engine; the default if not named): an
     in-engine sweep (`bench/gpu_ab.py --variants q4,q4_cfg:1.8.2.3/1.8.2.0,...`);
     "fp8_cfg:A|B|C" replaces the rows of triton_gemv.GEMV_DEFAULTS["fp8"] (N <= 4,096, N <=
     8,192, the rest), each "rows.block_k.warps.decode[.stages]" (1 stage unless named) or "-"
@@ -759,13 +760,14 @@ def engine_variant(name: str) -> Iterator[None]:
 
         cuda_gemv.mma_gemv = capped
     elif name.startswith("q4_cfg:"):  # (the one-row 4-bit configs named, docstring)
-        short, *rest = (cuda_gemv.CudaGemvConfig(*map(int, c.split(".")))
-                        for c in name.split(":", 1)[1].split("/"))
-        long = rest[0] if rest else short
+        named = [None if c == "-" else cuda_gemv.CudaGemvConfig(*map(int, c.split(".")))
+                 for c in name.split(":", 1)[1].split("/")]
+        short, long, eight = (named + [named[0], None])[:3]
 
         def one_row(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
-            if config is None and w.bits == 4 and x.numel() // w.in_features == 1:
-                config = short if w.in_features <= cuda_gemv.SHORT_K else long
+            if config is None and x.numel() // w.in_features == 1:
+                config = (eight if w.bits == 8 else
+                          short if w.in_features <= cuda_gemv.SHORT_K else long)
             return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = one_row
