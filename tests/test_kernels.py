@@ -46,6 +46,7 @@ from sgl.backend.kernels import (
     triton_attention_decode,
     triton_compat,
     triton_rmsnorm,
+    triton_rotary,
 )
 from sgl.errors import InvalidConfigError
 
@@ -470,6 +471,38 @@ def test_decode_attention_merge_in_stage1_equals_stage2(dtype: torch.dtype, head
     expected = attention_decode.decode_attention_reference(q.float(), pool.k.float(),
                                                            pool.v.float(), *args[3:])
     close(one, expected, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_kv_splits", [1, 5])
+def test_step_inputs_read_before_the_wait_change_no_bit(num_kv_splits: int) -> None:
+    """triton_compat.INPUTS_FIRST only moves reads (and, compiled and launched early, adds an
+    L2 prefetch): decode attention and rotary + KV store give the same bits with it on and off."""
+    g = gen(23)
+    heads, kv_heads, head_dim, tokens = 8, 2, 64, 5
+    seq_lens = [1, 37, 200, 0, 129]
+    pool = make_pool(seq_lens, kv_heads, head_dim, 16, torch.bfloat16, g)
+    q = randn(tokens, heads, head_dim, dtype=torch.bfloat16, g=g)
+    positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
+    k = randn(tokens, kv_heads, head_dim, dtype=torch.bfloat16, g=g)
+    v = randn(tokens, kv_heads, head_dim, dtype=torch.bfloat16, g=g)
+    cache = rotary.make_cos_sin_cache(512, head_dim, 10000.0, device=DEVICE, dtype=torch.bfloat16)
+    loc = (torch.randperm(pool.k.shape[0] - 1, generator=g)[:tokens] + 1).to(DEVICE)
+    results, shipped = [], triton_compat.INPUTS_FIRST[0]
+    try:
+        for first in (True, False):
+            triton_compat.INPUTS_FIRST[0] = first  # (read at each launch)
+            q_out, k_buffer, v_buffer = q.clone(), pool.k.clone(), pool.v.clone()
+            triton_rotary.rotary_kv_store_triton(positions, q_out, k, v, cache, k_buffer,
+                                                 v_buffer, loc)
+            out = triton_attention_decode.decode_attention_triton(
+                q_out, k_buffer, v_buffer, pool.req_to_token, pool.rows,
+                torch.tensor(seq_lens, device=DEVICE), head_dim**-0.5, num_kv_splits)
+            results.append((q_out, k_buffer, v_buffer, out))
+    finally:
+        triton_compat.INPUTS_FIRST[0] = shipped
+    for on, off in zip(*results):
+        assert torch.equal(on, off)
 
 
 def float8_pool(pool: SimpleNamespace) -> SimpleNamespace:
