@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import arrives_last, cdiv, tile_counters, tl, triton
+from sgl.backend.kernels.triton_compat import (arrives_last, cdiv, next_power_of_2,
+                                               tile_counters, tl, triton)
 
 BLOCK = 4096  # a program's slice of a row: 32 programs for a 128,256-wide vocabulary
 _NAN_KEY = tl.constexpr(0x7FFFFFFF)  # every NaN's key: above +inf's (0x7F800000)
@@ -67,6 +68,6 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     counters = tile_counters(logits.device, rows)
     _argmax_kernel[(rows, slices)](
         logits, keys, idx, counters, out, logits.stride(0), vocab, slices,
-        BLOCK=BLOCK, BLOCK_S=triton.next_power_of_2(slices), num_warps=8,
+        BLOCK=BLOCK, BLOCK_S=next_power_of_2(slices), num_warps=8,
     )
     return out

@@ -220,6 +220,7 @@ def arrives_last(counter, count):
     return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
 
 
-__all__ = ["HAS_PDL", "HAS_TRITON", "MIN_COUNTERS", "PDL_SWITCH", "SMALL_EARLY_SWITCH", "triton",
-           "tl", "mma", "next_power_of_2", "cdiv", "arrives_last", "is_interpreted",
-           "launch_options", "let_next_launch", "pdl_launch", "tile_counters", "wait_for_inputs"]
+__all__ = ["HAS_PDL", "HAS_TRITON", "INPUTS_FIRST", "MIN_COUNTERS", "PDL_SWITCH",
+           "SMALL_EARLY_SWITCH", "triton", "tl", "mma", "next_power_of_2", "cdiv", "arrives_last",
+           "is_interpreted", "launch_options", "let_next_launch", "pdl_launch", "prefetch_l2",
+           "tile_counters", "wait_for_inputs"]
