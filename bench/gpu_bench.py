@@ -708,8 +708,10 @@ def engine_variant(name: str) -> Iterator[None]:
     in-engine sweep (`bench/gpu_ab.py --variants q4,q4_cfg:1.8.2.3/1.8.2.0,...`);
     "fp8_cfg:A|B|C" replaces the rows of triton_gemv.GEMV_DEFAULTS["fp8"] (N <= 4,096, N <=
     8,192, the rest), each "rows.block_k.warps.decode[.stages]" (1 stage unless named) or "-"
-    for the shipped one (`--variants fp8,fp8_cfg:4.2048.4.words|-|-`). The others: the
-    shipped code.
+    for the shipped one (`--variants fp8,fp8_cfg:4.2048.4.words|-|-`); "q4_gemv:F=V[+F=V]"
+    sets CudaGemvConfig fields on every CUDA GEMV config the engine launches (after the
+    defaults' rules: `q4_gemv:early_steps=2+min_blocks=0` lifts SHORT_K's cap too). The
+    others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -771,6 +773,15 @@ def engine_variant(name: str) -> Iterator[None]:
             return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = one_row
+    elif name.startswith("q4_gemv:"):  # (fields of every config, docstring)
+        fields = {field: int(value) for field, value in
+                  (item.split("=") for item in name.split(":", 1)[1].split("+"))}
+
+        def with_fields(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
+            config = config or cuda_gemv.default_config(x.numel() // w.in_features, w)
+            return mma_gemv(x, w, bias, config._replace(**fields))
+
+        cuda_gemv.mma_gemv = with_fields
     elif name == "q4_letloop":
         def let_after_loop(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
             config = config or cuda_gemv.default_config(x.numel() // w.in_features, w)

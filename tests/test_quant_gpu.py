@@ -196,7 +196,10 @@ def test_gpu_qgemv_variants_8b_shapes(n: int, k: int, bits: int, group: int,
 
 CUDA_GEMV_CONFIGS = [CudaGemvConfig(1, 1, 1), CudaGemvConfig(1, 4, 4), CudaGemvConfig(2, 8, 2),
                      CudaGemvConfig(4, 2, 1), CudaGemvConfig(1, 2, 4), CudaGemvConfig(1, 8, 2),
-                     CudaGemvConfig(2, 8, 1), CudaGemvConfig(1, 8, 2, 3)]  # (SHORT_K's cap)
+                     CudaGemvConfig(2, 8, 1), CudaGemvConfig(1, 8, 2, 3),  # (SHORT_K's cap)
+                     # both steps loaded before the wait; further steps asked of L2
+                     CudaGemvConfig(1, 8, 2, early_steps=2, prefetch=2),
+                     CudaGemvConfig(2, 8, 1, prefetch=1)]
 # (bits, group, factored): Q4_K's form and Q4_1's; Q6_K's (factored groups of 16); Q8_0's
 # (plain groups of 32: two 16-byte chunks per scale). Codes of the full 4- and 8-bit ranges.
 CUDA_GEMV_FORMS = [(4, 32, False), (4, 32, True), (8, 16, True), (8, 32, False)]

@@ -124,6 +124,14 @@ class CudaGemvConfig(NamedTuple):
     # Session 25, inside one engine: the 8B Q4 single stream 428.2 -> 440.4 tok/s
     # (`bench/gpu_ab.py --engine q4 --variants q4_letstart,q4`, every turn).
     let_next_at_start: bool = True
+    # steps of weights a warp loads before its wait (1 or 2: its two register buffers). With 2,
+    # a warp of a product of K <= 4,096 at one row (two steps a warp) has asked for all its
+    # weights before the kernel ahead of it is done.
+    early_steps: int = 1
+    # steps asked of L2 ahead of their loads (`prefetch.global.L2`, no registers held): before
+    # the wait, the warp's next `prefetch` steps after its early ones; in the loop, with each
+    # step it loads, the one `prefetch` turns after it. 0: none.
+    prefetch: int = 0
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
@@ -309,6 +317,52 @@ __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
         }
 }
 
+#if EARLY_STEPS < 1 || EARLY_STEPS > 2
+#error "EARLY_STEPS: a warp has two steps of registers"
+#endif
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
+// Asks L2 for (whole) step `step`'s codes of the lane's rows, and for the scales of the
+// step's first chunk (a lane's scales of a step share a line): the lines load_step will read,
+// fetched while the warp computes; a hint, no registers held.
+__device__ __forceinline__ void prefetch_step(const Lane& ln, int step) {
+    const int g0 = step * 4 * SPAN;
+    const uint4* cp = pinned(ln.codes + g0);
+    const scale_t* sp = pinned(ln.scale + g0 / CH);
+    const scale_t* zp = pinned(ln.zero + g0 / CH);
+#if SUPER
+    const float* ssp = pinned(ln.sup_s + g0 / CH / SUPER);
+    const float* szp = pinned(ln.sup_z + g0 / CH / SUPER);
+#endif
+    #pragma unroll
+    for (int t = 0; t < TILES; t++)
+        #pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = 16 * t + 8 * h;
+            #pragma unroll
+            for (int i = 0; i < SPAN; i++)
+                prefetch_l2(cp + row * G + i);
+            prefetch_l2(sp + row * GS);
+            prefetch_l2(zp + row * GS);
+#if SUPER
+            prefetch_l2(ssp + row * (GS / SUPER));
+            prefetch_l2(szp + row * (GS / SUPER));
+#endif
+        }
+}
+
+// load_step of a whole step `s` into st, and the L2 asked for the step PREFETCH turns later
+__device__ __forceinline__ void load_ahead(Step& st, const Lane& ln, int s, int full) {
+    load_step<false>(st, ln, s);
+#if PREFETCH
+    if (s + PREFETCH * WARPS < full)
+        prefetch_step(ln, s + PREFETCH * WARPS);
+#endif
+}
+
 // chunk i's scale and zero - OFFSET * scale, of row h of tile t
 __device__ __forceinline__ float2 scales(const Step& st, int t, int h, int i) {
 #if SUPER
@@ -480,8 +534,16 @@ extern "C" __global__ void BOUNDS mma_gemv(
     ln.feeds = (gid >> 1) == c;
     const int full = G / (4 * SPAN);  // whole steps; one more (TAIL) holds the rest
     Step one, two;  // two steps in turn, each loaded while the other is computed
-    if (warp < full)
-        load_step<false>(one, ln, warp);  // (weights only: they never change)
+    if (warp < full) {  // (weights only: they never change)
+        load_step<false>(one, ln, warp);
+#if EARLY_STEPS == 2
+        load_step<false>(two, ln, min(warp + WARPS, full - 1));
+#endif
+        #pragma unroll
+        for (int k = EARLY_STEPS; k < EARLY_STEPS + PREFETCH; k++)
+            if (warp + k * WARPS < full)
+                prefetch_step(ln, warp + k * WARPS);
+    }
 #if LET_NEXT_AT_START
     let_next_launch();
 #endif
@@ -496,15 +558,22 @@ extern "C" __global__ void BOUNDS mma_gemv(
             for (int k = 0; k < ROWS; k++)
                 out[t][h][k] = 0.f;
     if (warp < full) {
+        // at the top of the loop `one` holds step b; `two` holds step b + WARPS or (EARLY_STEPS
+        // 1) is loaded with it first
         for (int b = warp;;) {
-            load_step<false>(two, ln, min(b + WARPS, full - 1));
+#if EARLY_STEPS == 1
+            load_ahead(two, ln, min(b + WARPS, full - 1), full);
+#endif
             run_step<false>(one, ln, b, out);
             if ((b += WARPS) >= full)
                 break;
-            load_step<false>(one, ln, min(b + WARPS, full - 1));
+            load_ahead(one, ln, min(b + WARPS, full - 1), full);
             run_step<false>(two, ln, b, out);
             if ((b += WARPS) >= full)
                 break;
+#if EARLY_STEPS == 2
+            load_ahead(two, ln, min(b + WARPS, full - 1), full);
+#endif
         }
     }
     if (G % (4 * SPAN) && warp == full % WARPS) {
@@ -604,6 +673,7 @@ def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bit
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
             f"#define MIN_BLOCKS {cfg.min_blocks}\n"
             f"#define LET_NEXT_AT_START {int(cfg.let_next_at_start)}\n"
+            f"#define EARLY_STEPS {cfg.early_steps}\n#define PREFETCH {cfg.prefetch}\n"
             f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
             f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 
