@@ -710,8 +710,9 @@ def engine_variant(name: str) -> Iterator[None]:
     8,192, the rest), each "rows.block_k.warps.decode[.stages]" (1 stage unless named) or "-"
     for the shipped one (`--variants fp8,fp8_cfg:4.2048.4.words|-|-`); "q4_gemv:F=V[+F=V]"
     sets CudaGemvConfig fields on every CUDA GEMV config the engine launches (after the
-    defaults' rules: `q4_gemv:early_steps=2+min_blocks=0` lifts SHORT_K's cap too). The
-    others: the shipped code.
+    defaults' rules: `q4_gemv:early_steps=2+min_blocks=0` lifts SHORT_K's cap too);
+    "fp8_gemv:F=V[+F=V]" sets QGemvConfig fields on every row of the FP8 one-row table
+    (`fp8_gemv:l2_ahead=2`). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -741,6 +742,11 @@ def engine_variant(name: str) -> Iterator[None]:
         assert len(words) == len(shipped["fp8"]), f"{name}: one config per row of the table"
         GEMV_DEFAULTS["fp8"] = tuple((limit, fp8_config(word, cfg))
                                      for word, (limit, cfg) in zip(words, shipped["fp8"]))
+    elif name.startswith("fp8_gemv:"):  # (fields of every FP8 one-row config, docstring)
+        fields = {field: int(value) for field, value in
+                  (item.split("=") for item in name.split(":", 1)[1].split("+"))}
+        GEMV_DEFAULTS["fp8"] = tuple((limit, cfg._replace(**fields))
+                                     for limit, cfg in shipped["fp8"])
     from sgl.backend.quant import linear
 
     scratch, cuda_q4 = linear.SCRATCH_ELEMENTS, linear.CUDA_GEMV

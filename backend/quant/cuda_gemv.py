@@ -63,7 +63,11 @@ in shared memory per warp (1.5-1.7x slower than the register double buffer at ev
 
 It launches early (programmatic dependent launch: `EARLY_LAUNCH`, below), loading its first
 step's weights before waiting for the kernel that writes x, and lets the kernel after it
-launch as soon as it has asked for them (`CudaGemvConfig.let_next_at_start`).
+launch as soon as it has asked for them (`CudaGemvConfig.let_next_at_start`). Two switches
+put more of a warp's weights in flight before and during its K loop: `early_steps` 2 loads
+both register steps before the wait, `l2_ahead` asks L2 for later steps ahead of their loads
+(`prefetch.global.L2`, no registers). Both off by default: written in session 26 without a
+GPU, compiled and checked here (tests/test_quant_cuda_gemv.py), not yet measured.
 
 Tried and dropped (session 24): SiLU x mul folded into the gate_up product (a lane's two rows
 of an MMA a gate row and its up row, the Triton kernel's five instructions after the sums:
@@ -129,9 +133,9 @@ class CudaGemvConfig(NamedTuple):
     # weights before the kernel ahead of it is done.
     early_steps: int = 1
     # steps asked of L2 ahead of their loads (`prefetch.global.L2`, no registers held): before
-    # the wait, the warp's next `prefetch` steps after its early ones; in the loop, with each
-    # step it loads, the one `prefetch` turns after it. 0: none.
-    prefetch: int = 0
+    # the wait, the warp's next `l2_ahead` steps after its early ones; in the loop, with each
+    # step it loads, the one `l2_ahead` turns after it. 0: none.
+    l2_ahead: int = 0
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
@@ -354,12 +358,12 @@ __device__ __forceinline__ void prefetch_step(const Lane& ln, int step) {
         }
 }
 
-// load_step of a whole step `s` into st, and the L2 asked for the step PREFETCH turns later
+// load_step of a whole step `s` into st, and the L2 asked for the step L2_AHEAD turns later
 __device__ __forceinline__ void load_ahead(Step& st, const Lane& ln, int s, int full) {
     load_step<false>(st, ln, s);
-#if PREFETCH
-    if (s + PREFETCH * WARPS < full)
-        prefetch_step(ln, s + PREFETCH * WARPS);
+#if L2_AHEAD
+    if (s + L2_AHEAD * WARPS < full)
+        prefetch_step(ln, s + L2_AHEAD * WARPS);
 #endif
 }
 
@@ -540,7 +544,7 @@ extern "C" __global__ void BOUNDS mma_gemv(
         load_step<false>(two, ln, min(warp + WARPS, full - 1));
 #endif
         #pragma unroll
-        for (int k = EARLY_STEPS; k < EARLY_STEPS + PREFETCH; k++)
+        for (int k = EARLY_STEPS; k < EARLY_STEPS + L2_AHEAD; k++)
             if (warp + k * WARPS < full)
                 prefetch_step(ln, warp + k * WARPS);
     }
@@ -673,7 +677,7 @@ def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bit
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
             f"#define MIN_BLOCKS {cfg.min_blocks}\n"
             f"#define LET_NEXT_AT_START {int(cfg.let_next_at_start)}\n"
-            f"#define EARLY_STEPS {cfg.early_steps}\n#define PREFETCH {cfg.prefetch}\n"
+            f"#define EARLY_STEPS {cfg.early_steps}\n#define L2_AHEAD {cfg.l2_ahead}\n"
             f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
             f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 
