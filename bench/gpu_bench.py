@@ -651,9 +651,6 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # (SMALL_EARLY_SWITCH, on since session 24: variants)
                  "q4_s23": dict(quantization="gguf"), "fp8_s23": dict(quantization="fp8"),
                  "bf16_s23": {},
-                 # the RMSNorm's weight loaded after its wait, as before session 24
-                 # (triton_rmsnorm.WEIGHT_FIRST: variants)
-                 "q4_normlate": dict(quantization="gguf"), "fp8_normlate": dict(quantization="fp8"),
                  # FP8 products of 4097-8192 rows (qkv) at one row on 2 warps by 1,024, as
                  # before session 25 (variant); step inputs read after the waits (variants)
                  "fp8_qkv_s24": dict(quantization="fp8"),
@@ -690,13 +687,12 @@ def engine_variant(name: str) -> Iterator[None]:
     warps per SM), "q4_nocap" none of them capped (cuda_gemv.SHORT_K: the default before
     session 23); "q4_s23", "fp8_s23" and "bf16_s23" launch the small kernels (RMSNorm,
     rotary + KV store, decode attention, SiLU x mul) as session 23 did, not early (off:
-    triton_compat.SMALL_EARLY_SWITCH); "q4_normlate" and "fp8_normlate" load the RMSNorm's
-    weight after its wait (triton_rmsnorm.WEIGHT_FIRST off); "fp8_qkv_s24" runs the one-row
-    FP8 products of 4,097-8,192 rows (qkv) on the word kernel at 4 rows by 1,024 on 2 warps,
-    the config before session 25 (4 by 512 on 4 warps now); "q4_inlate" and
-    "fp8_inlate" read rotary's and decode attention's step inputs after their waits, with no
-    prefetch of attention's first tile (triton_compat.INPUTS_FIRST off); "fp8_nolet": the FP8
-    GEMVs never let the kernel after them launch early (triton_fp8.LET_NEXT "", as before
+    triton_compat.SMALL_EARLY_SWITCH); "fp8_qkv_s24" runs the one-row FP8 products of
+    4,097-8,192 rows (qkv) on the word kernel at 4 rows by 1,024 on 2 warps, the config before
+    session 25 (4 by 512 on 4 warps now); "q4_inlate" and "fp8_inlate" read the RMSNorm's
+    weight and rotary's and decode attention's step inputs after their waits, with no prefetch
+    of attention's first tile (triton_compat.INPUTS_FIRST off; until session 26 the norm's
+    weight had a switch of its own, "_normlate"); "fp8_nolet": the FP8 GEMVs never let the kernel after them launch early (triton_fp8.LET_NEXT "", as before
     session 25), "fp8_letloop" and "fp8_letstart" let it once their K loop is done or as a
     program starts; "q4_letloop": the CUDA GEMV lets it once its K loop is done, as before
     session 25 (CudaGemvConfig.let_next_at_start off); "q4_attnstart" and "fp8_attnstart":
@@ -803,10 +799,8 @@ def engine_variant(name: str) -> Iterator[None]:
     early, small_early = PDL_SWITCH[0], SMALL_EARLY_SWITCH[0]
     PDL_SWITCH[0] = early and name not in ("fp8_s9", "fp8_nopdl")
     SMALL_EARLY_SWITCH[0] = small_early and not name.endswith("_s23")
-    from sgl.backend.kernels import triton_attention_decode, triton_matmul, triton_rmsnorm
+    from sgl.backend.kernels import triton_attention_decode, triton_matmul
 
-    weight_first = triton_rmsnorm.WEIGHT_FIRST[0]
-    triton_rmsnorm.WEIGHT_FIRST[0] = weight_first and not name.endswith("_normlate")
     inputs_first = INPUTS_FIRST[0]
     INPUTS_FIRST[0] = inputs_first and not name.endswith("_inlate")
     from sgl.backend.quant import triton_fp8
@@ -831,7 +825,6 @@ def engine_variant(name: str) -> Iterator[None]:
         triton_matmul.TILE.update(det_tile)
         triton_attention_decode.MERGE_IN_STAGE1[0] = merge
         triton_attention_decode.MERGE_LETS_NEXT_AT_START[0] = attn_start
-        triton_rmsnorm.WEIGHT_FIRST[0] = weight_first
         INPUTS_FIRST[0] = inputs_first
         triton_fp8.LET_NEXT[0] = fp8_let_next
         linear.SCRATCH_ELEMENTS = scratch

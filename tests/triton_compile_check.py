@@ -245,7 +245,7 @@ def main() -> None:
                {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
                 "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32",
                 "hidden": "i32", "eps": "fp32"},
-               dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True, WAIT=True, WEIGHT_FIRST=True))
+               dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True, WAIT=True, INPUTS_FIRST=True))
     # (its weight, a parameter, is read before the wait: the first load of the kernel)
     lines = norm.splitlines()
     first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)

@@ -125,10 +125,11 @@ SMALL_EARLY_SWITCH = [True]
 # kernels never do; the step's first early kernel thus starts after those copies have finished.
 # And the keys and values of earlier steps, which only an L2 prefetch touches before the wait
 # (`prefetch_l2`: the new token's row, written by the kernel just before, may be among them,
-# and L2 holds the latest bytes whichever comes first). When [0] is True rotary + KV store
-# loads its positions, slots and cos/sin rows before its wait, and decode attention its
-# lengths, its first tile's table slots and an L2 prefetch of that tile's keys and values.
-# A list: bench variants turn it off to measure it (read at each launch, so at graph capture).
+# and L2 holds the latest bytes whichever comes first). When [0] is True RMSNorm loads its
+# weight before its wait (session 24: the 8B Q4 single stream +0.9%), rotary + KV store its
+# positions, slots and cos/sin rows, and decode attention its lengths, its first tile's table
+# slots and an L2 prefetch of that tile's keys and values (session 25: +1.0-1.3%). A list:
+# bench variants turn it off to measure it (read at each launch, so at graph capture).
 INPUTS_FIRST = [True]
 _PDL_DEVICES: dict[int, bool] = {}
 

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl.backend.kernels.triton_compat import (launch_options, let_next_launch, next_power_of_2,
-                                               tl, triton, wait_for_inputs)
-
-
-# Load the norm's weight before waiting for the kernel before (launched early: triton_compat's
-# SMALL_EARLY_SWITCH), so that its trip from memory (a decode step streams the model's weights
-# through L2, so the norm's 8 KB are rarely there) overlaps that kernel's tail. A list: bench
-# variants turn it off to measure it (read at each launch, so at graph capture).
-WEIGHT_FIRST = [True]
+from sgl.backend.kernels.triton_compat import (INPUTS_FIRST, launch_options, let_next_launch,
+                                               next_power_of_2, tl, triton, wait_for_inputs)
 
 
 @triton.jit
@@ -27,14 +20,17 @@ def _rmsnorm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
-    WEIGHT_FIRST: tl.constexpr,
+    INPUTS_FIRST: tl.constexpr,
 ):
     # One program per row; the whole row fits in one block (hidden <= 16k).
     let_next_launch(PDL)  # the GEMV after may start loading its weights (triton_compat: PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    if WEIGHT_FIRST:  # a parameter: no kernel writes it, so it may come in before the wait
+    # the weight, a parameter that no kernel writes, comes in before the wait (triton_compat:
+    # INPUTS_FIRST): a decode step streams the model's weights through L2, so the norm's 8 KB
+    # are rarely there, and their trip then overlaps the tail of the kernel before
+    if INPUTS_FIRST:
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     wait_for_inputs(WAIT)  # (launched early itself: the kernel before may still be running)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -44,7 +40,7 @@ def _rmsnorm_kernel(
         tl.store(ResOut + row * stride_ro + offs, summed, mask=mask)
         x = summed.to(tl.float32)  # normalize the rounded sum, as the reference does
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    if not WEIGHT_FIRST:
+    if not INPUTS_FIRST:
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (x * rstd * w).to(Out.dtype.element_ty), mask=mask)
 
@@ -69,7 +65,7 @@ def _launch(
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, WEIGHT_FIRST=WEIGHT_FIRST[0],
+            HAS_RESIDUAL=residual is not None, BLOCK=block, INPUTS_FIRST=INPUTS_FIRST[0],
             **launch_options(x2.device, _rmsnorm_kernel), num_warps=4 if block <= 2048 else 8,
         )
     out = out.reshape(x.shape)
