@@ -12,7 +12,6 @@ import torch
 from sgl.backend.penalties import PenaltyPool
 from sgl.backend.sampler import (
     Sampler,
-    argmax_rows,
     SamplingBatchInfo,
     filtered_probs,
     gather_logprobs,
@@ -61,24 +60,6 @@ def test_greedy_is_argmax_with_lowest_id_on_ties() -> None:
     out = sample(logits.clone(), info)
     assert torch.equal(out.next_token_ids, logits.argmax(-1))
     assert out.next_token_ids[2] == 7
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_argmax_rows_is_torch_argmax_on_ties_nans_masks_and_views(dtype: torch.dtype) -> None:
-    """The CPU fast path (numpy) returns exactly what torch.argmax does: the first maximum,
-    a NaN as the maximum, column 0 for a fully masked row; int64, also on a row slice."""
-    torch.manual_seed(2)
-    logits = torch.randn(7, 1000).to(dtype)
-    logits[1, 5] = logits[1, 900] = 40.0  # tie: the lower id
-    logits[2, 300] = logits[2, 800] = float("nan")  # NaN wins, the first one
-    logits[3] = float("-inf")  # every token masked
-    logits[4, 999] = float("inf")
-    logits[5, 17] = logits[5, 18] = float("inf")
-    for view in (logits, logits[1:6], logits[:, :512]):
-        got = argmax_rows(view)
-        assert got.dtype == torch.int64
-        assert torch.equal(got, view.argmax(dim=-1)), (dtype, got, view.argmax(dim=-1))
-    assert argmax_rows(logits)[1:4].tolist() == [5, 300, 0]
 
 
 def test_greedy_rows_in_a_sampling_batch_are_argmax() -> None:
