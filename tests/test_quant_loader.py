@@ -106,6 +106,42 @@ def test_reader_matches_the_gguf_package(tiny_gguf: Path) -> None:
         assert np.array_equal(a.data.reshape(-1), np.asarray(b.data).view(np.uint8).reshape(-1))
 
 
+def _resident_kb(path: Path) -> int | None:
+    """Resident KiB of this process's maps of `path` (/proc/self/smaps), None without it."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in lines:
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = line.endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+def test_installing_hands_the_files_pages_back(tiny_gguf: Path, cache: Path) -> None:
+    """The loader copies each tensor out of the memory-mapped file and then gives its pages
+    back (GGUFTensor.drop): the file is not resident beside the weights built from it."""
+    from sgl.backend.quant.gguf_weights import read_gguf
+    from sgl.backend.quant.install import install_quantized
+
+    if _resident_kb(tiny_gguf) is None:
+        pytest.skip("no /proc/self/smaps here")
+    module, config = model_loader._build(model_loader._gguf_config(tiny_gguf, str(cache)), CPU,
+                                         torch.float32, [])
+    tensors = read_gguf(tiny_gguf, config.num_heads, config.num_kv_heads)
+    for t in tensors.values():
+        t.raw.float().sum()  # every byte read: the map's pages are resident
+    size_kb = tiny_gguf.stat().st_size // 1024
+    assert _resident_kb(tiny_gguf) >= size_kb // 2
+    install_quantized(module, tensors)
+    assert _resident_kb(tiny_gguf) == 0
+    assert any(t.raw.numel() for t in tensors.values())  # (the tensors, and the map, live on)
+
+
 def test_quantized_load_equals_the_float_path(tiny_gguf: Path, cache: Path) -> None:
     quant, config = load_model(str(tiny_gguf), device=CPU, dtype=torch.float32,
                                quantization="gguf")

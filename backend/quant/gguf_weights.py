@@ -17,8 +17,10 @@ quantized data, as transformers' GGUF reader does on the float data.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +51,9 @@ class GGUFTensor:
     format: str  # "Q4_1", "F32", ...
     shape: tuple[int, ...]  # torch order: [out_features, in_features]
     raw: torch.Tensor  # quantized: [N, row_bytes] uint8 (mapped); float: the values
+    # hands the tensor's file pages back to the OS once what is needed of them is copied
+    # (GGUFFile.drop_pages; harmless where raw is a copy, or twice)
+    drop: Callable[[], None] = lambda: None
 
     @property
     def quantized(self) -> bool:
@@ -76,6 +81,7 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, GGUFTe
         if name is None:
             continue  # rope_freqs and the like: recomputed by our layers
         shape, fmt = t.shape, t.type_name
+        drop = functools.partial(file.drop_pages, t)
         if fmt in _FLOAT_TYPES:
             raw = torch.from_numpy(np.array(t.data)).view(_FLOAT_TYPES[fmt]).reshape(shape)
             raw, fmt = raw.float(), "F32"
@@ -91,7 +97,9 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, GGUFTe
         if permute_qk and (".q_proj." in name or ".k_proj." in name):
             heads = num_heads if ".q_proj." in name else num_kv_heads
             raw = raw[_unpermute_rows(shape[0], heads)]
-        out[name] = GGUFTensor(name, fmt, shape, raw)  # type: ignore[arg-type]
+        if fmt != t.type_name or raw.data_ptr() != t.data.ctypes.data:  # (a copy already)
+            drop()  # (and again later: a neighbour's reads may map its pages back in)
+        out[name] = GGUFTensor(name, fmt, shape, raw, drop)  # type: ignore[arg-type]
     return out
 
 

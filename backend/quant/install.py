@@ -11,7 +11,9 @@ was written into it). The token embedding is quantized in place too, and when th
 tied it is the same object, so the table exists once. Everything else (norms, biases, layers
 with a float shard) is returned as float tensors under HF names for `load_weights`. With a
 `device` (the GPU path) each QuantizedWeight moves there as soon as it is built, so host
-memory holds one layer's codes at a time.
+memory holds one layer's codes at a time. Once a layer's tensors are copied out of the
+memory-mapped file their pages go back to the OS (`GGUFTensor.drop`), so the file is not
+resident beside the weights built from it.
 """
 
 from __future__ import annotations
@@ -54,13 +56,18 @@ def install_quantized(model: nn.Module, tensors: dict[str, GGUFTensor],
                 groups.setdefault(path, {})[shard] = t
                 continue
         floats[name] = _as_float(t)
+        t.drop()
     for path, parts in groups.items():
         module = modules[path]
         order = list(module.shard_slices) if isinstance(module, MergedLinear) else [""]
         if set(parts) != set(order):  # a float shard: the whole layer stays float
             floats.update((t.name, _as_float(t)) for t in parts.values())
+            for t in parts.values():
+                t.drop()
             continue
         qweight = QuantizedWeight.cat([to_quantized(parts[s]) for s in order])
+        for t in parts.values():  # (copied out: the file's pages go back, module docstring)
+            t.drop()
         # The GPU reads float32 or factored scales; the CPU keeps float16 ones where exact
         # (Q4_0, Q4_1, Q8_0: 5 bits per 4-bit weight streamed instead of 6, weight.py).
         qweight = qweight.to(device) if device is not None else qweight.half_scales()
@@ -70,6 +77,8 @@ def install_quantized(model: nn.Module, tensors: dict[str, GGUFTensor],
                              f"{expected}")
         module.weight = None  # never written: its pages were never touched
         module.qweight = qweight
+    for t in tensors.values():  # (the pages later reads mapped back in around their own)
+        t.drop()
     return floats
 
 
