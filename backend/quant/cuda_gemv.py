@@ -562,8 +562,8 @@ extern "C" __global__ void BOUNDS mma_gemv(
             for (int k = 0; k < ROWS; k++)
                 out[t][h][k] = 0.f;
     if (warp < full) {
-        // at the top of the loop `one` holds step b; `two` holds step b + WARPS or (EARLY_STEPS
-        // 1) is loaded with it first
+        // at the top of the loop `one` holds step b, and `two` step b + WARPS (EARLY_STEPS 2)
+        // or nothing yet (1: it loads first)
         for (int b = warp;;) {
 #if EARLY_STEPS == 1
             load_ahead(two, ln, min(b + WARPS, full - 1), full);
