@@ -69,6 +69,7 @@ def _ask_l2(W, rows64, k0, k_hi, K, row_bytes, BLOCK_K: tl.constexpr):
         cols = tl.minimum(k0 + tl.arange(0, LINES) * 128, K - 1)
         prefetch_l2(W + rows64[:, None] * row_bytes + cols[None, :])
 
+
 @triton.jit
 def e4m3_f32(b):
     """e4m3 bytes (int32 0..255) -> float32 equal to the value times 2^-120."""
