@@ -293,7 +293,9 @@ def test_gpu_fp8_gemv_decodes_8b_shapes(n: int, k: int, decode: str) -> None:
         cfg = QGemvConfig(*tile, fp8_decode=decode)
         want = fp8_gemv(x, w.weight, w.scale, config=cfg)
         assert_tight(want, x, ref)
-        for ahead in (1, 3):  # steps asked of L2 ahead (odd shape: the rows and K kept inside)
+        # steps asked of L2 ahead change no bit (odd shape: the rows and K kept inside); on
+        # the first tile only, each value a compile of its own
+        for ahead in (1, 3) if tile == tiles[0] else ():
             got = fp8_gemv(x, w.weight, w.scale, config=cfg._replace(l2_ahead=ahead))
             assert torch.equal(got, want), (tile, ahead)
 
