@@ -667,6 +667,12 @@ QUANT_TARGETS = {name: f"single output_tok_s >= {500 if name.startswith('q4') el
                  for name in QUANT_ENGINES if name.startswith(("q4", "fp8"))}
 
 
+def config_fields(name: str) -> dict[str, int]:
+    """The config fields a variant "kind:F=V[+F=V]" names, as integers."""
+    return {field: int(value) for field, value in
+            (item.split("=") for item in name.split(":", 1)[1].split("+"))}
+
+
 @contextmanager
 def engine_variant(name: str) -> Iterator[None]:
     """The code an engine of QUANT_ENGINES runs with, for the before of a before/after run:
@@ -692,8 +698,9 @@ def engine_variant(name: str) -> Iterator[None]:
     session 25 (4 by 512 on 4 warps now); "q4_inlate" and "fp8_inlate" read the RMSNorm's
     weight and rotary's and decode attention's step inputs after their waits, with no prefetch
     of attention's first tile (triton_compat.INPUTS_FIRST off; until session 26 the norm's
-    weight had a switch of its own, "_normlate"); "fp8_nolet": the FP8 GEMVs never let the kernel after them launch early (triton_fp8.LET_NEXT "", as before
-    session 25), "fp8_letloop" and "fp8_letstart" let it once their K loop is done or as a
+    weight had a switch of its own, "_normlate"); "fp8_nolet": the FP8 GEMVs never let the
+    kernel after them launch early (triton_fp8.LET_NEXT "", as before session 25),
+    "fp8_letloop" and "fp8_letstart" let it once their K loop is done or as a
     program starts; "q4_letloop": the CUDA GEMV lets it once its K loop is done, as before
     session 25 (CudaGemvConfig.let_next_at_start off); "q4_attnstart" and "fp8_attnstart":
     decode attention's merging stage 1 lets the GEMV after it launch as it starts
@@ -739,8 +746,7 @@ def engine_variant(name: str) -> Iterator[None]:
         GEMV_DEFAULTS["fp8"] = tuple((limit, fp8_config(word, cfg))
                                      for word, (limit, cfg) in zip(words, shipped["fp8"]))
     elif name.startswith("fp8_gemv:"):  # (fields of every FP8 one-row config, docstring)
-        fields = {field: int(value) for field, value in
-                  (item.split("=") for item in name.split(":", 1)[1].split("+"))}
+        fields = config_fields(name)
         GEMV_DEFAULTS["fp8"] = tuple((limit, cfg._replace(**fields))
                                      for limit, cfg in shipped["fp8"])
     from sgl.backend.quant import linear
@@ -775,21 +781,15 @@ def engine_variant(name: str) -> Iterator[None]:
             return mma_gemv(x, w, bias, config)
 
         cuda_gemv.mma_gemv = one_row
-    elif name.startswith("q4_gemv:"):  # (fields of every config, docstring)
-        fields = {field: int(value) for field, value in
-                  (item.split("=") for item in name.split(":", 1)[1].split("+"))}
+    elif name.startswith("q4_gemv:") or name == "q4_letloop":  # (fields of every config)
+        fields = (config_fields(name) if name != "q4_letloop"
+                  else {"let_next_at_start": False})
 
         def with_fields(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
             config = config or cuda_gemv.default_config(x.numel() // w.in_features, w)
             return mma_gemv(x, w, bias, config._replace(**fields))
 
         cuda_gemv.mma_gemv = with_fields
-    elif name == "q4_letloop":
-        def let_after_loop(x: Any, w: Any, bias: Any = None, config: Any = None) -> Any:
-            config = config or cuda_gemv.default_config(x.numel() // w.in_features, w)
-            return mma_gemv(x, w, bias, config._replace(let_next_at_start=False))
-
-        cuda_gemv.mma_gemv = let_after_loop
     cuda_gemv.EARLY_LAUNCH = cuda_early and name not in ("q4_s19", "q4_late", "q4km_s19")
     if name in ("q4_s19", "q4km_s19"):
         cuda_gemv.MAX_ROWS, cuda_gemv.BITS = 2, (4,)
