@@ -5,6 +5,7 @@ written, and the engine option resolves as documented."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from test_quant_formats import random_blocks
 
 from sgl.backend import model_loader
 from sgl.backend.model_loader import load_model
-from sgl.backend.quant import FORMATS
+from sgl.backend.quant import FORMATS, cpu_kernel
 from sgl.backend.quant.gguf_file import open_gguf
 from sgl.backend.runtime import resolve_device
 from sgl.config import EngineConfig
@@ -183,16 +184,65 @@ def test_quantized_forward_equals_the_float_forward(tiny_gguf: Path, cache: Path
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture
+def cpu_kernels_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernels as loaded (a stand-in library: resolving never calls into it)."""
+    monkeypatch.setattr(cpu_kernel, "_resolved", [object()])
+
+
+@pytest.fixture
+def no_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The C kernels as an ARM laptop (or a machine without a compiler) has them: not at all."""
+    why = "a test's stand-in for an arm64 CPU"
+    monkeypatch.setattr(cpu_kernel, "_resolved", [None])
+    monkeypatch.setattr(cpu_kernel, "_why", [why])
+    return why
+
+
 @pytest.mark.parametrize(("device", "dtype", "option", "expected"), [
     ("cpu", "auto", "auto", "gguf"),
     ("cpu", "float32", "auto", "none"),  # an explicit dtype asks for float weights
     ("cpu", "bfloat16", "gguf", "gguf"),
     ("cpu", "auto", "none", "none"),
 ])
-def test_quantization_option_resolves(device: str, dtype: str, option: str,
-                                      expected: str) -> None:
+def test_quantization_option_resolves(device: str, dtype: str, option: str, expected: str,
+                                      cpu_kernels_serve: None) -> None:
     config = resolve_device(EngineConfig(device=device, dtype=dtype, quantization=option))
     assert config.quantization == expected
+
+
+def test_without_the_cpu_kernels_auto_loads_float_weights(
+        no_cpu_kernels: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Quantized products without the C kernels dequantize every weight each time (the
+    default model 3.5 tok/s against 23 for float32 weights): "auto" takes float weights
+    there and says why; an explicit "gguf" is kept and warned about; int8 activations, which
+    only the C kernels compute, are refused before anything loads."""
+    with caplog.at_level(logging.WARNING, logger="sgl.engine"):
+        assert resolve_device(EngineConfig(device="cpu")).quantization == "none"
+    assert no_cpu_kernels in caplog.text and "float32" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sgl.engine"):
+        assert resolve_device(EngineConfig(device="cpu", quantization="gguf")).quantization \
+            == "gguf"
+    assert no_cpu_kernels in caplog.text and "dequantizes its whole weight" in caplog.text
+    with pytest.raises(InvalidConfigError, match="cannot run here.*arm64"):
+        resolve_device(EngineConfig(device="cpu", quantization="gguf",
+                                    activation_quantization="int8"))
+
+
+def test_the_cpu_kernels_say_why_they_cannot_run(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    monkeypatch.setattr(cpu_kernel, "_why", [])
+    monkeypatch.setattr(cpu_kernel.platform, "machine", lambda: "arm64")
+    assert cpu_kernel._load() is None
+    assert cpu_kernel._why == ["the CPU is arm64, the kernels are x86-64 (AVX2) code"]
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernel, "_why", [])
+    monkeypatch.setattr(cpu_kernel, "_packaged_library", lambda: None)
+    monkeypatch.setenv("SGL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert cpu_kernel._load() is None
+    assert cpu_kernel._why[0].startswith("the C library could not be built or loaded: ")
 
 
 def test_quantization_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

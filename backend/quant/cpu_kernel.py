@@ -13,8 +13,11 @@ ctypes (which drops the GIL for the call). Where the install could not build it,
 install's C sources changed since, the first engine builds it into the cache folder
 (`<cache>/kernels/`, named by the sources' hash) on a background thread at load
 (`start_build`); whatever runs first after that waits for the build. Without a compiler, or on
-a CPU without AVX2/FMA/F16C, `available()` is False and the layers fall back to the reference
-(dequantize, then F.linear); the engine decides its kernel set from `likely_available()`.
+a CPU without AVX2/FMA/F16C (or not x86-64 at all: an ARM laptop), `available()` is False
+(`unavailable_reason()` says why) and the layers fall back to the reference (dequantize, then
+F.linear: every product dequantizes its whole weight first), which is why the engine's
+`quantization="auto"` then loads float weights instead (quant/policy.py); the engine decides
+its kernel set from `likely_available()`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import ctypes
 import functools
 import importlib.machinery
 import logging
+import platform
 import threading
 from pathlib import Path
 
@@ -36,6 +40,7 @@ logger = logging.getLogger("sgl.engine")
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _lock = threading.Lock()
 _resolved: list[ctypes.CDLL | None] = []  # the library (or None) once built or failed
+_why: list[str] = []  # why it is None, once it is
 
 
 def _library() -> ctypes.CDLL | None:
@@ -105,14 +110,15 @@ def _open_current() -> ctypes.CDLL:
 
 def _load() -> ctypes.CDLL | None:
     if not cpu_build.supported_machine():
-        return None
+        return _unavailable(f"the CPU is {platform.machine() or 'not x86-64'}, the kernels are "
+                            "x86-64 (AVX2) code")
     try:
         lib = _open_current()
     except OSError as exc:
-        logger.warning("quantized CPU kernel unavailable (%s); using dequantize + F.linear", exc)
-        return None
+        first = (str(exc).strip().splitlines() or ["no message"])[0]
+        return _unavailable(f"the C library could not be built or loaded: {first[:300]}")
     if not lib.sgl_cpu_ok():
-        return None
+        return _unavailable("the CPU lacks AVX2, FMA or F16C")
     lib.sgl_qlinear.argtypes = [_INT, _INT, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT, _I64, _PTR,
                                 _PTR, _INT]
     lib.sgl_qlinear.restype = None
@@ -126,8 +132,19 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+def _unavailable(why: str) -> None:
+    logger.info("quantized CPU kernels unavailable: %s", why)
+    _why.append(why)
+
+
 def available() -> bool:
     return (_resolved[0] if _resolved else _library()) is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False here, in words; None where the library serves. Builds or
+    loads the library first (waits for a build under way)."""
+    return None if available() else (_why[-1] if _why else "the library failed to load")
 
 
 def use_avx512(on: bool) -> bool:

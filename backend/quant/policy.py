@@ -4,6 +4,8 @@ cannot work, so they fail with an InvalidConfigError instead of a surprise."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sgl.config import EngineConfig
@@ -12,6 +14,8 @@ from sgl.errors import InvalidConfigError
 __all__ = ["check_activation_quantization", "check_deterministic", "check_fp8_device",
            "require_float8_gpu", "require_gguf_model", "resolve_activation_quantization",
            "resolve_quantization"]
+
+logger = logging.getLogger("sgl.engine")
 
 
 def check_fp8_device(quantization: str, device: torch.device) -> None:
@@ -43,11 +47,16 @@ def resolve_activation_quantization(asked: str, quantization: str) -> str:
 
 
 def resolve_quantization(config: EngineConfig, device: str) -> str:
-    """"auto": a GGUF stays quantized on the CPU when no dtype was asked for (the C kernels
-    beat float32 there, docs/benchmarks.md); float weights on the GPU, where the quantized
-    Triton kernels are an opt-in (`quantization="gguf"` or "fp8") until the device figures
-    show them no slower than bf16 at batch (docs/architecture.md), and for dummy models,
-    whose random weights are float unless quantization is asked for."""
+    """"auto": a GGUF stays quantized on the CPU when no dtype was asked for and the C kernels
+    run here (they beat float32 there, docs/benchmarks.md); float weights on the GPU, where the
+    quantized Triton kernels are an opt-in (`quantization="gguf"` or "fp8") until the device
+    figures show them no slower than bf16 at batch (docs/architecture.md), and for dummy
+    models, whose random weights are float unless quantization is asked for.
+
+    Where the C kernels cannot run (an ARM laptop, a CPU without AVX2, no C compiler), the
+    quantized layers would dequantize every weight on every product (the default model: 3.5
+    tok/s against 23 for float32 weights, docs/operations.md), so "auto" loads float weights
+    there, and an explicit "gguf" is kept but warned about."""
     resolved = _resolve(config, device)
     _check_int8(config, device, resolved)
     return resolved
@@ -57,7 +66,11 @@ def _resolve(config: EngineConfig, device: str) -> str:
     quantization = config.quantization
     dummy = _is_dummy(config)
     if quantization == "auto":
-        return "gguf" if device == "cpu" and config.dtype == "auto" and not dummy else "none"
+        if device != "cpu" or config.dtype != "auto" or dummy:
+            return "none"
+        return "gguf" if _cpu_kernels_serve(quantization) else "none"
+    if quantization == "gguf" and device == "cpu" and not dummy:
+        _cpu_kernels_serve(quantization)
     if quantization == "fp8" and not device.startswith("cuda"):
         raise InvalidConfigError(
             f"quantization='fp8' needs a CUDA device (device={device!r}): sgl has no FP8 "
@@ -69,6 +82,26 @@ def _resolve(config: EngineConfig, device: str) -> str:
             "'safetensors' loads float weights: use a .gguf model, or quantization='fp8' "
             "(GPU) or 'none'")
     return quantization
+
+
+def _cpu_kernels_serve(quantization: str) -> bool:
+    """Whether the CPU's C kernels run here (loading or building them now); where they do not,
+    a warning says why and what `quantization` then costs."""
+    from sgl.backend.quant import cpu_kernel
+
+    why = cpu_kernel.unavailable_reason()
+    if why is None:
+        return True
+    if quantization == "auto":
+        logger.warning("sgl: the quantized CPU kernels cannot run here (%s); loading the GGUF's "
+                       "weights as float32 instead (quantization='none': about 4x the "
+                       "weights' memory, and several times faster than quantized products "
+                       "without the kernels)", why)
+    else:
+        logger.warning("sgl: quantization='gguf' without the quantized CPU kernels (%s): every "
+                       "product dequantizes its whole weight first, several times slower than "
+                       "float weights (quantization='auto' or 'none')", why)
+    return False
 
 
 def _is_dummy(config: EngineConfig) -> bool:
@@ -108,6 +141,11 @@ def _check_int8(config: EngineConfig, device: str, quantization: str) -> None:
     if device != "cpu":
         _refuse_int8(f"it is a CPU kernel and the device resolves to {device!r}: use "
                      "device='cpu'")
+    from sgl.backend.quant import cpu_kernel
+
+    why = cpu_kernel.unavailable_reason()
+    if why is not None:
+        _refuse_int8(f"it runs on the quantized CPU kernels, which cannot run here ({why})")
     if config.dtype not in ("auto", "float32"):
         _refuse_int8(f"it needs float32 activations (dtype={config.dtype!r})")
     if quantization != "gguf":
