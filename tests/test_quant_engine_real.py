@@ -38,3 +38,26 @@ async def test_quantized_engine_matches_the_float_path() -> None:
         prompts = build_prompts(engine)[:PROMPTS]
     for prompt, expected, got in zip(prompts, floats, quant):
         assert_same_or_tie(model, prompt, expected, got)
+
+
+async def test_without_the_cpu_kernels_the_default_engine_serves_float_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C library cannot run (an ARM laptop, no compiler), `sgl.Engine()` loads
+    float32 weights (quantized products would dequantize every weight each time) and serves
+    the float path's greedy outputs through the torch ops alone."""
+    from sgl.backend.quant import cpu_kernel
+
+    floats, float_stats = await greedy(dict(quantization="none"))  # with the C ops
+    monkeypatch.setattr(cpu_kernel, "_resolved", [None])
+    monkeypatch.setattr(cpu_kernel, "_why", ["a test's stand-in for an arm64 CPU"])
+    plain, plain_stats = await greedy({})
+    assert plain_stats.weights_bytes == float_stats.weights_bytes  # float32, as asked by none
+    if plain == floats:
+        return
+    from sgl.backend.reference import load_reference_model
+
+    model = load_reference_model()
+    async with sgl.Engine(device="cpu", quantization="none", max_total_tokens=1024) as engine:
+        prompts = build_prompts(engine)[:PROMPTS]
+    for prompt, expected, got in zip(prompts, floats, plain):
+        assert_same_or_tie(model, prompt, expected, got)
