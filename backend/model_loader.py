@@ -398,22 +398,23 @@ def _load_gguf_quantized(path: Path, device: torch.device, dtype: torch.dtype,
     del tensors, floats  # (unmaps the file)
     if device.type != "cpu":
         module.to(device)  # norms, float layers, buffers (the QuantizedWeights are there)
-    _return_freed_memory()
+    release_free_heap()
     return module, config
 
 
-def _return_freed_memory() -> None:
-    """Hand the load's freed temporaries back to the OS (glibc keeps freed heap resident)."""
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; nothing where the C
+    library has none). glibc keeps freed memory resident: a load frees temporaries it never
+    needs again (the file's tensors, the tokenizer's parsed JSON, decode temporaries), which
+    measured 25 MB of the default CPU engine's RSS and 16 MB of its peak in a 32-request
+    batch. Called after a quantized load and once an engine is built (runtime)."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # (not glibc)
+        return
+    trim(0)
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype,

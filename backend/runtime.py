@@ -8,9 +8,9 @@ runner (and CUDA graphs), scheduler -> start the engine thread.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import itertools
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -125,16 +125,20 @@ def _available_bytes(device: torch.device) -> int:
 
 
 def _process_memory() -> tuple[int, int]:
-    """(resident bytes now, peak resident bytes) of this process; zeros where unknown."""
+    """(resident bytes now, peak resident bytes) of this process; 0 for what is unknown here
+    (no `resource` module on Windows; no /proc, so no current figure, on macOS)."""
     try:
         import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    except ImportError:
+        return 0, 0
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * resource.getpagesize()
-        return rss, max(peak, rss)  # (the kernel updates ru_maxrss lazily)
-    except (ImportError, OSError, ValueError):
-        return 0, 0
+    except (OSError, ValueError, IndexError):
+        return 0, peak
+    return rss, max(peak, rss)  # (the kernel updates ru_maxrss lazily)
 
 
 def resolve_sizes(config: EngineConfig, *, device_type: str, available_bytes: int,
@@ -158,19 +162,6 @@ def resolve_sizes(config: EngineConfig, *, device_type: str, available_bytes: in
     return config.replace(max_total_tokens=max_total, max_running_requests=max_running,
                           chunked_prefill_size=chunk, max_prefill_tokens=max_prefill,
                           context_length=context_length)
-
-
-def _release_free_heap() -> None:
-    """Hand the C heap's free pages back to the OS once an engine is built (glibc's
-    malloc_trim; nothing where the C library has none). Loading frees memory it never needs
-    again (the tokenizer's parsed JSON, the model's decode temporaries), which glibc keeps
-    resident: measured 25 MB of the default CPU engine's RSS, 16 MB of its peak in a
-    32-request batch."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # (not glibc)
-        return
-    trim(0)
 
 
 class Runtime:
@@ -205,7 +196,9 @@ class Runtime:
         self.load_seconds = time.monotonic() - t0
         gc_freeze.hold()  # the loaded engine's objects out of the collector's full passes
         self._frozen = True
-        _release_free_heap()
+        from sgl.backend.model_loader import release_free_heap
+
+        release_free_heap()
 
     def _load_model(self, config: EngineConfig) -> Any:
         """The model on the engine's kernel set (resolved once, here), its config, and the

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import resource
 import socket
 from typing import Any, Callable
 
@@ -111,6 +110,10 @@ def connection_cap(requested: int) -> int:
     """Raise the soft open-file limit toward the hard one so `requested` connections fit, and
     return the cap that fits (fewer when the hard limit is lower): running out of descriptors
     stalls accept() for every client, /health included."""
+    try:
+        import resource
+    except ImportError:  # (Windows: no open-file limit to raise or to fit)
+        return requested
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     reserve = _open_fds() + 3 * _BACKLOG + _SPARE_FDS
     want = requested + reserve
