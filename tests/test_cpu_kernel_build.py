@@ -14,13 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sgl.backend.quant import cpu_build, cpu_kernel
 
 pytestmark = pytest.mark.skipif(
     cpu_build.compiler() is None or not cpu_build.supported_machine(),
-    reason="no C compiler, or not x86-64: the library is never built here")
+    reason="no C compiler, or neither x86-64 nor 64-bit ARM: the library is never built here")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,6 +84,38 @@ def test_a_compiler_error_is_raised_with_its_message(tmp_path: Path,
     with pytest.raises(OSError, match="no such instruction"):
         cpu_build.build(target)
     assert not target.exists()
+
+
+def test_without_openmp_the_library_is_built_for_one_thread(
+        built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler without OpenMP (macOS's clang refuses -fopenmp): the sources are built
+    without it, the library's loops then run on one thread, with the same results."""
+    real = cpu_build.compiler()
+    no_openmp = tmp_path / "cc"
+    no_openmp.write_text('#!/bin/sh\ncase " $* " in *" -fopenmp "*) echo "clang: error: '
+                         f'unsupported option -fopenmp" >&2; exit 1;; esac\nexec {real} "$@"\n')
+    no_openmp.chmod(no_openmp.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(no_openmp))
+    target = tmp_path / "kernels" / "lib.so"
+    cpu_build.build(target)
+    assert b"GOMP_" not in target.read_bytes() and b"GOMP_" in built.read_bytes()
+    gen = np.random.default_rng(0)
+    n, k, rows = 40, 256, 3
+    x = gen.standard_normal((rows, k), dtype=np.float32)
+    codes = gen.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = gen.random((n, k // 32), dtype=np.float32) / 16
+    zero = gen.standard_normal((n, k // 32), dtype=np.float32)
+    outs = []
+    for path in (built, target):
+        lib = ctypes.CDLL(str(path))
+        assert lib.sgl_cpu_ok()
+        y = np.zeros((rows, n), dtype=np.float32)
+        ptr = [a.ctypes.data_as(ctypes.c_void_p) for a in (x, codes, scale, zero, y)]
+        lib.sgl_qlinear(ctypes.c_int(4), ctypes.c_int(32), ptr[0], ctypes.c_int64(rows),
+                        ctypes.c_int64(k), ptr[1], ptr[2], ptr[3], ctypes.c_int(0),
+                        ctypes.c_int64(n), None, ptr[4], ctypes.c_int(2))
+        outs.append(y)
+    assert np.abs(outs[0]).sum() > 0 and np.array_equal(outs[0], outs[1])
 
 
 def test_setup_builds_the_library_into_the_package(tmp_path: Path) -> None:

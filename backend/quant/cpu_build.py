@@ -24,17 +24,36 @@ HERE = Path(__file__).parent
 # The quantized linear, its integer-activation twin (cpu_int8.c), the fused decode ops
 # (cpu_ops.c) and the one-call decode step (cpu_layer.c): one library.
 SOURCE_NAMES = ("cpu_kernel.c", "cpu_int8.c", "cpu_ops.c", "cpu_layer.c")
-HEADER_NAME = "cpu_simd.h"  # included by every source
+# Included by every source: the intrinsics' target, and their portable C for other CPUs.
+HEADER_NAMES = ("cpu_simd.h", "cpu_portable.h")
 SOURCES = tuple(HERE / name for name in SOURCE_NAMES)
-HEADER = HERE / HEADER_NAME
-FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c11")  # each source's object; linked with -shared
+# Each source's object; linked with -shared. -ffp-contract=off: no multiply-add is fused but
+# those the sources ask for (GCC in C11 mode fuses none anyway; clang would), so every build
+# rounds as the kernels' tests pin.
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c11", "-ffp-contract=off")
+# The CPUs the library builds for: x86-64 from its AVX2 intrinsics, 64-bit ARM from the same
+# intrinsics in portable C (cpu_portable.h; NEON once compiled).
+X86_MACHINES = ("x86_64", "AMD64")
+ARM_MACHINES = ("aarch64", "arm64")
 # The name of the library built at install time, beside these sources (setup.py's extension).
 PACKAGED_NAME = "sgl_cpu_kernels"
 
 
 def supported_machine() -> bool:
-    """The kernels are x86-64 only (AVX2, FMA and F16C, checked at run time by `sgl_cpu_ok`)."""
-    return platform.machine() in ("x86_64", "AMD64")
+    """x86-64 (AVX2, FMA and F16C, checked at run time by `sgl_cpu_ok`) or 64-bit ARM."""
+    return platform.machine() in X86_MACHINES + ARM_MACHINES
+
+
+def portable() -> bool:
+    """Whether the library is built from cpu_portable.h's C instead of the AVX2 intrinsics: on
+    ARM, and on x86-64 where SGL_CPU_PORTABLE=1 (the tests' way to check that C's bits
+    against the AVX2 build's on the same machine)."""
+    return platform.machine() not in X86_MACHINES or os.environ.get("SGL_CPU_PORTABLE") == "1"
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of this machine's build (part of its key)."""
+    return FLAGS + (("-DSGL_PORTABLE",) if portable() else ())
 
 
 def compiler() -> str | None:
@@ -43,33 +62,46 @@ def compiler() -> str | None:
 
 def source_key(source_dir: Path = HERE) -> str:
     """What names a build: the sources, the header and the flags, hashed."""
-    data = b"".join((source_dir / name).read_bytes() for name in (*SOURCE_NAMES, HEADER_NAME))
-    return hashlib.sha256(data + " ".join(FLAGS).encode()).hexdigest()[:16]
+    data = b"".join((source_dir / name).read_bytes() for name in (*SOURCE_NAMES, *HEADER_NAMES))
+    return hashlib.sha256(data + " ".join(flags()).encode()).hexdigest()[:16]
 
 
 def build(target: Path, source_dir: Path = HERE) -> None:
     """Compile every source at once (one compiler process each, so a build, 4-8 s in series on
-    a 2-core laptop, takes about its slowest file), then link the library at `target`. Raises
-    OSError with the compiler's message; leaves nothing behind on failure. `source_dir`: where
-    the sources and the header are (another revision's, bench/cpu_kernel_ab.py)."""
+    a 2-core laptop, takes about its slowest file), then link the library at `target`. Where
+    the compiler has no OpenMP (macOS's clang), the library is built without it: its loops
+    then run on one thread. Raises OSError with the compiler's message; leaves nothing behind
+    on failure. `source_dir`: where the sources and the headers are (another revision's,
+    bench/cpu_kernel_ab.py)."""
     cc = compiler()
     if cc is None:
         raise OSError("no C compiler (cc/gcc) found")
     key = f'-DSGL_SOURCE_KEY="{source_key(source_dir)}"'
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        sources = [source_dir / name for name in SOURCE_NAMES]
-        objects = [Path(tmp) / f"{source.stem}.o" for source in sources]
-        jobs = [subprocess.Popen([cc, *FLAGS, key, "-c", "-o", str(obj), str(source)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for source, obj in zip(sources, objects)]
-        errors = [job.communicate()[1] for job in jobs]  # (waits for each; reads its stderr)
-        failures = [err for job, err in zip(jobs, errors) if job.returncode != 0]
-        out = Path(tmp) / target.name
-        if not failures:
-            linked = subprocess.run([cc, "-shared", "-fopenmp", "-o", str(out), *map(str, objects)],
-                                    capture_output=True, text=True)
-            failures = [linked.stderr] if linked.returncode != 0 else []
-        if failures:
-            raise OSError(f"{cc} failed: {failures[0].strip()[-800:]}")
-        os.replace(out, target)  # atomic: concurrent engines never load half a file
+        failure = _compile_and_link(cc, [*flags(), key], source_dir, Path(tmp), target.name)
+        if failure is not None and "-fopenmp" in flags():
+            single = [f for f in flags() if f != "-fopenmp"]
+            if _compile_and_link(cc, [*single, key], source_dir, Path(tmp), target.name) is None:
+                failure = None
+        if failure is not None:
+            raise OSError(f"{cc} failed: {failure.strip()[-800:]}")
+        os.replace(Path(tmp) / target.name, target)  # atomic: engines never load half a file
+
+
+def _compile_and_link(cc: str, options: list[str], source_dir: Path, tmp: Path,
+                      name: str) -> str | None:
+    """The library at tmp / name, built with `options`; the first error's text, or None."""
+    sources = [source_dir / source for source in SOURCE_NAMES]
+    objects = [tmp / f"{source.stem}.o" for source in sources]
+    jobs = [subprocess.Popen([cc, *options, "-c", "-o", str(obj), str(source)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for source, obj in zip(sources, objects)]
+    errors = [job.communicate()[1] for job in jobs]  # (waits for each; reads its stderr)
+    failures = [err for job, err in zip(jobs, errors) if job.returncode != 0]
+    if failures:
+        return failures[0]
+    link = [cc, "-shared", *(["-fopenmp"] if "-fopenmp" in options else []), "-o",
+            str(tmp / name), *map(str, objects)]
+    linked = subprocess.run(link, capture_output=True, text=True)
+    return linked.stderr if linked.returncode != 0 else None

@@ -33,7 +33,6 @@
 // a time: a prefill of hundreds of rows is then bound by the multiply-adds, not by bandwidth
 // (on the AVX2 VM still slower than BLAS on the dequantized weight, so quant_linear sends
 // products above linear.INT8_MAX_ROWS rows there).
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 

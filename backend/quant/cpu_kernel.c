@@ -17,11 +17,13 @@
 // costs its multiply-adds, two per 32 weights on AVX-512. Threads split the output features
 // (OpenMP: the same libgomp torch loaded, so the same thread pool). Built at install time
 // (setup.py) or at first use (cpu_kernel.py); cpu_build.py holds the sources, flags and key.
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "cpu_simd.h"
+#if SGL_X86
+#include <cpuid.h>
+#endif
 #define N_BLOCK 16  // output features per scheduling unit
 #define TILE_FEATURES 4  // output features per tile (their codes converted together)
 #define TILE_ROWS 5      // rows per tile (AVX-512: 4 x 5 accumulators of 16 lanes)
@@ -37,9 +39,13 @@
 static int use_avx512 = 0;
 
 static int avx512_present(void) {
+#if SGL_X86
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#else
+  return 0;
+#endif
 }
 
 #ifndef SGL_SOURCE_KEY
@@ -50,11 +56,19 @@ static int avx512_present(void) {
 const char* sgl_source_key(void) { return SGL_SOURCE_KEY; }
 
 int sgl_cpu_ok(void) {
-  __builtin_cpu_init();
   use_avx512 = avx512_present();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+#if SGL_X86
+  __builtin_cpu_init();
+  unsigned a, b, c, d;  // F16C from CPUID (leaf 1, ECX bit 29): not every compiler names it
+  int f16c = __get_cpuid(1, &a, &b, &c, &d) && ((c >> 29) & 1);
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+#else
+  return 1;  // (portable C: any CPU)
+#endif
 }
+
+// Whether this build is the portable one (cpu_portable.h: not x86-64, or SGL_PORTABLE).
+int sgl_portable(void) { return !SGL_X86; }
 
 // Turn the AVX-512 loops on (where the CPU has them) or off (tests compare both); returns
 // whether they are on now.
@@ -73,6 +87,7 @@ AVX2 INLINE __m256 weights8(__m256i codes, __m256 s, __m256 z, const int fused) 
   return fused ? _mm256_fmadd_ps(q, s, z) : _mm256_add_ps(_mm256_mul_ps(q, s), z);
 }
 
+#if SGL_X86
 AVX512 INLINE __m512 weights16(__m512 q, __m512 s, __m512 z, const int fused) {
   return fused ? _mm512_fmadd_ps(q, s, z) : _mm512_add_ps(_mm512_mul_ps(q, s), z);
 }
@@ -82,9 +97,11 @@ AVX512 INLINE __m512 weights16(__m512 q, __m512 s, __m512 z, const int fused) {
 AVX512 INLINE float hsum16(__m512 a) {
   return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
 }
+#endif
 
 AVX2 INLINE float hsum_pair(const __m256 a[2]) { return hsum8(_mm256_add_ps(a[0], a[1])); }
 
+#if SGL_X86
 // 4-bit codes, AVX-512: features f < F (codes c + f * rb; scales s and zeros z [F, G]) by rows
 // r < R of x (from row m0). A group's 16 bytes widen to 16 dword lanes (byte i: code i in its
 // low nibble, code i + 16 in its high one); the permute reads a lane's low four bits, so the
@@ -119,6 +136,7 @@ AVX512 INLINE void tile4_512(const uint8_t* c, int64_t rb, const float* s, const
   UNROLL for (int r = 0; r < R; r++)
     UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum16(acc[f][r]);
 }
+#endif
 
 // tile4_512 on 8-lane vectors (CPUs without AVX-512): the same bits, each 16-lane vector a pair
 // (lanes 0-7 from bytes 0-7, lanes 8-15 from bytes 8-15); weights converted, not looked up. A
@@ -154,6 +172,7 @@ AVX2 INLINE void tile4_256(const uint8_t* c, int64_t rb, const float* s, const f
     UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum_pair(acc[f][r]);
 }
 
+#if SGL_X86
 // 8-bit codes in groups of GS (16 or 32), AVX-512: as tile4_512 with each weight converted (16
 // codes sign-extended, converted, scaled, shifted); GS / 16 multiply-adds per group and
 // (feature, row). Its rows of codes are twice a 4-bit row's bytes, so the prefetch looks half
@@ -186,6 +205,7 @@ AVX512 INLINE void tile8_512(const int8_t* c, int64_t rb, const float* s, const 
   UNROLL for (int r = 0; r < R; r++)
     UNROLL for (int f = 0; f < F; f++) out[r * F + f] = hsum16(acc[f][r]);
 }
+#endif
 
 // tile8_512 on 8-lane vectors: the same bits (each 16-lane vector a pair), F * R <= 4.
 AVX2 INLINE void tile8_256(const int8_t* c, int64_t rb, const float* s, const float* z,
@@ -249,6 +269,7 @@ AVX2 INLINE void tile8_256(const int8_t* c, int64_t rb, const float* s, const fl
 #define BOTH(CASES) \
   if (fused) { const int FU = 1; CASES } else { const int FU = 0; CASES }
 
+#if SGL_X86
 #define T4_512(F_, R_) tile4_512(c, rb, s, z, G, x, K, m0, F_, R_, FU, out)
 AVX512 static void tiles4_512(const uint8_t* c, int64_t rb, const float* s, const float* z,
                               int64_t G, const float* x, int64_t K, int64_t m0, int F, int R,
@@ -262,6 +283,10 @@ AVX512 static void tiles8_512(const int8_t* c, int64_t rb, const float* s, const
                               int F, int R, int fused, float* out) {
   BOTH(FEATURE_ROW_CASES(T8_512))
 }
+#else  // (no AVX-512 twins off x86-64: use_avx512 stays 0 there, so these are never called)
+#define tiles4_512(...) abort()
+#define tiles8_512(...) abort()
+#endif
 
 #define T4_256(F_, R_) tile4_256(c, rb, s, z, G, x, K, m0, F_, R_, FU, out)
 #define T4_256_PART(F_, R_) tile4_256(c + cf, rb, s + sf, z + sf, G, x, K, m0, F_, R_, FU, part)

@@ -63,14 +63,17 @@ def start_build() -> None:
 
 @functools.cache
 def likely_available() -> bool:
-    """Whether the library should build here (x86-64, a C compiler, AVX2, FMA and F16C listed),
-    decided without building it; `available()` is the answer."""
+    """Whether the library should build here (x86-64 with AVX2, FMA and F16C listed, or 64-bit
+    ARM; a C compiler or the installed library), decided without building it; `available()`
+    is the answer."""
     if _resolved:
         return _resolved[0] is not None
     if not cpu_build.supported_machine():
         return False
     if _packaged_library() is None and cpu_build.compiler() is None:
         return False
+    if cpu_build.portable():
+        return True  # (portable C: no CPU feature to check)
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
@@ -110,8 +113,8 @@ def _open_current() -> ctypes.CDLL:
 
 def _load() -> ctypes.CDLL | None:
     if not cpu_build.supported_machine():
-        return _unavailable(f"the CPU is {platform.machine() or 'not x86-64'}, the kernels are "
-                            "x86-64 (AVX2) code")
+        return _unavailable(f"the CPU is {platform.machine() or 'unknown'}; the kernels build "
+                            "for x86-64 and 64-bit ARM")
     try:
         lib = _open_current()
     except OSError as exc:

@@ -17,12 +17,17 @@
 // What it saves is the Python between them: ~12 module calls, views and ctypes calls per
 // layer (about a third of a one-row step on SmolLM2-135M). Nothing here allocates: the
 // scratch comes from the caller, sized for `rows` by sgl_decode_scratch_floats.
-#include <immintrin.h>
-#include <omp.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_simd.h"
+#ifdef _OPENMP
+#include <omp.h>
+#else  // built without OpenMP (cpu_build.py: a compiler without it, such as macOS's clang)
+static int omp_get_thread_num(void) { return 0; }  // (the parallel region: one thread)
+#endif
 
 // A QuantizedWeight (weight.py) as raw pointers; bias may be NULL. int8: its products
 // quantize their input (cpu_int8.c), `int8_activations`. f16: scale and zero are float16.
@@ -323,6 +328,9 @@ int sgl_decode_step(const sgl_model* m, int64_t T, const float* x, float* residu
                     const int64_t* positions, const int64_t* out_loc, const int32_t* table,
                     int64_t table_stride, const int64_t* table_rows, const int64_t* lens,
                     float* scratch, int threads) {
+#ifndef _OPENMP
+  threads = 1;  // (no helpers without OpenMP)
+#endif
   if (threads <= 1)
     return run_layers(NULL, m, T, x, residual, out, positions, out_loc, table, table_stride,
                       table_rows, lens, scratch);

@@ -15,7 +15,6 @@
 // so all arithmetic stays float32.
 //
 // Every op has the torch reference it is tested against (tests/test_quant_cpu_ops.py).
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -121,7 +120,7 @@ INLINE int64_t kv_esize(int kind) { return kind == KV_F32 ? 4 : kind == KV_E4M3 
 
 // F16C for the float16 and e4m3 conversions: every AVX2 CPU has it (cpu_ops.py checks before
 // it hands such a pool here); float32 and bfloat16 pools never execute an F16C instruction.
-#define KV __attribute__((target("avx2,fma,f16c")))
+#define KV AVX2  // (the same target: avx2, fma, f16c)
 
 // float32 -> bfloat16 bits, rounded to nearest even; a NaN becomes torch's quiet NaN 0x7FC0.
 INLINE uint16_t to_bf16(float f) {
@@ -369,6 +368,7 @@ KV INLINE void attend_one8(const float* q, float* out, int64_t G, int64_t kvh, i
   }
 }
 
+#if SGL_X86
 // ---- The AVX-512 twin of attend_one8 for D a multiple of 16: the same bits, fewer instructions.
 // Scores: two keys share a 16-lane accumulator (lanes 0-7 the first key's 8-wide chain over D,
 // lanes 8-15 the second's), and 16 keys' chains are summed as hsum8 sums one chain (lanes l and
@@ -415,10 +415,14 @@ AVX512 INLINE __m512 kv_load16(const void* base, int64_t i, int kind) {
 // [s(m)_0, s(m)_1, s(4 + m)_0, s(4 + m)_1], s(k)_0 = (v0 + v4) + (v2 + v6) and s(k)_1 =
 // (v1 + v5) + (v3 + v7) of key k's chain v.
 AVX512 INLINE __m512 halve8keys(const __m512 a[4]) {
-  const int lo = _MM_SHUFFLE(2, 0, 2, 0), hi = _MM_SHUFFLE(3, 1, 3, 1);
-  // blocks [k0, k1, k2, k3] and [k4, k5, k6, k7], each lane l = v_l + v_(l+4)
-  __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], lo), _mm512_shuffle_f32x4(a[0], a[1], hi));
-  __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], lo), _mm512_shuffle_f32x4(a[2], a[3], hi));
+  // blocks [k0, k1, k2, k3] and [k4, k5, k6, k7], each lane l = v_l + v_(l+4) (the shuffles'
+  // selectors literal constants: clang takes no other)
+#define LO _MM_SHUFFLE(2, 0, 2, 0)
+#define HI _MM_SHUFFLE(3, 1, 3, 1)
+  __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], LO), _mm512_shuffle_f32x4(a[0], a[1], HI));
+  __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], LO), _mm512_shuffle_f32x4(a[2], a[3], HI));
+#undef LO
+#undef HI
   return _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
                        _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
@@ -601,6 +605,9 @@ AVX512 static void attend_one_512(const float* q, float* out, int64_t G, int64_t
   else
     attend_heads16(q, out, G, stride, off, D, kbuf, vbuf, row, len, scale, scores, KV_F32);
 }
+#else  // (no AVX-512 twins off x86-64: sgl_avx512_on() is 0 there, so this is never called)
+#define attend_one_512(...) abort()
+#endif
 
 // One (request, KV head) task: the G = heads / kv_heads query heads that share KV head h.
 KV INLINE void attend_one(const float* q, float* out, int64_t G, int64_t kvh, int64_t h,

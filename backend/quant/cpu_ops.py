@@ -31,7 +31,7 @@ from sgl.backend.kernels.activation import silu_and_mul_reference
 from sgl.backend.kernels.kv_store import kv_store_reference
 from sgl.backend.kernels.rmsnorm import fused_add_rmsnorm_reference, rmsnorm_reference
 from sgl.backend.kernels.rotary import rotary_embedding_reference
-from sgl.backend.quant import cpu_kernel
+from sgl.backend.quant import cpu_build, cpu_kernel
 
 __all__ = ["available", "decode_attention", "decode_attention_supported", "fused_add_rmsnorm",
            "kernel_set_ops", "kv_dtype_supported", "kv_kind", "kv_store",
@@ -143,7 +143,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 @functools.cache
 def _has_f16c() -> bool:
-    """The CPU converts float16 in hardware (every AVX2 CPU does; checked, not assumed)."""
+    """The library converts float16 here: the portable build always (cpu_portable.h), the
+    AVX2 one where the CPU has F16C (every AVX2 CPU does; checked, not assumed)."""
+    if cpu_build.portable():
+        return True
     try:
         return "f16c" in Path("/proc/cpuinfo").read_text().split()
     except OSError:

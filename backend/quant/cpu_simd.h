@@ -6,14 +6,23 @@
 #ifndef SGL_CPU_SIMD_H
 #define SGL_CPU_SIMD_H
 
-#include <immintrin.h>
 #include <stdint.h>
 
+#define INLINE static inline __attribute__((always_inline))
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(SGL_PORTABLE)
+#define SGL_X86 1
+#include <immintrin.h>
 // (F16C: every AVX2 CPU has it; sgl_cpu_ok checks. Weights' float16 scales widen with it.)
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline __attribute__((always_inline))
-// The AVX-512 twins of some loops (cpu_kernel.c), chosen at run time where the CPU has it.
+// The AVX-512 twins of some loops (cpu_kernel.c, cpu_ops.c), chosen at run time where the CPU
+// has it; compiled on x86-64 only (#if SGL_X86).
 #define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
+#else
+// Any other CPU (ARM), or SGL_PORTABLE: the same intrinsics in portable C, the same bits.
+#define SGL_X86 0
+#include "cpu_portable.h"
+#define AVX2
+#endif
 // Whether the AVX-512 twins run (cpu_kernel.c: set at load, switched by sgl_use_avx512). A twin
 // is a function of its own named *_512, never inlined into AVX2 code.
 int sgl_avx512_on(void);
