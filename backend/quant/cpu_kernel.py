@@ -13,7 +13,8 @@ ctypes (which drops the GIL for the call). Where the install could not build it,
 install's C sources changed since, the first engine builds it into the cache folder
 (`<cache>/kernels/`, named by the sources' hash) on a background thread at load
 (`start_build`); whatever runs first after that waits for the build. Without a compiler, or on
-a CPU without AVX2/FMA/F16C (or not x86-64 at all: an ARM laptop), `available()` is False
+an x86-64 CPU without AVX2/FMA/F16C, or a CPU that is neither x86-64 nor 64-bit ARM (which
+builds the same kernels from portable C, cpu_portable.h), `available()` is False
 (`unavailable_reason()` says why) and the layers fall back to the reference (dequantize, then
 F.linear: every product dequantizes its whole weight first), which is why the engine's
 `quantization="auto"` then loads float weights instead (quant/policy.py); the engine decides

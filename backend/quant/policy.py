@@ -53,10 +53,11 @@ def resolve_quantization(config: EngineConfig, device: str) -> str:
     figures show them no slower than bf16 at batch (docs/architecture.md), and for dummy
     models, whose random weights are float unless quantization is asked for.
 
-    Where the C kernels cannot run (an ARM laptop, a CPU without AVX2, no C compiler), the
-    quantized layers would dequantize every weight on every product (the default model: 3.5
-    tok/s against 23 for float32 weights, docs/operations.md), so "auto" loads float weights
-    there, and an explicit "gguf" is kept but warned about."""
+    Where the C kernels cannot run (no C compiler, an x86 CPU without AVX2, a CPU that is
+    neither x86-64 nor 64-bit ARM), the quantized layers would dequantize every weight on
+    every product (the default model: 3.5 tok/s against 23 for float32 weights,
+    docs/operations.md), so "auto" loads float weights there, and an explicit "gguf" is kept
+    but warned about."""
     resolved = _resolve(config, device)
     _check_int8(config, device, resolved)
     return resolved
