@@ -163,7 +163,7 @@ def test_the_arm_build_gives_the_portable_bits(tmp_path: Path) -> None:
                                     (cc, [qemu, "-L", "/usr/aarch64-linux-gnu"], [])):
         exe = tmp_path / f"check-{len(outs)}"
         sources = [str(cpu_build.HERE / name) for name in cpu_build.SOURCE_NAMES]
-        subprocess.run([compiler, *cpu_build.FLAGS, *extra, "-o", str(exe),
+        subprocess.run([compiler, *cpu_build.FLAGS, *extra, f"-I{cpu_build.HERE}", "-o", str(exe),
                         str(HERE / "cpu_portable_check.c"), *sources, "-lm"],
                        check=True, capture_output=True, text=True)
         outs.append(subprocess.run([*runner, str(exe)], check=True, capture_output=True,

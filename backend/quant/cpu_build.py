@@ -24,8 +24,9 @@ HERE = Path(__file__).parent
 # The quantized linear, its integer-activation twin (cpu_int8.c), the fused decode ops
 # (cpu_ops.c) and the one-call decode step (cpu_layer.c): one library.
 SOURCE_NAMES = ("cpu_kernel.c", "cpu_int8.c", "cpu_ops.c", "cpu_layer.c")
-# Included by every source: the intrinsics' target, and their portable C for other CPUs.
-HEADER_NAMES = ("cpu_simd.h", "cpu_portable.h")
+# Included by the sources: the intrinsics' target, their portable C for other CPUs, and the
+# entry points' prototypes.
+HEADER_NAMES = ("cpu_simd.h", "cpu_portable.h", "cpu_api.h")
 SOURCES = tuple(HERE / name for name in SOURCE_NAMES)
 # Each source's object; linked with -shared. -ffp-contract=off: no multiply-add is fused but
 # those the sources ask for (GCC in C11 mode fuses none anyway; clang would), so every build

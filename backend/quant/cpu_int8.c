@@ -36,12 +36,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_api.h"
 #include "cpu_simd.h"
 #define Q8_BLOCK 16  // output features per block: the float kernel's N_BLOCK (cpu_kernel.c)
 #define Q8_ROWS 4    // rows per tile
 #define Q8_CHUNK 64  // rows per chunk (the weight scales of a tile are laid out once per chunk)
 
-int64_t sgl_qlinear_blocks(int64_t N);  // (cpu_kernel.c)
 
 AVX2 INLINE float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_api.h"
 #include "cpu_simd.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -58,33 +59,6 @@ typedef struct {
   const float* final_norm;
   const sgl_layer* layers;
 } sgl_model;
-
-// (cpu_kernel.c, cpu_ops.c)
-int64_t sgl_qlinear_blocks(int64_t N);
-void sgl_qlinear_block(int bits, int gs, const float* x, int64_t M, int64_t K, const void* codes,
-                       const void* scale, const void* zero, int f16, int64_t N, const float* bias,
-                       float* y, int64_t blk);
-void sgl_q8_quantize(int bits, int gs, const float* x, int64_t M, int64_t K, float* buf,
-                     float* xsum, int threads);
-void sgl_q8_block(int bits, int gs, const float* buf, const float* xsum, int64_t M, int64_t K,
-                  const void* codes, const void* scale, const void* zero, int f16, int64_t N,
-                  const float* bias, float* y, int64_t blk);
-void sgl_rmsnorm(const float* x, const float* r, const float* w, float eps, int64_t T,
-                 int64_t H, float* out, float* sum);
-void sgl_silu_mul(const float* x, int64_t T, int64_t I, float* out);
-void sgl_rope(float* x, int64_t T, int64_t row_stride, int64_t heads, int64_t D,
-              const int64_t* positions, const float* cache, int64_t half);
-void sgl_kv_store(void* kbuf, void* vbuf, const float* k, int64_t k_stride, const float* v,
-                  int64_t v_stride, const int64_t* loc, int64_t T, int64_t W, int kind);
-int sgl_decode_attn(const float* q, int64_t q_stride, const int64_t* q_rows, int64_t B,
-                    int64_t heads, int64_t kvh, int64_t D, const void* kbuf, const void* vbuf,
-                    const int32_t* table, int64_t table_stride, const int64_t* table_rows,
-                    const int64_t* lens, float scale, float* out, int threads, int kind);
-void sgl_decode_attn_heads(const float* q, int64_t q_stride, int64_t b, int64_t hq, int64_t n,
-                           int64_t heads, int64_t kvh, int64_t D, const void* kbuf,
-                           const void* vbuf, const int32_t* table, int64_t table_stride,
-                           const int64_t* table_rows, const int64_t* lens, float scale, float* out,
-                           int kind, float* work);
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
   int64_t m = a > b ? a : b;
