@@ -13,6 +13,7 @@ the current sources into its cache folder instead of loading the stale library.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -85,6 +86,9 @@ def build(target: Path, source_dir: Path = HERE) -> None:
             single = [f for f in flags() if f != "-fopenmp"]
             if _compile_and_link(cc, [*single, key], source_dir, Path(tmp), target.name) is None:
                 failure = None
+                logging.getLogger("sgl.engine").warning(
+                    "sgl: %s could not build the CPU kernels with OpenMP; built them without it, "
+                    "so they run on one thread", cc)
         if failure is not None:
             raise OSError(f"{cc} failed: {failure.strip()[-800:]}")
         os.replace(Path(tmp) / target.name, target)  # atomic: engines never load half a file
