@@ -42,7 +42,6 @@
 #define Q8_ROWS 4    // rows per tile
 #define Q8_CHUNK 64  // rows per chunk (the weight scales of a tile are laid out once per chunk)
 
-
 AVX2 INLINE float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));

@@ -32,6 +32,8 @@ typedef int16_t sgl_i16x8 __attribute__((vector_size(16)));
 typedef int8_t sgl_i8x16 __attribute__((vector_size(16)));
 typedef uint8_t sgl_u8x16 __attribute__((vector_size(16)));
 typedef uint16_t sgl_u16x8 __attribute__((vector_size(16)));
+typedef uint32_t sgl_u32x8 __attribute__((vector_size(32)));
+typedef uint16_t sgl_u16x16 __attribute__((vector_size(32)));
 
 #define PORTABLE static inline __attribute__((always_inline))
 #define _MM_SHUFFLE(a, b, c, d) (((a) << 6) | ((b) << 4) | ((c) << 2) | (d))
@@ -233,16 +235,13 @@ PORTABLE __m256i _mm256_slli_epi32(__m256i a, int n) {
   return n > 31 ? (__m256i){0, 0, 0, 0} : (__m256i)((sgl_i32x8)a << n);
 }
 PORTABLE __m256i _mm256_srli_epi32(__m256i a, int n) {
-  typedef uint32_t u32x8 __attribute__((vector_size(32)));
-  return n > 31 ? (__m256i){0, 0, 0, 0} : (__m256i)((u32x8)a >> n);
+  return n > 31 ? (__m256i){0, 0, 0, 0} : (__m256i)((sgl_u32x8)a >> n);
 }
 PORTABLE __m256i _mm256_slli_epi16(__m256i a, int n) {
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  return n > 15 ? (__m256i){0, 0, 0, 0} : (__m256i)((u16x16)a << n);
+  return n > 15 ? (__m256i){0, 0, 0, 0} : (__m256i)((sgl_u16x16)a << n);
 }
 PORTABLE __m256i _mm256_srli_epi16(__m256i a, int n) {
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  return n > 15 ? (__m256i){0, 0, 0, 0} : (__m256i)((u16x16)a >> n);
+  return n > 15 ? (__m256i){0, 0, 0, 0} : (__m256i)((sgl_u16x16)a >> n);
 }
 PORTABLE __m128i _mm_slli_epi16(__m128i a, int n) {
   return n > 15 ? (__m128i){0, 0} : (__m128i)((sgl_u16x8)a << n);
