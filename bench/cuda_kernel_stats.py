@@ -68,11 +68,8 @@ def main() -> int:
                          "K / 16 for 8-bit")
     ap.add_argument("--bits", type=int, choices=(4, 8), default=4)
     ap.add_argument("--per-group", type=int, default=1, help="chunks per scale (Q8_0: 2)")
-    ap.add_argument("--early-steps", type=int, default=1, help="steps loaded before the wait")
-    ap.add_argument("--l2-ahead", type=int, default=0, help="steps asked of L2 ahead")
     args = ap.parse_args()
-    cfg = CudaGemvConfig(args.tiles, args.warps, args.span, args.min_blocks,
-                         early_steps=args.early_steps, l2_ahead=args.l2_ahead)
+    cfg = CudaGemvConfig(args.tiles, args.warps, args.span, args.min_blocks)
     with tempfile.TemporaryDirectory() as tmp:
         report, cubin = assemble(to_ptx(_defines(cfg, args.rows, args.super, args.groups,
                                                  args.bits, args.per_group) + SOURCE), Path(tmp))

@@ -658,8 +658,6 @@ QUANT_ENGINES = {"bf16": {}, "q4": dict(quantization="gguf"), "fp8": dict(quanti
                  # when the GEMVs let the next kernel launch (variants)
                  "fp8_nolet": dict(quantization="fp8"), "fp8_letloop": dict(quantization="fp8"),
                  "fp8_letstart": dict(quantization="fp8"), "q4_letloop": dict(quantization="gguf"),
-                 "q4_attnstart": dict(quantization="gguf"),
-                 "fp8_attnstart": dict(quantization="fp8"),
                  "det": dict(enable_deterministic_inference=True),  # bf16, batch-invariant
                  "kv_fp8": dict(kv_cache_dtype="fp8_e4m3")}  # bf16 weights, float8 KV
 # the issue's single-stream targets: every Q4 engine (and variant) 500 tok/s, every FP8 one 380
@@ -702,9 +700,7 @@ def engine_variant(name: str) -> Iterator[None]:
     kernel after them launch early (triton_fp8.LET_NEXT "", as before session 25),
     "fp8_letloop" and "fp8_letstart" let it once their K loop is done or as a
     program starts; "q4_letloop": the CUDA GEMV lets it once its K loop is done, as before
-    session 25 (CudaGemvConfig.let_next_at_start off); "q4_attnstart" and "fp8_attnstart":
-    decode attention's merging stage 1 lets the GEMV after it launch as it starts
-    (triton_attention_decode.MERGE_LETS_NEXT_AT_START); "q4_cfg:A[/B[/C]]" runs the one-row
+    session 25 (CudaGemvConfig.let_next_at_start off); "q4_cfg:A[/B[/C]]" runs the one-row
     CUDA GEMVs on CudaGemvConfig(tiles, warps, span, min_blocks), each written T.W.S.B or "-"
     (the default): A the 4-bit ones of K <= cuda_gemv.SHORT_K, B the longer ones (A if not
     named), C the 8-bit ones (the head of the Q4 engine; the default if not named): an
@@ -713,9 +709,9 @@ def engine_variant(name: str) -> Iterator[None]:
     8,192, the rest), each "rows.block_k.warps.decode[.stages]" (1 stage unless named) or "-"
     for the shipped one (`--variants fp8,fp8_cfg:4.2048.4.words|-|-`); "q4_gemv:F=V[+F=V]"
     sets CudaGemvConfig fields on every CUDA GEMV config the engine launches (after the
-    defaults' rules: `q4_gemv:early_steps=2+min_blocks=0` lifts SHORT_K's cap too);
-    "fp8_gemv:F=V[+F=V]" sets QGemvConfig fields on every row of the FP8 one-row table
-    (`fp8_gemv:l2_ahead=2`). The others: the shipped code.
+    defaults' rules: `q4_gemv:min_blocks=0` lifts SHORT_K's cap, `q4_gemv:min_blocks=2+span=1`
+    sets two fields); "fp8_gemv:F=V[+F=V]" sets QGemvConfig fields on every row of the FP8
+    one-row table (`fp8_gemv:num_stages=2`). The others: the shipped code.
     (The tables are read at capture and at eager calls; install_fp8 at load.)"""
     from sgl.backend.kernels.triton_compat import INPUTS_FIRST, PDL_SWITCH, SMALL_EARLY_SWITCH
     from sgl.backend.quant import install
@@ -811,9 +807,6 @@ def engine_variant(name: str) -> Iterator[None]:
 
     merge = triton_attention_decode.MERGE_IN_STAGE1[0]
     triton_attention_decode.MERGE_IN_STAGE1[0] = merge and not name.endswith("_s22")
-    attn_start = triton_attention_decode.MERGE_LETS_NEXT_AT_START[0]
-    triton_attention_decode.MERGE_LETS_NEXT_AT_START[0] = (attn_start
-                                                          or name.endswith("_attnstart"))
     det_tile = dict(triton_matmul.TILE)
     if name == "det" and os.environ.get("DET_TILE"):  # a candidate of bench/det_linear.py
         tile = triton_matmul.MatmulTile(*map(int, os.environ["DET_TILE"].split("x")))
@@ -824,7 +817,6 @@ def engine_variant(name: str) -> Iterator[None]:
     finally:
         triton_matmul.TILE.update(det_tile)
         triton_attention_decode.MERGE_IN_STAGE1[0] = merge
-        triton_attention_decode.MERGE_LETS_NEXT_AT_START[0] = attn_start
         INPUTS_FIRST[0] = inputs_first
         triton_fp8.LET_NEXT[0] = fp8_let_next
         linear.SCRATCH_ELEMENTS = scratch

@@ -62,29 +62,6 @@ def test_the_cuda_gemv_compiles_for_hopper_on_the_tensor_cores(
     assert regs and int(regs.group(1)) <= 255, report
 
 
-@needs_tools
-@pytest.mark.parametrize("early,ahead", [(1, 0), (2, 0), (1, 1), (1, 2), (2, 2)])
-@pytest.mark.parametrize("chunks", [128, 448])  # the 8B's K = 4,096 (two steps a warp), 14,336
-def test_early_steps_are_loaded_and_prefetched_steps_asked_of_l2_before_the_wait(
-        early: int, ahead: int, chunks: int, tmp_path: Path) -> None:
-    """CudaGemvConfig.early_steps: that many steps of codes are loaded before
-    griddepcontrol.wait (tile 1 x 2 rows x span 2 loads a step); .l2_ahead: the warp's next
-    `l2_ahead` steps are asked of L2 before it (codes, scales and factored scales: 6 lines a
-    row and step), and in the K loop, with each step loaded, the one `l2_ahead` turns later.
-    K is a constant: prefetches of steps past a warp's last are gone from the code (K = 4,096:
-    8 warps of two steps each). Uncapped (min_blocks 0), no variant spills."""
-    cfg = CudaGemvConfig(1, 8, 2, 0, early_steps=early, l2_ahead=ahead)
-    ptx = to_ptx(_defines(cfg, 1, 8, chunks) + SOURCE)
-    before, after = ptx.split("griddepcontrol.wait")
-    assert len(re.findall(r"ld\.global\.nc\.v4", before)) == early * 2 * 2
-    steps = chunks // (4 * 2) // 8  # a warp's
-    assert len(re.findall(r"prefetch\.global\.L2", before)) == min(ahead, steps - early) * 12
-    in_loop = ahead and early + ahead < steps
-    assert bool(re.search(r"prefetch\.global\.L2", after)) == bool(in_loop)
-    report = assemble(ptx, tmp_path)[0]
-    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
-
-
 def lop3(a: int, b: int, c: int, imm: int) -> int:
     """PTX lop3.b32: bit i of the result is bit (a_i b_i c_i) of the 8-bit table `imm`."""
     return sum(((imm >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i

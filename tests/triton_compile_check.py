@@ -113,8 +113,7 @@ def decode_stage1(types: dict[str, str], consts: dict[str, Any]) -> str:
                       "stride_mlb", "stride_mlh", "stride_ob", "stride_oh"),
                 "qk_scale": "fp32", **i32("group", "head_dim", "head_dim_v", "num_splits")},
                dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, BLOCK_G=4, BLOCK_C=8,
-                    UPCAST=False, IEEE=False, **{"INPUTS_FIRST": True, "LINES": 2, "LET_AT_START": False,
-                                                      **consts}))
+                    UPCAST=False, IEEE=False, **{"INPUTS_FIRST": True, "LINES": 2, **consts}))
 
 
 # rotary + KV store for the 8B shape's heads, over a bf16 pool
@@ -195,7 +194,7 @@ def main() -> None:
     assert code.count("fma.rn.bf16x2") >= 2 and "wgmma.mma_async" in code, "no bf16 MMA path"
     check_last_slice_reduction(code)
     fp8 = dict(HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, EVEN_N=True, EVEN_K=False, DECODE=0,
-               ROWS_FIRST=False, PDL=False, LET_NEXT=0, L2_AHEAD=0)
+               ROWS_FIRST=False, PDL=False, LET_NEXT=0)
     check_last_slice_reduction(ptx(triton_fp8._fp8_gemv_kernel, FP8_ARGS,
                                    dict(fp8, SPLIT=8, LAST=True)))
     # The FP8 word kernel: the hardware e4m3x2 conversions survive to the PTX (two per word).
@@ -203,7 +202,7 @@ def main() -> None:
     # after may launch before the sums are stored (LET_NEXT 1: once the K loop is done; 2: as
     # a program starts).
     words = dict(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=1024, EVEN_N=False, EVEN_K=False,
-                 X_PAIRS=True, ASM=True, ROWS_FIRST=False, PDL=True, LET_NEXT=1, L2_AHEAD=0)
+                 X_PAIRS=True, ASM=True, ROWS_FIRST=False, PDL=True, LET_NEXT=1)
     code = ptx(triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
                dict(words, SPLIT=2, LAST=True))
     assert code.count("cvt.rn.f16x2.e4m3x2") >= 2, "e4m3 not converted by the hardware"
@@ -216,23 +215,10 @@ def main() -> None:
                        if "griddepcontrol.launch_dependents" in line)
         assert trigger < min(i for i, line in enumerate(lines) if "st.global" in line), \
             "the kernel after launches only once the sums are stored"
-    # QGemvConfig.l2_ahead: the next steps' weights are asked of L2 before the wait (the same
-    # prefetches for each of them), and later ones in the K loop; without it, nothing is.
-    for kernel, args, consts in ((triton_fp8._fp8_gemv_kernel, FP8_ARGS, dict(fp8, BLOCK_N=8,
-                                                                              BLOCK_K=1024)),
-                                 (triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
-                                  words)):
-        for ahead in (0, 2):
-            code = ptx(kernel, args, dict(consts, PDL=True, LET_NEXT=1, SPLIT=1, LAST=False,
-                                          L2_AHEAD=ahead))
-            before, after = code.split("griddepcontrol.wait")
-            asked = before.count("prefetch.global.L2")
-            assert bool(asked) == bool(ahead) and asked % max(ahead, 1) == 0, (kernel, asked)
-            assert ("prefetch.global.L2" in after) == bool(ahead), (kernel, ahead)
     # Unmasked tiles at aligned shapes: the weights load as 16-byte vectors (a constexpr lost
     # on the way to the load, e.g. through a local `a and b`, makes it one byte per load).
     even = dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, EVEN_N=True, EVEN_K=True,
-                ROWS_FIRST=False, SPLIT=1, LAST=False, PDL=False, LET_NEXT=0, L2_AHEAD=0)
+                ROWS_FIRST=False, SPLIT=1, LAST=False, PDL=False, LET_NEXT=0)
     for kernel, args, consts in ((triton_fp8._fp8_gemv_kernel, FP8_ARGS, dict(even, DECODE=0)),
                                  (triton_fp8._fp8_words_kernel, {**FP8_ARGS, "W": "*i32"},
                                   dict(even, X_PAIRS=True, ASM=True))):

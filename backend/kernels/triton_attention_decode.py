@@ -78,11 +78,11 @@ def _decode_stage1(
     BLOCK_DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
-    INPUTS_FIRST: tl.constexpr, LINES: tl.constexpr, LET_AT_START: tl.constexpr,
+    INPUTS_FIRST: tl.constexpr, LINES: tl.constexpr,
 ):
     # DIRECT (one split): each program holds whole rows and writes the output itself, with the
     # bits stage 2 would give (its merge of a single split multiplies by 1 and divides by 1).
-    if DIRECT or not MERGE or LET_AT_START:  # (else once every program has finished its loop)
+    if DIRECT or not MERGE:  # (MERGE: once every program has finished its loop, below)
         let_next_launch(PDL)  # the GEMV (direct) or stage 2 after may start (triton_compat)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -155,9 +155,9 @@ def _decode_stage1(
         tl.store(mid_lse + split, lse, mask=h_mask)
         if MERGE:
             # The GEMV after may start loading its weights once every program is here (from
-            # the start, the Q4 single stream read 3% slower in session 23, across engines:
-            # not A/B'd inside one; MERGE_LETS_NEXT_AT_START)
-            let_next_launch(PDL and not LET_AT_START)
+            # the start: Q4 3% slower in session 23 across engines; inside one in session 28,
+            # Q4 0.989x, FP8 1.005-1.010x: within noise, not kept)
+            let_next_launch(PDL)
             counter = Counters + b * tl.num_programs(1) + kv_head
             if arrives_last(counter, num_splits):  # every split's partial is stored
                 tl.store(counter, 0)  # (for the next launch)
@@ -239,10 +239,6 @@ def _decode_stage2(
 # [0] False: the splits are merged by stage 2's kernel, after stage 1 (as before session 23:
 # the before of bench/gpu_bench.py's A/B runs)
 MERGE_IN_STAGE1 = [True]
-# [0] True: a merging stage 1 lets the kernel after it launch as it starts, as the other forms
-# do, instead of once every program has finished its loop (session 23 read 3% slower for Q4
-# across engines; a variant for an A/B inside one: bench/gpu_bench.py's "*_attnstart")
-MERGE_LETS_NEXT_AT_START = [False]
 
 
 def decode_attention_triton(
@@ -304,8 +300,7 @@ def decode_attention_triton(
         BLOCK_C=max(1, min(block_s, 32 // block_g)),  # splits a merge load takes
         UPCAST=is_interpreted(_decode_stage1),
         IEEE=q.dtype == torch.float32,
-        DIRECT=direct, MERGE=merge, INPUTS_FIRST=INPUTS_FIRST[0], LINES=lines,
-        LET_AT_START=MERGE_LETS_NEXT_AT_START[0], **options,
+        DIRECT=direct, MERGE=merge, INPUTS_FIRST=INPUTS_FIRST[0], LINES=lines, **options,
         num_warps=4, num_stages=2,
     )
     if direct or merge:

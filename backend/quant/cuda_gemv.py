@@ -63,11 +63,11 @@ in shared memory per warp (1.5-1.7x slower than the register double buffer at ev
 
 It launches early (programmatic dependent launch: `EARLY_LAUNCH`, below), loading its first
 step's weights before waiting for the kernel that writes x, and lets the kernel after it
-launch as soon as it has asked for them (`CudaGemvConfig.let_next_at_start`). Two switches
-put more of a warp's weights in flight before and during its K loop: `early_steps` 2 loads
-both register steps before the wait, `l2_ahead` asks L2 for later steps ahead of their loads
-(`prefetch.global.L2`, no registers). Both off by default: written in session 26 without a
-GPU, compiled and checked here (tests/test_quant_cuda_gemv.py), not yet measured.
+launch as soon as it has asked for them (`CudaGemvConfig.let_next_at_start`). Two ways to
+put more of a warp's weights in flight before and during its K loop were measured inside one
+engine in session 28 and dropped (docs/benchmarks.md): both register steps loaded before the
+wait (the Q4 single stream at 0.954x the shipped rate), and L2 asked for later steps ahead of
+their loads with `prefetch.global.L2` (0.80x one step ahead, 0.75x two).
 
 Tried and dropped (session 24): SiLU x mul folded into the gate_up product (a lane's two rows
 of an MMA a gate row and its up row, the Triton kernel's five instructions after the sums:
@@ -128,14 +128,6 @@ class CudaGemvConfig(NamedTuple):
     # Session 25, inside one engine: the 8B Q4 single stream 428.2 -> 440.4 tok/s
     # (`bench/gpu_ab.py --engine q4 --variants q4_letstart,q4`, every turn).
     let_next_at_start: bool = True
-    # steps of weights a warp loads before its wait (1 or 2: its two register buffers). With 2,
-    # a warp of a product of K <= 4,096 at one row (two steps a warp) has asked for all its
-    # weights before the kernel ahead of it is done.
-    early_steps: int = 1
-    # steps asked of L2 ahead of their loads (`prefetch.global.L2`, no registers held): before
-    # the wait, the warp's next `l2_ahead` steps after its early ones; in the loop, with each
-    # step it loads, the one `l2_ahead` turns after it. 0: none.
-    l2_ahead: int = 0
 
 
 # Per code width, (largest rows of x, config), the last entry covering MAX_ROWS: set from
@@ -337,45 +329,6 @@ __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
         }
 }
 
-#if EARLY_STEPS < 1 || EARLY_STEPS > 2
-#error "EARLY_STEPS: a warp has two steps of registers"
-#endif
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
-// Asks L2 for (whole) step `step`'s codes of the lane's rows, and for the scales of the
-// step's first chunk (a lane's scales of a step share a line): the lines load_step will read,
-// fetched while the warp computes; a hint, no registers held.
-__device__ __forceinline__ void prefetch_step(const Lane& ln, int step) {
-    const StepAt at(ln, step);
-    #pragma unroll
-    for (int t = 0; t < TILES; t++)
-        #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = 16 * t + 8 * h;
-            #pragma unroll
-            for (int i = 0; i < SPAN; i++)
-                prefetch_l2(at.codes + row * G + i);
-            prefetch_l2(at.scale + row * GS);
-            prefetch_l2(at.zero + row * GS);
-#if SUPER
-            prefetch_l2(at.sup_s + row * (GS / SUPER));
-            prefetch_l2(at.sup_z + row * (GS / SUPER));
-#endif
-        }
-}
-
-// load_step of a whole step `s` into st, and the L2 asked for the step L2_AHEAD turns later
-__device__ __forceinline__ void load_ahead(Step& st, const Lane& ln, int s, int full) {
-    load_step<false>(st, ln, s);
-#if L2_AHEAD
-    if (s + L2_AHEAD * WARPS < full)
-        prefetch_step(ln, s + L2_AHEAD * WARPS);
-#endif
-}
-
 // chunk i's scale and zero - OFFSET * scale, of row h of tile t
 __device__ __forceinline__ float2 scales(const Step& st, int t, int h, int i) {
 #if SUPER
@@ -547,16 +500,8 @@ extern "C" __global__ void BOUNDS mma_gemv(
     ln.feeds = (gid >> 1) == c;
     const int full = G / (4 * SPAN);  // whole steps; one more (TAIL) holds the rest
     Step one, two;  // two steps in turn, each loaded while the other is computed
-    if (warp < full) {  // (weights only: they never change)
-        load_step<false>(one, ln, warp);
-#if EARLY_STEPS == 2
-        load_step<false>(two, ln, min(warp + WARPS, full - 1));
-#endif
-        #pragma unroll
-        for (int k = EARLY_STEPS; k < EARLY_STEPS + L2_AHEAD; k++)
-            if (warp + k * WARPS < full)
-                prefetch_step(ln, warp + k * WARPS);
-    }
+    if (warp < full)
+        load_step<false>(one, ln, warp);  // (weights only: they never change)
 #if LET_NEXT_AT_START
     let_next_launch();
 #endif
@@ -571,22 +516,15 @@ extern "C" __global__ void BOUNDS mma_gemv(
             for (int k = 0; k < ROWS; k++)
                 out[t][h][k] = 0.f;
     if (warp < full) {
-        // at the top of the loop `one` holds step b, and `two` step b + WARPS (EARLY_STEPS 2)
-        // or nothing yet (1: it loads first)
         for (int b = warp;;) {
-#if EARLY_STEPS == 1
-            load_ahead(two, ln, min(b + WARPS, full - 1), full);
-#endif
+            load_step<false>(two, ln, min(b + WARPS, full - 1));
             run_step<false>(one, ln, b, out);
             if ((b += WARPS) >= full)
                 break;
-            load_ahead(one, ln, min(b + WARPS, full - 1), full);
+            load_step<false>(one, ln, min(b + WARPS, full - 1));
             run_step<false>(two, ln, b, out);
             if ((b += WARPS) >= full)
                 break;
-#if EARLY_STEPS == 2
-            load_ahead(two, ln, min(b + WARPS, full - 1), full);
-#endif
         }
     }
     if (G % (4 * SPAN) && warp == full % WARPS) {
@@ -686,7 +624,6 @@ def _defines(cfg: CudaGemvConfig, rows: int, super_groups: int, chunks: int, bit
     return (f"#define TILES {cfg.tiles}\n#define WARPS {cfg.warps}\n#define SPAN {cfg.span}\n"
             f"#define MIN_BLOCKS {cfg.min_blocks}\n"
             f"#define LET_NEXT_AT_START {int(cfg.let_next_at_start)}\n"
-            f"#define EARLY_STEPS {cfg.early_steps}\n#define L2_AHEAD {cfg.l2_ahead}\n"
             f"#define ROWS {rows}\n#define SUPER {super_groups}\n#define G {chunks}\n"
             f"#define BITS {bits}\n#define CH {chunks_per_group}\n")
 

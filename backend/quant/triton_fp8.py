@@ -33,8 +33,7 @@ from __future__ import annotations
 import torch
 
 from sgl.backend.kernels.triton_compat import (cdiv, is_interpreted, let_next_launch, mma,
-                                               pdl_launch, prefetch_l2, tl, triton,
-                                               wait_for_inputs)
+                                               pdl_launch, tl, triton, wait_for_inputs)
 from sgl.backend.quant.triton_gemm import (GemmConfig, gemm_config, split_tile_launch,
                                            store_split_tile)
 from sgl.backend.quant.triton_gemv import QGemvConfig, _rows, gemv_config, row_grid
@@ -57,17 +56,6 @@ FP8_DECODES = {"cvt": 0, "bits": 1, "sext": 2, "words": 3}  # QGemvConfig.fp8_de
 # so at graph capture).
 LET_NEXT = ["loop"]
 _LET_NEXT_CODES = {"": 0, "loop": 1, "start": 2}  # the kernels' LET_NEXT
-
-
-@triton.jit
-def _ask_l2(W, rows64, k0, k_hi, K, row_bytes, BLOCK_K: tl.constexpr):
-    """Ask L2 for the weight bytes [k0, k0 + BLOCK_K) of rows `rows64` (kept inside the
-    weight), one prefetch per 128-byte line, if k0 < k_hi (the program's K): a step the GEMV
-    will load later (QGemvConfig.l2_ahead). W: the weight as bytes."""
-    if k0 < k_hi:
-        LINES: tl.constexpr = max(BLOCK_K // 128, 1)
-        cols = tl.minimum(k0 + tl.arange(0, LINES) * 128, K - 1)
-        prefetch_l2(W + rows64[:, None] * row_bytes + cols[None, :])
 
 
 @triton.jit
@@ -115,7 +103,7 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
     ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
-    LET_NEXT: tl.constexpr, L2_AHEAD: tl.constexpr,
+    LET_NEXT: tl.constexpr,
 ):
     row, pid_n, pid_s = gemv_program(ROWS_FIRST)
     k_lo, k_hi = k_slice(pid_s, K, SLICE_K, SPLIT)  # this program's weights of K
@@ -125,22 +113,15 @@ def _fp8_gemv_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_row = X + row.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_bytes = W.to(tl.pointer_type(tl.int8), bitcast=True)
-    rows_in = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_first = k_lo
     if PDL:  # launched early: the first weights load before waiting for x (triton_compat)
         w = _load_w(w_ptrs, k_lo, K, offs_k, mask_n, EVEN_N, EVEN_K)
-    for j in tl.static_range(1, L2_AHEAD + 1):  # (weights only: before the wait too)
-        _ask_l2(w_bytes, rows_in, k_lo + j * BLOCK_K, k_hi, K, stride_wn, BLOCK_K)
-    if PDL:
         let_next_launch(LET_NEXT == 2)
         wait_for_inputs(PDL)
         acc = _bytes_step(acc, w, x_row, k_lo, K, offs_k, EVEN_K, DECODE)
         k_first = k_lo + BLOCK_K
     for k0 in range(k_first, k_hi, BLOCK_K):
         w = _load_w(w_ptrs, k0, K, offs_k, mask_n, EVEN_N, EVEN_K)
-        if L2_AHEAD > 0:
-            _ask_l2(w_bytes, rows_in, k0 + L2_AHEAD * BLOCK_K, k_hi, K, stride_wn, BLOCK_K)
         acc = _bytes_step(acc, w, x_row, k0, K, offs_k, EVEN_K, DECODE)
     let_next_launch(LET_NEXT == 1)
     y = tl.sum(acc, axis=1)
@@ -226,7 +207,7 @@ def _fp8_words_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, ASM: tl.constexpr,
     ROWS_FIRST: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr,
-    LET_NEXT: tl.constexpr, L2_AHEAD: tl.constexpr,
+    LET_NEXT: tl.constexpr,
 ):
     """The FP8 GEMV on int32 words (`fp8_decode="words"`). W: the weight's bytes as int32
     words [N, K / 4] (stride_wn in words). A thread owns 16-byte vectors of a row (four
@@ -248,23 +229,15 @@ def _fp8_words_kernel(
     x_row = X + row.to(tl.int64) * stride_xm
     x32 = X.to(tl.pointer_type(tl.int32), bitcast=True) + row.to(tl.int64) * (stride_xm // 2)
     acc = tl.zeros([BLOCK_N, BLOCK_V, 4], dtype=tl.float32)
-    w_bytes = W.to(tl.pointer_type(tl.int8), bitcast=True)
-    rows_in = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_first = k_lo
     if PDL:  # launched early: the first weights load before waiting for x (triton_compat)
         w = _load_words(w_ptrs, inner, mask_n, k_lo, K, EVEN_N, EVEN_K)
-    for j in tl.static_range(1, L2_AHEAD + 1):  # (weights only: before the wait too)
-        _ask_l2(w_bytes, rows_in, k_lo + j * BLOCK_K, k_hi, K, stride_wn * 4, BLOCK_K)
-    if PDL:
         let_next_launch(LET_NEXT == 2)
         wait_for_inputs(PDL)
         acc = _words_step(acc, w, x_row, x32, inner, k_lo, K, EVEN_K, X_PAIRS, ASM)
         k_first = k_lo + BLOCK_K
     for k0 in range(k_first, k_hi, BLOCK_K):
         w = _load_words(w_ptrs, inner, mask_n, k0, K, EVEN_N, EVEN_K)
-        if L2_AHEAD > 0:
-            _ask_l2(w_bytes, rows_in, k0 + L2_AHEAD * BLOCK_K, k_hi, K, stride_wn * 4,
-                    BLOCK_K)
         acc = _words_step(acc, w, x_row, x32, inner, k0, K, EVEN_K, X_PAIRS, ASM)
     let_next_launch(LET_NEXT == 1)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(SCALE + offs_n, mask=mask_n, other=0.0)
@@ -297,7 +270,6 @@ def fp8_gemv(
         pdl = pdl_launch(x.device, _fp8_gemv_kernel)
         early = {"launch_pdl": True} if pdl else {}  # (triton_compat: PDL)
         let_next = _LET_NEXT_CODES[LET_NEXT[0]] if pdl else 0
-        l2_ahead = 0 if is_interpreted(_fp8_gemv_kernel) else cfg.l2_ahead  # (inline PTX)
         if mode == 3:
             words = weight.view(torch.int32)  # [N, K / 4]
             pairs = (x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0
@@ -309,7 +281,7 @@ def fp8_gemv(
                 HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, X_PAIRS=pairs,
                 ASM=not is_interpreted(_fp8_words_kernel), ROWS_FIRST=rows_first,
-                SPLIT=sk.split, LAST=sk.last, PDL=pdl, LET_NEXT=let_next, L2_AHEAD=l2_ahead,
+                SPLIT=sk.split, LAST=sk.last, PDL=pdl, LET_NEXT=let_next,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **early,
             )
             finish_split(sk, bias, y)
@@ -323,8 +295,7 @@ def fp8_gemv(
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, DECODE=mode,
             ROWS_FIRST=rows_first, SPLIT=sk.split, LAST=sk.last, PDL=pdl,
-            LET_NEXT=let_next, L2_AHEAD=l2_ahead, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **early,
+            LET_NEXT=let_next, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **early,
         )
         finish_split(sk, bias, y)
     return y.reshape(*x.shape[:-1], n)

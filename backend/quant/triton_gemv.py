@@ -62,10 +62,6 @@ class QGemvConfig(NamedTuple):
     # apply) | "lop3" (quant/triton_q4gemv.py: int32 words, one lop3 per code) | "mma"
     # (quant/triton_q4mma.py: bf16 weights on the tensor cores, all rows in one program)
     prefetch: bool = False  # lop3 only: load the next K step before this one's arithmetic
-    # FP8 only: K steps asked of L2 ahead of their loads (prefetch.global.L2, no registers
-    # held): before the wait, the program's next `l2_ahead` steps; in the loop, with each
-    # step loaded, the one `l2_ahead` steps later. 0: none. (Compiled kernels only.)
-    l2_ahead: int = 0
 
 
 # The one-row defaults by weight kind (quant/linear.py's names: "q4" 4-bit codes, "q8" 8-bit
