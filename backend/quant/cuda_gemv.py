@@ -278,34 +278,19 @@ struct Lane {                 // a lane's operands at its first row, chunk SPAN 
     bool feeds;               // whether its B column (gid) is its own chunk's: gid / 2 == c
 };
 
-// The lane's arrays at the start of step `step`: one pointer per array, which the loads of
-// the step offset by immediates.
-struct StepAt {
-    const uint4* codes;
-    const scale_t* scale;
-    const scale_t* zero;
-#if SUPER
-    const float* sup_s;
-    const float* sup_z;
-#endif
-    __device__ __forceinline__ StepAt(const Lane& ln, int step) {
-        const int g0 = step * 4 * SPAN;
-        codes = pinned(ln.codes + g0);
-        scale = pinned(ln.scale + g0 / CH);
-        zero = pinned(ln.zero + g0 / CH);
-#if SUPER
-        sup_s = pinned(ln.sup_s + g0 / CH / SUPER);  // (one super-block: #error above)
-        sup_z = pinned(ln.sup_z + g0 / CH / SUPER);
-#endif
-    }
-};
-
 // Step `st`'s operands. TAIL (the last step when G % (4 SPAN)): chunks past G are read as
 // chunk G - 1 (with zero x in run_step, they add nothing).
 template <bool TAIL>
 __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
-    const int q0 = step * 4 * SPAN + ln.first;  // the lane's first chunk
-    const StepAt at(ln, step);
+    // the lane's arrays at the step's start: one pointer each, the loads offset by immediates
+    const int g0 = step * 4 * SPAN, q0 = g0 + ln.first;  // q0: the lane's first chunk
+    const uint4* codes = pinned(ln.codes + g0);
+    const scale_t* scale = pinned(ln.scale + g0 / CH);
+    const scale_t* zero = pinned(ln.zero + g0 / CH);
+#if SUPER
+    const float* sup_s = pinned(ln.sup_s + g0 / CH / SUPER);  // (one super-block: #error above)
+    const float* sup_z = pinned(ln.sup_z + g0 / CH / SUPER);
+#endif
     #pragma unroll
     for (int t = 0; t < TILES; t++)
         #pragma unroll
@@ -314,17 +299,17 @@ __device__ __forceinline__ void load_step(Step& st, const Lane& ln, int step) {
 #if SUPER
             // the lane's chunks of a step, clamped or not, sit in the super-block of the first
             const int sso = TAIL ? min(q0, G - 1) / CH / SUPER - q0 / CH / SUPER : 0;
-            st.ss[t][h] = __ldg(at.sup_s + row * (GS / SUPER) + sso);
-            st.sz[t][h] = __ldg(at.sup_z + row * (GS / SUPER) + sso);
+            st.ss[t][h] = __ldg(sup_s + row * (GS / SUPER) + sso);
+            st.sz[t][h] = __ldg(sup_z + row * (GS / SUPER) + sso);
 #endif
             #pragma unroll
             for (int i = 0; i < SPAN; i++) {
                 // chunk q0 + i, or in TAIL clamped to the last one
                 const int off = TAIL ? min(q0 + i, G - 1) - q0 : i;
                 const int so = TAIL ? (q0 + off) / CH - q0 / CH : i / CH;
-                st.w[t][h][i] = __ldg(at.codes + row * G + off);
-                st.s[t][h][i] = __ldg(at.scale + row * GS + so);
-                st.z[t][h][i] = __ldg(at.zero + row * GS + so);
+                st.w[t][h][i] = __ldg(codes + row * G + off);
+                st.s[t][h][i] = __ldg(scale + row * GS + so);
+                st.z[t][h][i] = __ldg(zero + row * GS + so);
             }
         }
 }
