@@ -17,7 +17,7 @@ from test_quant_formats import random_blocks
 
 from sgl.backend import model_loader
 from sgl.backend.model_loader import load_model
-from sgl.backend.quant import FORMATS, cpu_kernel
+from sgl.backend.quant import FORMATS, cpu_build, cpu_kernel, cpu_ops
 from sgl.backend.quant.gguf_file import open_gguf
 from sgl.backend.runtime import resolve_device
 from sgl.config import EngineConfig
@@ -231,6 +231,29 @@ def test_without_the_cpu_kernels_auto_loads_float_weights(
     with pytest.raises(InvalidConfigError, match="cannot run here.*without a compiler"):
         resolve_device(EngineConfig(device="cpu", quantization="gguf",
                                     activation_quantization="int8"))
+
+
+@pytest.mark.parametrize(("flags", "builds", "f16c"), [
+    ({"sse2", "avx", "avx2", "fma", "f16c"}, True, True),
+    ({"sse2", "avx", "fma", "f16c"}, False, True),  # no AVX2: the AVX2 build cannot run
+    ({"sse2", "avx2", "fma"}, False, False),  # no F16C: nor can float16 pools
+    (None, True, False),  # no /proc/cpuinfo (not Linux): the build and its CPU check decide
+])
+def test_the_x86_library_is_expected_where_the_cpu_lists_its_features(
+        monkeypatch: pytest.MonkeyPatch, flags: set[str] | None, builds: bool,
+        f16c: bool) -> None:
+    monkeypatch.setattr(cpu_kernel, "_resolved", [])  # (not yet loaded)
+    monkeypatch.setattr(cpu_build, "supported_machine", lambda: True)
+    monkeypatch.setattr(cpu_build, "portable", lambda: False)
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: None if flags is None else frozenset(flags))
+    cpu_kernel.likely_available.cache_clear()
+    cpu_ops._has_f16c.cache_clear()
+    try:
+        assert cpu_kernel.likely_available() is builds
+        assert cpu_ops._has_f16c() is f16c
+    finally:
+        cpu_kernel.likely_available.cache_clear()
+        cpu_ops._has_f16c.cache_clear()
 
 
 def test_the_cpu_kernels_say_why_they_cannot_run(monkeypatch: pytest.MonkeyPatch,

@@ -12,6 +12,7 @@ the current sources into its cache folder instead of loading the stale library.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -51,6 +52,16 @@ def portable() -> bool:
     ARM, and on x86-64 where SGL_CPU_PORTABLE=1 (the tests' way to check that C's bits
     against the AVX2 build's on the same machine)."""
     return platform.machine() not in X86_MACHINES or os.environ.get("SGL_CPU_PORTABLE") == "1"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as /proc/cpuinfo lists them; None where there is no such file
+    (not Linux)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return None
 
 
 def flags() -> tuple[str, ...]:

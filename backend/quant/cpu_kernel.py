@@ -75,11 +75,10 @@ def likely_available() -> bool:
         return False
     if cpu_build.portable():
         return True  # (portable C: no CPU feature to check)
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
+    flags = cpu_build.cpu_flags()
+    if flags is None:
         return True  # (not Linux: the build and its CPU check decide)
-    return "avx2" in flags and "fma" in flags and "f16c" in flags  # (every AVX2 CPU has F16C)
+    return {"avx2", "fma", "f16c"} <= flags  # (every AVX2 CPU has F16C)
 
 
 def _packaged_library() -> Path | None:

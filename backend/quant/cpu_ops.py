@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -147,10 +146,8 @@ def _has_f16c() -> bool:
     AVX2 one where the CPU has F16C (every AVX2 CPU does; checked, not assumed)."""
     if cpu_build.portable():
         return True
-    try:
-        return "f16c" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    flags = cpu_build.cpu_flags()
+    return flags is not None and "f16c" in flags
 
 
 def kv_dtype_supported(dtype: torch.dtype) -> bool:
